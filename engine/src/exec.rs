@@ -1,0 +1,222 @@
+//! `nemo-dag exec`: build one stage and publish it. Every executor runs stages through this
+//! one code path (the local executor as a child process; Slurm as the job's command).
+//!
+//! 1. Take the key's lock (a concurrent run of the same stage waits here).
+//! 2. If the key is already published, stop: someone else built it (`cached`).
+//! 3. Run the op in `tmp/<key>/out`, its log in `tmp/<key>/log.txt` (and on stderr). A `tmp/<key>`
+//!    left by a killed attempt is wiped, unless the op can resume from it (checkpoints).
+//! 4. Digest the outputs, write `artifact.json`, fsync everything, rename into `artifacts/<key>`.
+//!
+//! A failure moves the attempt to `failed/<key>/` (for its log) and publishes nothing.
+
+use crate::diag::{Failure, Result, io_err};
+use crate::digest::Digester;
+use crate::store::{ARTIFACT_SCHEMA, Artifact, InputRecord, OutputRecord, Store};
+use nemo_dag_ops::{RunContext, StageDecl};
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use std::collections::BTreeMap;
+use std::io::Write;
+use std::path::PathBuf;
+use std::time::Instant;
+
+/// Everything `exec` needs, resolved by the caller: no manifest is read here.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+pub struct JobSpec {
+    pub store: PathBuf,
+    pub key: String,
+    pub stage: String,
+    pub op: String,
+    pub op_version: u32,
+    pub params: Value,
+    pub cmd: Option<String>,
+    pub outputs: BTreeMap<String, String>,
+    pub inputs: BTreeMap<String, InputRecord>,
+    /// Input name → the file or directory the op reads.
+    pub input_paths: BTreeMap<String, PathBuf>,
+    pub upstream_keys: Vec<String>,
+    pub manifest: String,
+    /// Build even if the key is already published (`run --force`).
+    pub force: bool,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct JobResult {
+    /// `executed`, `cached` or `failed`.
+    pub state: String,
+    /// The stage's key, when it was resolved.
+    #[serde(default)]
+    pub key: Option<String>,
+    #[serde(default)]
+    pub error: Option<String>,
+    #[serde(default)]
+    pub log: Option<String>,
+}
+
+/// Writes the stage log to its file and, live, to stderr.
+struct Tee {
+    file: std::fs::File,
+}
+
+impl Write for Tee {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.file.write_all(buf)?;
+        let _ = std::io::stderr().write_all(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        self.file.flush()
+    }
+}
+
+pub fn exec(spec: &JobSpec) -> Result<JobResult> {
+    let store = Store::new(spec.store.clone());
+    store.ensure()?;
+    let _lock = store.lock(&spec.key)?;
+    if !spec.force && store.is_published(&spec.key) {
+        return Ok(JobResult {
+            state: "cached".into(),
+            key: Some(spec.key.clone()),
+            error: None,
+            log: None,
+        });
+    }
+    let op = nemo_dag_ops::lookup(&spec.op)
+        .filter(|op| op.version() == spec.op_version)
+        .ok_or_else(|| {
+            Failure::Other(miette::miette!(
+                "this nemo-dag has no op `{}` version {}; the job was planned by another version",
+                spec.op,
+                spec.op_version
+            ))
+        })?;
+
+    let tmp = store.tmp_dir(&spec.key);
+    let resuming = tmp.exists() && op.resumable();
+    if !resuming {
+        let _ = std::fs::remove_dir_all(&tmp);
+    }
+    let out_dir = tmp.join("out");
+    std::fs::create_dir_all(&out_dir).map_err(|e| io_err("cannot create", &out_dir, e))?;
+    let log_path = tmp.join("log.txt");
+    let file = std::fs::File::options()
+        .create(true)
+        .append(true)
+        .open(&log_path)
+        .map_err(|e| io_err("cannot create", &log_path, e))?;
+    let mut log = Tee { file };
+    if resuming {
+        let _ = writeln!(
+            log,
+            "nemo-dag: resuming an interrupted attempt at this stage"
+        );
+    }
+
+    let started_at = crate::store::timestamp();
+    let clock = Instant::now();
+    let stage = StageDecl {
+        name: &spec.stage,
+        params: &spec.params,
+        inputs: spec.inputs.keys().map(String::as_str).collect(),
+        outputs: &spec.outputs,
+        cmd: spec.cmd.as_deref(),
+    };
+    let mut ctx = RunContext {
+        stage,
+        inputs: &spec.input_paths,
+        out_dir: &out_dir,
+        log: &mut log,
+    };
+    let outcome = op.run(&mut ctx);
+    let seconds = clock.elapsed().as_secs_f64();
+    let metrics = match outcome {
+        Ok(m) => m,
+        Err(e) => {
+            let _ = writeln!(log, "nemo-dag: stage `{}` failed: {e}", spec.stage);
+            drop(log);
+            let failed = store.failed_dir(&spec.key);
+            let _ = std::fs::remove_dir_all(&failed);
+            let kept = std::fs::rename(&tmp, &failed).is_ok();
+            let log = if kept {
+                failed.join("log.txt")
+            } else {
+                log_path
+            };
+            return Ok(JobResult {
+                state: "failed".into(),
+                key: Some(spec.key.clone()),
+                error: Some(e.to_string()),
+                log: Some(log.display().to_string()),
+            });
+        }
+    };
+    drop(log);
+
+    let mut digester = Digester::fresh();
+    let mut outputs = BTreeMap::new();
+    for (name, rel) in &spec.outputs {
+        let path = out_dir.join(rel);
+        let digest = digester
+            .digest(&path)
+            .map_err(|e| io_err("cannot digest output", &path, e))?;
+        let bytes = tree_bytes(&path);
+        outputs.insert(
+            name.clone(),
+            OutputRecord {
+                path: format!("out/{rel}"),
+                digest,
+                bytes,
+            },
+        );
+    }
+    let artifact = Artifact {
+        schema: ARTIFACT_SCHEMA,
+        key: spec.key.clone(),
+        stage: spec.stage.clone(),
+        op: spec.op.clone(),
+        op_version: spec.op_version,
+        params: spec.params.clone(),
+        cmd: spec.cmd.clone(),
+        inputs: spec.inputs.clone(),
+        outputs,
+        metrics,
+        upstream_keys: spec.upstream_keys.clone(),
+        manifest: spec.manifest.clone(),
+        started_at,
+        seconds,
+        host: crate::store::hostname(),
+        engine_version: env!("CARGO_PKG_VERSION").to_string(),
+    };
+    let json = serde_json::to_vec_pretty(&artifact).map_err(|e| miette::miette!("{e}"))?;
+    crate::store::sync_tree(&tmp).map_err(|e| io_err("cannot sync", &tmp, e))?;
+    crate::store::write_atomic(&tmp.join("artifact.json"), &json, true)
+        .map_err(|e| io_err("cannot write artifact.json in", &tmp, e))?;
+    store.publish(&tmp, &spec.key, spec.force)?;
+    Ok(JobResult {
+        state: "executed".into(),
+        key: Some(spec.key.clone()),
+        error: None,
+        log: Some(
+            store
+                .artifact_dir(&spec.key)
+                .join("log.txt")
+                .display()
+                .to_string(),
+        ),
+    })
+}
+
+/// Total size in bytes of a file, or of the files under a directory.
+fn tree_bytes(path: &std::path::Path) -> u64 {
+    match std::fs::symlink_metadata(path) {
+        Ok(m) if m.is_dir() => std::fs::read_dir(path)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .map(|e| tree_bytes(&e.path()))
+            .sum(),
+        Ok(m) => m.len(),
+        Err(_) => 0,
+    }
+}

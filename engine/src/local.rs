@@ -1,0 +1,533 @@
+//! The local executor: walks the DAG and runs every ready stage, `-j` at a time.
+//!
+//! A stage becomes ready when everything it consumes is published. Its key is then computed
+//! from the actual digests of those outputs; if that key is already in the store the stage is
+//! `cached` (or `cutoff`, when an upstream stage just re-ran and produced identical bytes) and
+//! nothing is started. Otherwise a child process `nemo-dag exec` builds and publishes it — the
+//! same code path a Slurm job runs. Each child gets its own process group, so Ctrl-C can stop
+//! whole command trees, and dies with us if we are killed (PR_SET_PDEATHSIG).
+
+use crate::diag::{Failure, InputError, Result};
+use crate::digest::Digester;
+use crate::exec::{JobResult, JobSpec};
+use crate::manifest::{Input, Manifest};
+use crate::plan::{self, Resolved};
+use crate::store::{Published, RunRecord, Store};
+use std::collections::{BTreeSet, HashMap, HashSet};
+use std::io::IsTerminal;
+use std::path::PathBuf;
+use std::process::Stdio;
+use std::time::Instant;
+use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
+use tokio::task::JoinSet;
+
+#[derive(Debug, Clone, Default)]
+pub struct RunOptions {
+    pub jobs: usize,
+    pub keep_going: bool,
+    pub targets: Vec<String>,
+    pub force: Vec<String>,
+    pub argv: Vec<String>,
+}
+
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct Outcome {
+    pub name: String,
+    pub key: Option<String>,
+    /// `executed`, `cached`, `cutoff`, `failed` or `skipped`.
+    pub state: &'static str,
+    pub seconds: f64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub error: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub log: Option<String>,
+    /// Output → digest of what the stage published (for the run record).
+    #[serde(skip)]
+    pub outputs: Option<std::collections::BTreeMap<String, String>>,
+}
+
+/// The stages `--target` selects: the targets and everything upstream of them.
+pub fn select(manifest: &Manifest, targets: &[String]) -> Result<BTreeSet<String>, InputError> {
+    check_names(manifest, targets, "--target")?;
+    if targets.is_empty() {
+        return Ok(manifest.stages.keys().cloned().collect());
+    }
+    let mut selected = BTreeSet::new();
+    let mut todo: Vec<&str> = targets.iter().map(String::as_str).collect();
+    while let Some(name) = todo.pop() {
+        if selected.insert(name.to_string()) {
+            todo.extend(manifest.stages[name].deps.iter().map(String::as_str));
+        }
+    }
+    Ok(selected)
+}
+
+pub fn check_names(manifest: &Manifest, names: &[String], flag: &str) -> Result<(), InputError> {
+    for name in names {
+        if !manifest.stages.contains_key(name) {
+            let all: Vec<&str> = manifest.order.iter().map(String::as_str).collect();
+            return Err(InputError::new(format!(
+                "{flag} {name}: the manifest has no stage `{name}`"
+            ))
+            .help(format!("stages: {}", all.join(", "))));
+        }
+    }
+    Ok(())
+}
+
+/// Prints progress for people on stderr: a live bar on a terminal, plain lines otherwise.
+struct Reporter {
+    bar: Option<indicatif::ProgressBar>,
+    width: usize,
+}
+
+impl Reporter {
+    fn new(total: usize, width: usize) -> Reporter {
+        let bar = (std::io::stderr().is_terminal() && total > 1).then(|| {
+            let bar = indicatif::ProgressBar::new(total as u64);
+            bar.set_style(
+                indicatif::ProgressStyle::with_template(
+                    "{spinner} [{pos}/{len}] {elapsed} {wide_msg}",
+                )
+                .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+            );
+            bar.enable_steady_tick(std::time::Duration::from_millis(200));
+            bar
+        });
+        Reporter { bar, width }
+    }
+
+    fn line(&self, text: String) {
+        match &self.bar {
+            Some(bar) => bar.println(text),
+            None => eprintln!("{text}"),
+        }
+    }
+
+    fn stage_line(&self, name: &str, text: &str) {
+        self.line(format!("{name:>w$} │ {text}", w = self.width));
+    }
+
+    fn done(&self, running: &[&str]) {
+        if let Some(bar) = &self.bar {
+            bar.inc(1);
+            bar.set_message(format!("running: {}", running.join(", ")));
+        }
+    }
+
+    fn finish(&self) {
+        if let Some(bar) = &self.bar {
+            bar.finish_and_clear();
+        }
+    }
+}
+
+type JobOutput = (String, std::io::Result<JobResult>, f64);
+
+pub fn run(manifest: &Manifest, store: &Store, opts: &RunOptions) -> Result<Vec<Outcome>> {
+    let selected = select(manifest, &opts.targets)?;
+    check_names(manifest, &opts.force, "--force")?;
+    store.ensure()?;
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| miette::miette!("cannot start the scheduler: {e}"))?;
+    runtime.block_on(schedule(manifest, store, opts, selected))
+}
+
+async fn schedule(
+    manifest: &Manifest,
+    store: &Store,
+    opts: &RunOptions,
+    selected: BTreeSet<String>,
+) -> Result<Vec<Outcome>> {
+    let jobs = opts.jobs.max(1);
+    let exe =
+        std::env::current_exe().map_err(|e| miette::miette!("cannot find nemo-dag itself: {e}"))?;
+    let mut digester = Digester::load(&store.memo_file());
+    let order: Vec<&String> = manifest
+        .order
+        .iter()
+        .filter(|n| selected.contains(*n))
+        .collect();
+    let position: HashMap<&str, usize> = order
+        .iter()
+        .enumerate()
+        .map(|(i, n)| (n.as_str(), i))
+        .collect();
+    let width = order.iter().map(|n| n.len()).max().unwrap_or(4).min(24);
+    let reporter = Reporter::new(order.len(), width);
+
+    let mut waiting: HashMap<&str, usize> = order
+        .iter()
+        .map(|n| (n.as_str(), manifest.stages[*n].deps.len()))
+        .collect();
+    let mut dependents: HashMap<&str, Vec<&str>> = HashMap::new();
+    for name in &order {
+        for dep in &manifest.stages[*name].deps {
+            dependents
+                .entry(dep.as_str())
+                .or_default()
+                .push(name.as_str());
+        }
+    }
+    let mut ready: BTreeSet<(usize, &str)> = order
+        .iter()
+        .filter(|n| waiting[n.as_str()] == 0)
+        .map(|n| (position[n.as_str()], n.as_str()))
+        .collect();
+
+    let record = plan::last_run_record(manifest, store);
+    let mut published: HashMap<String, Published> = HashMap::new();
+    let mut executed: HashSet<String> = HashSet::new();
+    let mut outcomes: HashMap<String, Outcome> = HashMap::new();
+    let mut running: HashMap<String, (u32, usize, String)> = HashMap::new(); // name → (pid, cpus, key)
+    let mut cpus_in_use = 0usize;
+    let mut failed = false;
+    let mut tasks: JoinSet<JobOutput> = JoinSet::new();
+    let mut interrupted = false;
+    let ctrl_c = tokio::signal::ctrl_c();
+    tokio::pin!(ctrl_c);
+
+    loop {
+        // Start (or settle from the cache) every ready stage that fits.
+        while let Some(&(pos, name)) = ready.first() {
+            if failed && !opts.keep_going {
+                break;
+            }
+            let stage = &manifest.stages[name];
+            let resolved =
+                plan::resolve(manifest, stage, &published, &mut digester)?.ok_or_else(|| {
+                    miette::miette!("internal: stage {name} became ready before its inputs")
+                })?;
+            let forced = opts.force.iter().any(|f| f == name);
+            if !forced && let Some(found) = store.lookup(&record, name, &resolved.key) {
+                ready.remove(&(pos, name));
+                let cutoff = stage.deps.iter().any(|d| executed.contains(d));
+                let state = if cutoff { "cutoff" } else { "cached" };
+                reporter.stage_line(name, &format!("{state} {}", short(&resolved.key)));
+                let mut o = outcome(name, Some(&resolved.key), state, 0.0);
+                o.outputs = Some(found.outputs.clone());
+                outcomes.insert(name.to_string(), o);
+                published.insert(name.to_string(), found);
+                release(name, &dependents, &mut waiting, &mut ready, &position);
+                reporter.done(&running.keys().map(String::as_str).collect::<Vec<_>>());
+                continue;
+            }
+            let cpus = (stage.resources.cpus.unwrap_or(1) as usize).clamp(1, jobs);
+            if cpus_in_use + cpus > jobs {
+                break;
+            }
+            ready.remove(&(pos, name));
+            let spec = job_spec(manifest, store, name, &resolved, forced);
+            reporter.stage_line(name, &format!("started {}", short(&resolved.key)));
+            let pid = start_job(&exe, &spec, &mut tasks, name, width)?;
+            cpus_in_use += cpus;
+            running.insert(name.to_string(), (pid, cpus, resolved.key.clone()));
+        }
+        if tasks.is_empty() {
+            break;
+        }
+        tokio::select! {
+            joined = tasks.join_next() => {
+                let Some(joined) = joined else { continue };
+                let (name, result, seconds) = joined.map_err(|e| miette::miette!("internal: {e}"))?;
+                let Some((_, cpus, key)) = running.remove(&name) else { continue };
+                cpus_in_use -= cpus;
+                // The map's own key: a &str that lives as long as the manifest (no O(N) search).
+                let name_ref: &str = position.get_key_value(name.as_str()).map(|(k, _)| *k).unwrap_or("");
+                let result = result.unwrap_or_else(|e| JobResult {
+                    state: "failed".into(),
+                    key: None,
+                    error: Some(format!("nemo-dag exec did not report: {e}")),
+                    log: None,
+                });
+                match (result.state.as_str(), store.load(&key).map(|a| Published::from(&a))) {
+                    ("executed" | "cached", Some(found)) => {
+                        let state = if result.state == "executed" {
+                            executed.insert(name.clone());
+                            "executed"
+                        } else {
+                            "cached"
+                        };
+                        reporter.stage_line(&name, &format!("{state} {} in {seconds:.2}s", short(&key)));
+                        let mut o = outcome(&name, Some(&key), state, seconds);
+                        o.outputs = Some(found.outputs.clone());
+                        outcomes.insert(name.clone(), o);
+                        published.insert(name.clone(), found);
+                        release(name_ref, &dependents, &mut waiting, &mut ready, &position);
+                    }
+                    _ if interrupted => {
+                        reporter.stage_line(&name, "stopped (interrupted)");
+                        let mut o = outcome(&name, Some(&key), "failed", seconds);
+                        o.error = Some("interrupted".into());
+                        outcomes.insert(name.clone(), o);
+                    }
+                    _ => {
+                        failed = true;
+                        let error = result.error.clone().unwrap_or_else(|| "the stage did not publish an artifact".into());
+                        let log_hint = result.log.as_deref().map(|l| format!(" (log: {l})")).unwrap_or_default();
+                        reporter.stage_line(&name, &format!("FAILED: {error}{log_hint}"));
+                        let mut o = outcome(&name, Some(&key), "failed", seconds);
+                        o.error = Some(error);
+                        o.log = result.log.clone();
+                        outcomes.insert(name.clone(), o);
+                    }
+                }
+                reporter.done(&running.keys().map(String::as_str).collect::<Vec<_>>());
+            }
+            _ = &mut ctrl_c, if !interrupted => {
+                interrupted = true;
+                reporter.line("interrupted: stopping running stages; nothing partial is published".into());
+                for (pid, _, _) in running.values() {
+                    // SAFETY: signalling a process group we created. What they leave in tmp/ is
+                    // never published; the next attempt wipes or resumes it, and gc removes it.
+                    unsafe { libc::kill(-(*pid as i32), libc::SIGKILL) };
+                }
+                ready.clear();
+                failed = true;
+            }
+        }
+    }
+    reporter.finish();
+    let _ = digester.save(&store.memo_file());
+
+    let outcomes: Vec<Outcome> = order
+        .iter()
+        .map(|n| {
+            outcomes
+                .remove(n.as_str())
+                .unwrap_or_else(|| outcome(n, None, "skipped", 0.0))
+        })
+        .collect();
+    record_run(manifest, store, &opts.argv, &outcomes);
+    if interrupted {
+        return Err(Failure::Interrupted);
+    }
+    Ok(outcomes)
+}
+
+fn outcome(name: &str, key: Option<&str>, state: &'static str, seconds: f64) -> Outcome {
+    Outcome {
+        name: name.to_string(),
+        key: key.map(str::to_string),
+        state,
+        seconds,
+        error: None,
+        log: None,
+        outputs: None,
+    }
+}
+
+fn release<'a>(
+    name: &str,
+    dependents: &HashMap<&'a str, Vec<&'a str>>,
+    waiting: &mut HashMap<&'a str, usize>,
+    ready: &mut BTreeSet<(usize, &'a str)>,
+    position: &HashMap<&'a str, usize>,
+) {
+    for d in dependents.get(name).into_iter().flatten() {
+        if let Some(count) = waiting.get_mut(d) {
+            *count -= 1;
+            if *count == 0 {
+                ready.insert((position[d], d));
+            }
+        }
+    }
+}
+
+pub fn short(key: &str) -> &str {
+    &key[..key.len().min(12)]
+}
+
+/// The job spec of one stage, resolved against what is already published: every stage it
+/// depends on must be in the store. This is how a cluster job finds its key when it starts.
+pub fn spec_for_stage(manifest: &Manifest, store: &Store, name: &str) -> Result<JobSpec> {
+    let wanted = select(manifest, &[name.to_string()])?;
+    let mut digester = Digester::load(&store.memo_file());
+    let mut published: HashMap<String, Published> = HashMap::new();
+    for stage_name in manifest.order.iter().filter(|n| wanted.contains(*n)) {
+        let stage = &manifest.stages[stage_name];
+        let resolved = plan::resolve(manifest, stage, &published, &mut digester)?
+            .ok_or_else(|| miette::miette!("internal: {stage_name} resolved before its inputs"))?;
+        if stage_name == name {
+            return Ok(job_spec(manifest, store, name, &resolved, false));
+        }
+        let artifact = store.load(&resolved.key).map(|a| Published::from(&a)).ok_or_else(|| {
+            Failure::Stage(format!(
+                "stage `{name}` needs `{stage_name}`, which is not in the store (key {}); run it first",
+                short(&resolved.key)
+            ))
+        })?;
+        published.insert(stage_name.clone(), artifact);
+    }
+    Err(miette::miette!("internal: stage {name} not found").into())
+}
+
+/// Everything `exec` needs to build one stage.
+pub fn job_spec(
+    manifest: &Manifest,
+    store: &Store,
+    name: &str,
+    resolved: &Resolved,
+    force: bool,
+) -> JobSpec {
+    let stage = &manifest.stages[name];
+    let input_paths = stage
+        .inputs
+        .iter()
+        .map(|(input, source)| {
+            let path = match source {
+                Input::File { path, .. } => path.clone(),
+                Input::Stage { stage: up, output } => {
+                    let key = match resolved.inputs.get(input) {
+                        Some(crate::store::InputRecord::Upstream { key, .. }) => key.clone(),
+                        _ => String::new(),
+                    };
+                    let rel = manifest.stages[up]
+                        .outputs
+                        .get(output)
+                        .cloned()
+                        .unwrap_or_default();
+                    store.artifact_dir(&key).join("out").join(rel)
+                }
+            };
+            (input.clone(), path)
+        })
+        .collect();
+    JobSpec {
+        store: std::path::absolute(&store.root).unwrap_or_else(|_| store.root.clone()),
+        key: resolved.key.clone(),
+        stage: name.to_string(),
+        op: stage.op.name().to_string(),
+        op_version: stage.op.version(),
+        params: stage.params.clone(),
+        cmd: stage.cmd.clone(),
+        outputs: stage.outputs.clone(),
+        inputs: resolved.inputs.clone(),
+        input_paths,
+        upstream_keys: resolved.upstream_keys.clone(),
+        manifest: manifest.path.display().to_string(),
+        force,
+    }
+}
+
+/// Start `nemo-dag exec` for one stage; its stderr is shown live, prefixed with the stage name.
+fn start_job(
+    exe: &PathBuf,
+    spec: &JobSpec,
+    tasks: &mut JoinSet<JobOutput>,
+    name: &str,
+    width: usize,
+) -> Result<u32> {
+    let mut command = tokio::process::Command::new(exe);
+    command
+        .arg("exec")
+        .arg("--spec")
+        .arg("-")
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .process_group(0);
+    // SAFETY: die_with_parent only calls prctl, which is async-signal-safe.
+    unsafe {
+        command.pre_exec(nemo_dag_ops::cmd::die_with_parent);
+    }
+    let mut child = command
+        .spawn()
+        .map_err(|e| miette::miette!("cannot start `{} exec`: {e}", exe.display()))?;
+    let pid = child.id().unwrap_or(0);
+    let spec_json = serde_json::to_vec(spec).map_err(|e| miette::miette!("{e}"))?;
+    let mut stdin = child.stdin.take();
+    let mut stdout = child.stdout.take();
+    let stderr = child.stderr.take();
+    let name = name.to_string();
+    let clock = Instant::now();
+    tasks.spawn(async move {
+        let result = async {
+            if let Some(mut stdin) = stdin.take() {
+                stdin.write_all(&spec_json).await?;
+                stdin.shutdown().await?;
+            }
+            let echo = async {
+                if let Some(stderr) = stderr {
+                    let mut lines = BufReader::new(stderr).lines();
+                    while let Ok(Some(line)) = lines.next_line().await {
+                        eprintln!("{name:>width$} │ {line}");
+                    }
+                }
+            };
+            let read_result = async {
+                let mut out = Vec::new();
+                if let Some(stdout) = stdout.as_mut() {
+                    stdout.read_to_end(&mut out).await?;
+                }
+                Ok::<_, std::io::Error>(out)
+            };
+            let ((), out) = tokio::join!(echo, read_result);
+            let out = out?;
+            let status = child.wait().await?;
+            let text = String::from_utf8_lossy(&out);
+            let last = text
+                .lines()
+                .rev()
+                .find(|l| l.starts_with('{'))
+                .unwrap_or("");
+            match serde_json::from_str::<JobResult>(last) {
+                Ok(r) => Ok(r),
+                Err(_) => Ok(JobResult {
+                    state: "failed".into(),
+                    key: None,
+                    error: Some(format!("nemo-dag exec ended with {status} and no report")),
+                    log: None,
+                }),
+            }
+        }
+        .await;
+        (name, result, clock.elapsed().as_secs_f64())
+    });
+    Ok(pid)
+}
+
+/// Remember which key each stage has now, for `status` reasons, `show` and `gc`. Several
+/// processes may record into one run (the jobs of a cluster submission), so the record is
+/// updated under a lock: read, merge, replace.
+pub fn record_run(manifest: &Manifest, store: &Store, argv: &[String], outcomes: &[Outcome]) {
+    let path = store.run_record_path(&plan::run_id(manifest));
+    let lock = std::fs::File::options()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(path.with_extension("lock"));
+    let _guard = lock.as_ref().ok().filter(|f| f.lock().is_ok());
+    let mut record = std::fs::read(&path)
+        .ok()
+        .and_then(|b| serde_json::from_slice::<RunRecord>(&b).ok())
+        .unwrap_or_default();
+    for o in outcomes {
+        if let (Some(key), "executed" | "cached" | "cutoff") = (&o.key, o.state) {
+            record.stages.insert(o.name.clone(), key.clone());
+            let outputs = o
+                .outputs
+                .clone()
+                .or_else(|| store.load(key).map(|a| Published::from(&a).outputs));
+            match outputs {
+                Some(outputs) => record.outputs.insert(o.name.clone(), outputs),
+                None => record.outputs.remove(&o.name),
+            };
+        }
+    }
+    record
+        .stages
+        .retain(|name, _| manifest.stages.contains_key(name));
+    let stages = record.stages.clone();
+    record.outputs.retain(|name, _| stages.contains_key(name));
+    record.manifest = manifest.path.display().to_string();
+    record.variant = manifest.variant.as_ref().map(|v| v.display().to_string());
+    record.overrides = manifest.overrides.clone();
+    record.argv = argv.to_vec();
+    record.finished_at = crate::store::timestamp();
+    if let Ok(bytes) = serde_json::to_vec_pretty(&record) {
+        let _ = crate::store::write_atomic(&path, &bytes, false);
+    }
+}

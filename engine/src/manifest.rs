@@ -1,0 +1,841 @@
+//! Loading a manifest: file → vars → Jinja → parse → variant merge → overrides → typed,
+//! validated stages in dependency order.
+//!
+//! The steps, in order (each error points at the text that caused it, exit code 2):
+//! 1. Read the `vars:` block of the manifest (and of the `-c` variant). It is plain data,
+//!    read before templating, so it cannot itself use Jinja.
+//! 2. Apply `vars.*=…` overrides to those vars.
+//! 3. Render the manifest (and the variant) with minijinja, `vars` as the context; an undefined
+//!    variable is an error, never an empty string.
+//! 4. Parse YAML or TOML into one tree ([`crate::doc`]) and deep-merge the variant over it.
+//! 5. Apply every other `KEY.PATH=VALUE` override; the key must already exist.
+//! 6. Deserialize into typed stages (unknown fields are errors), resolve inputs (a file
+//!    relative to the manifest, or `STAGE:OUTPUT`), let each op check its declaration,
+//!    and order the stages, naming the whole cycle if there is one.
+
+use crate::diag::{InputError, Source};
+use crate::doc::{self, Format, KeyPath, Spans};
+use nemo_dag_ops::{Op, StageDecl};
+use petgraph::graph::{DiGraph, NodeIndex};
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use std::collections::{BTreeMap, HashMap};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+/// What the command line says about which manifest to load and how.
+#[derive(Debug, Clone, Default)]
+pub struct LoadArgs {
+    pub path: PathBuf,
+    pub variant: Option<String>,
+    pub overrides: Vec<String>,
+    /// Where compiled trees are remembered (`<store>/cache/manifests`), if anywhere.
+    pub cache_dir: Option<PathBuf>,
+    /// Remember this manifest's compiled tree there (commands that write: `run`).
+    pub write_cache: bool,
+}
+
+/// A manifest's tree after templating, merging and overrides, remembered by `run` so that
+/// later commands skip Jinja and YAML when none of what the tree depends on changed: the
+/// manifest's text, the variant's, the overrides, and the engine version. Validation still runs
+/// every time; any error falls back to a full load, for the diagnostic with its source.
+#[derive(Serialize, Deserialize)]
+struct CompiledTree {
+    key: String,
+    tree: Value,
+}
+
+#[derive(Debug)]
+pub struct Manifest {
+    /// Absolute path of the manifest file.
+    pub path: PathBuf,
+    /// The directory input paths are relative to.
+    pub dir: PathBuf,
+    /// The variant file merged over the base, if any.
+    pub variant: Option<PathBuf>,
+    pub overrides: Vec<String>,
+    pub vars: Value,
+    pub stages: BTreeMap<String, Stage>,
+    /// Stage names, every stage after the stages it consumes.
+    pub order: Vec<String>,
+    locator: Locator,
+}
+
+pub struct Stage {
+    pub name: String,
+    pub op: &'static dyn Op,
+    pub params: Value,
+    pub inputs: BTreeMap<String, Input>,
+    pub outputs: BTreeMap<String, String>,
+    pub cmd: Option<String>,
+    pub resources: Resources,
+    /// Upstream stage names, sorted, without repeats.
+    pub deps: Vec<String>,
+}
+
+impl std::fmt::Debug for Stage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Stage")
+            .field("name", &self.name)
+            .field("op", &self.op.name())
+            .field("params", &self.params)
+            .field("inputs", &self.inputs)
+            .field("outputs", &self.outputs)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Stage {
+    pub fn decl(&self) -> StageDecl<'_> {
+        StageDecl {
+            name: &self.name,
+            params: &self.params,
+            inputs: self.inputs.keys().map(String::as_str).collect(),
+            outputs: &self.outputs,
+            cmd: self.cmd.as_deref(),
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq)]
+pub enum Input {
+    /// A file or directory, as written in the manifest and resolved against its directory.
+    File { written: String, path: PathBuf },
+    /// An output of another stage.
+    Stage { stage: String, output: String },
+}
+
+/// What a stage asks of the machine. Used by executors; never part of a key.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Resources {
+    pub cpus: Option<u32>,
+    pub gpus: Option<u32>,
+    pub mem: Option<Value>,
+    pub time: Option<Value>,
+    pub nodes: Option<u32>,
+    pub device: Option<String>,
+    /// Let the cluster requeue the job after a node failure or preemption.
+    pub requeue: Option<bool>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawManifest {
+    #[serde(default)]
+    #[allow(dead_code)]
+    vars: Value,
+    #[serde(default)]
+    #[allow(dead_code)]
+    description: Option<String>,
+    stages: BTreeMap<String, RawStage>,
+}
+
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawStage {
+    op: String,
+    #[serde(default = "empty_object")]
+    params: Value,
+    #[serde(default)]
+    inputs: BTreeMap<String, String>,
+    #[serde(default)]
+    outputs: BTreeMap<String, String>,
+    cmd: Option<String>,
+    #[serde(default)]
+    resources: Resources,
+    #[serde(default)]
+    #[allow(dead_code)]
+    description: Option<String>,
+}
+
+fn empty_object() -> Value {
+    Value::Object(Default::default())
+}
+
+/// The texts a loaded manifest came from, to point errors at them. Spans are computed
+/// only when an error needs them (a second parse), keeping the common path fast.
+#[derive(Debug)]
+struct Document {
+    source: Source,
+    format: Format,
+    spans: std::sync::OnceLock<Spans>,
+}
+
+impl Document {
+    fn spans(&self) -> &Spans {
+        self.spans.get_or_init(|| {
+            doc::parse(self.format, &self.source.text, true)
+                .map(|(_, spans)| spans)
+                .unwrap_or_default()
+        })
+    }
+}
+
+#[derive(Debug, Default)]
+struct Locator {
+    docs: Vec<Document>, // base first, then the variant
+}
+
+impl Locator {
+    /// An error pointing at `path`: in the variant if it sets that node, else the base.
+    fn error(&self, path: &[String], want_key: bool, message: impl Into<String>) -> InputError {
+        let err = InputError::new(message);
+        let exact = self
+            .docs
+            .iter()
+            .rev()
+            .find_map(|d| d.spans().get(path).map(|s| (d, s)));
+        if let Some((doc, span)) = exact {
+            let range = if want_key && !span.key.is_empty() {
+                span.key.clone()
+            } else {
+                span.value.clone()
+            };
+            return err.at(&doc.source, range, "here");
+        }
+        match self
+            .docs
+            .iter()
+            .rev()
+            .find_map(|d| d.spans().nearest(path, want_key).map(|r| (d, r)))
+        {
+            Some((doc, range)) => err.at(&doc.source, range, "here"),
+            None => err,
+        }
+    }
+}
+
+impl Manifest {
+    /// An error pointing at a node of this manifest.
+    pub fn error_at(&self, path: &[&str], message: impl Into<String>) -> InputError {
+        let path: KeyPath = path.iter().map(|s| s.to_string()).collect();
+        self.locator.error(&path, false, message)
+    }
+
+    pub fn load(args: &LoadArgs) -> Result<Manifest, InputError> {
+        let path = std::path::absolute(&args.path)
+            .map_err(|e| InputError::new(format!("cannot resolve {}: {e}", args.path.display())))?;
+        let base = read_source(&path)?;
+        let dir = path.parent().map(Path::to_path_buf).unwrap_or_default();
+        let variant_path = args
+            .variant
+            .as_deref()
+            .map(|v| find_variant(&path, v))
+            .transpose()?;
+        let variant = variant_path.as_deref().map(read_source).transpose()?;
+
+        let tree_key = {
+            let mut h = blake3::Hasher::new();
+            h.update(b"nemo-dag compiled tree v1\0");
+            h.update(env!("CARGO_PKG_VERSION").as_bytes());
+            for text in [Some(&base.text), variant.as_ref().map(|v| &v.text)] {
+                h.update(b"\0");
+                h.update(text.map(|t| t.as_bytes()).unwrap_or(b"-"));
+            }
+            for o in &args.overrides {
+                h.update(b"\0");
+                h.update(o.as_bytes());
+            }
+            h.finalize().to_hex().to_string()
+        };
+        let cache_file = args.cache_dir.as_ref().map(|d| {
+            let id = blake3::hash(format!("{}\n{:?}", path.display(), variant_path).as_bytes());
+            d.join(format!("{}.json", &id.to_hex()[..16]))
+        });
+        if let Some(file) = &cache_file
+            && let Some(cached) = std::fs::read(file)
+                .ok()
+                .and_then(|b| serde_json::from_slice::<CompiledTree>(&b).ok())
+                .filter(|c| c.key == tree_key)
+            && let Ok(m) = Manifest::from_tree(
+                path.clone(),
+                dir.clone(),
+                variant_path.clone(),
+                args,
+                &cached.tree,
+                Locator::default(),
+            )
+        {
+            return Ok(m);
+        }
+
+        // 1–2. vars: base, then the variant's, then `vars.*` overrides.
+        let (var_overrides, overrides): (Vec<&String>, Vec<&String>) =
+            args.overrides.iter().partition(|o| o.starts_with("vars."));
+        let mut vars = extract_vars(&base)?;
+        if let Some(v) = &variant {
+            merge(&mut vars, extract_vars(v)?);
+        }
+        let mut vars_doc = serde_json::json!({ "vars": vars });
+        for o in &var_overrides {
+            apply_override(&mut vars_doc, o)?;
+        }
+        let vars = vars_doc["vars"].take();
+
+        // 3–4. render, parse, merge.
+        let mut locator = Locator::default();
+        let mut tree = render_and_parse(&base, &vars, &mut locator)?;
+        if let Some(v) = &variant {
+            let over = render_and_parse(v, &vars, &mut locator)?;
+            merge(&mut tree, over);
+        }
+        if !tree.is_object() {
+            return Err(locator
+                .error(&[], false, "a manifest must be a mapping with a `stages:` section")
+                .help("start from: `stages:\n  hello: {op: cmd, outputs: {o: o.txt}, cmd: \"echo hi > {outputs.o}\"}`"));
+        }
+
+        // 5. overrides of any other key.
+        for o in &overrides {
+            apply_override(&mut tree, o)?;
+        }
+        if let Some(map) = tree.as_object_mut()
+            && (map.contains_key("vars") || !vars.is_null())
+        {
+            map.insert("vars".into(), vars.clone());
+        }
+        let manifest = Manifest::from_tree(path, dir, variant_path, args, &tree, locator)?;
+        if args.write_cache
+            && let Some(file) = &cache_file
+            && let Ok(bytes) = serde_json::to_vec(&CompiledTree {
+                key: tree_key,
+                tree,
+            })
+        {
+            let _ = crate::store::write_atomic(file, &bytes, false);
+        }
+        Ok(manifest)
+    }
+
+    /// 6. Typed stages from the final tree.
+    fn from_tree(
+        path: PathBuf,
+        dir: PathBuf,
+        variant: Option<PathBuf>,
+        args: &LoadArgs,
+        tree: &Value,
+        locator: Locator,
+    ) -> Result<Manifest, InputError> {
+        // The plain deserializer is fast; only on an error do we walk again to learn the path.
+        let raw: RawManifest = match RawManifest::deserialize(tree) {
+            Ok(raw) => raw,
+            Err(_) => serde_path_to_error::deserialize(tree).map_err(|e| {
+                let path: KeyPath = e
+                    .path()
+                    .iter()
+                    .filter_map(|seg| match seg {
+                        serde_path_to_error::Segment::Map { key } => Some(key.clone()),
+                        serde_path_to_error::Segment::Seq { index } => Some(index.to_string()),
+                        _ => None,
+                    })
+                    .collect();
+                let inner = e.into_inner().to_string();
+                let help = inner.contains("unknown field").then(|| {
+                    "check the spelling; see docs/manifest.md for every field a stage takes"
+                        .to_string()
+                });
+                let mut err = locator.error(&path, true, schema_message(&path, &inner));
+                err.help = help;
+                err
+            })?,
+        };
+        let mut manifest = Manifest {
+            path,
+            dir,
+            variant,
+            overrides: args.overrides.clone(),
+            vars: tree.get("vars").cloned().unwrap_or(Value::Null),
+            stages: BTreeMap::new(),
+            order: Vec::new(),
+            locator,
+        };
+        manifest.build_stages(raw.stages)?;
+        manifest.order = manifest.topological_order()?;
+        Ok(manifest)
+    }
+
+    fn build_stages(&mut self, raw: BTreeMap<String, RawStage>) -> Result<(), InputError> {
+        if raw.is_empty() {
+            return Err(self.error_at(&["stages"], "the manifest declares no stages"));
+        }
+        let names: std::collections::BTreeSet<String> = raw.keys().cloned().collect();
+        for (name, r) in raw {
+            let loc = |rest: &[&str]| -> KeyPath {
+                ["stages", name.as_str()]
+                    .iter()
+                    .chain(rest)
+                    .map(|s| s.to_string())
+                    .collect()
+            };
+            if name.is_empty()
+                || !name
+                    .chars()
+                    .all(|c| c.is_alphanumeric() || c == '_' || c == '-')
+            {
+                return Err(self.locator.error(
+                    &loc(&[]),
+                    true,
+                    format!("stage name `{name}` may only use letters, digits, `_` and `-`"),
+                ));
+            }
+            let op = nemo_dag_ops::lookup(&r.op).ok_or_else(|| {
+                let known: Vec<&str> = nemo_dag_ops::registry().iter().map(|o| o.name()).collect();
+                self.locator
+                    .error(&loc(&["op"]), false, format!("unknown op `{}`", r.op))
+                    .help(format!("the built-in ops are: {}", known.join(", ")))
+            })?;
+            if !r.params.is_object() {
+                return Err(self.locator.error(
+                    &loc(&["params"]),
+                    false,
+                    "`params` must be a mapping of names to values",
+                ));
+            }
+            if r.cmd.is_some() && op.name() != "cmd" {
+                return Err(self.locator.error(
+                    &loc(&["cmd"]),
+                    true,
+                    format!(
+                        "`cmd:` belongs to `op: cmd` stages; `{}` takes its settings from `params`",
+                        op.name()
+                    ),
+                ));
+            }
+            let mut inputs = BTreeMap::new();
+            for (input, written) in &r.inputs {
+                let at = loc(&["inputs", input]);
+                let resolved = match parse_reference(written) {
+                    Some((stage, output)) => {
+                        if !names.contains(stage) {
+                            return Err(self
+                                .locator
+                                .error(&at, false, format!("input `{input}` refers to `{stage}:{output}`, but there is no stage `{stage}`"))
+                                .help(format!(
+                                    "stages: {}; a file path that contains ':' can be written as `./{written}`",
+                                    names.iter().cloned().collect::<Vec<_>>().join(", ")
+                                )));
+                        }
+                        Input::Stage {
+                            stage: stage.to_string(),
+                            output: output.to_string(),
+                        }
+                    }
+                    None => {
+                        let path = self.dir.join(written);
+                        if !path.exists() {
+                            return Err(self
+                                .locator
+                                .error(&at, false, format!("input `{input}`: {} does not exist", path.display()))
+                                .help("input paths are relative to the manifest's directory; to use another stage's output write `STAGE:OUTPUT`"));
+                        }
+                        Input::File {
+                            written: written.clone(),
+                            path,
+                        }
+                    }
+                };
+                inputs.insert(input.clone(), resolved);
+            }
+            let mut stage = Stage {
+                name: name.clone(),
+                op,
+                params: r.params,
+                inputs,
+                outputs: r.outputs,
+                cmd: r.cmd,
+                resources: r.resources,
+                deps: Vec::new(),
+            };
+            op.check(&stage.decl()).map_err(|e| {
+                let rest: Vec<&str> = e.path.iter().map(String::as_str).collect();
+                let mut err = self.locator.error(
+                    &loc(&rest),
+                    false,
+                    format!("stage `{name}`: {}", e.message),
+                );
+                err.help = e.help;
+                err
+            })?;
+            stage.outputs = op.outputs(&stage.decl());
+            let mut deps: Vec<String> = stage
+                .inputs
+                .values()
+                .filter_map(|i| match i {
+                    Input::Stage { stage, .. } => Some(stage.clone()),
+                    Input::File { .. } => None,
+                })
+                .collect();
+            deps.sort();
+            deps.dedup();
+            stage.deps = deps;
+            self.stages.insert(name, stage);
+        }
+        // Every `STAGE:OUTPUT` must name an output that stage produces.
+        for stage in self.stages.values() {
+            for (input, i) in &stage.inputs {
+                if let Input::Stage { stage: up, output } = i {
+                    let producer = &self.stages[up];
+                    if !producer.outputs.contains_key(output) {
+                        let outs: Vec<&str> = producer.outputs.keys().map(String::as_str).collect();
+                        return Err(self
+                            .error_at(
+                                &["stages", &stage.name, "inputs", input],
+                                format!("stage `{up}` has no output `{output}`"),
+                            )
+                            .help(format!("`{up}` produces: {}", outs.join(", "))));
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    fn topological_order(&self) -> Result<Vec<String>, InputError> {
+        let mut graph = DiGraph::<&str, ()>::new();
+        let index: HashMap<&str, NodeIndex> = self
+            .stages
+            .keys()
+            .map(|n| (n.as_str(), graph.add_node(n.as_str())))
+            .collect();
+        for stage in self.stages.values() {
+            for dep in &stage.deps {
+                graph.add_edge(index[dep.as_str()], index[stage.name.as_str()], ());
+            }
+        }
+        match petgraph::algo::toposort(&graph, None) {
+            Ok(order) => Ok(order.into_iter().map(|i| graph[i].to_string()).collect()),
+            Err(cycle) => {
+                let names = find_cycle(&graph, cycle.node_id());
+                let first = names.first().cloned().unwrap_or_default();
+                Err(self
+                    .error_at(&["stages", &first], format!("dependency cycle: {}", names.join(" → ")))
+                    .help("a stage cannot consume its own output, directly or through other stages; remove one of these inputs"))
+            }
+        }
+    }
+}
+
+/// The nodes of one cycle through `start`, as names, first repeated at the end.
+fn find_cycle(graph: &DiGraph<&str, ()>, start: NodeIndex) -> Vec<String> {
+    // Breadth-first from `start` along edges until we come back to it: the shortest cycle.
+    let mut parent: HashMap<NodeIndex, NodeIndex> = HashMap::new();
+    let mut queue = std::collections::VecDeque::from([start]);
+    while let Some(n) = queue.pop_front() {
+        for next in graph.neighbors(n) {
+            if next == start {
+                let mut path = vec![n];
+                let mut cur = n;
+                while cur != start {
+                    cur = parent[&cur];
+                    path.push(cur);
+                }
+                path.reverse();
+                let mut names: Vec<String> = path.iter().map(|i| graph[*i].to_string()).collect();
+                names.push(graph[start].to_string());
+                return names;
+            }
+            if let std::collections::hash_map::Entry::Vacant(e) = parent.entry(next) {
+                e.insert(n);
+                queue.push_back(next);
+            }
+        }
+    }
+    vec![graph[start].to_string()]
+}
+
+/// `STAGE:OUTPUT` when the text has that shape; a path otherwise.
+pub fn parse_reference(text: &str) -> Option<(&str, &str)> {
+    let (stage, output) = text.split_once(':')?;
+    let ident = |s: &str| {
+        !s.is_empty()
+            && s.chars()
+                .all(|c| c.is_alphanumeric() || c == '_' || c == '-' || c == '.')
+    };
+    (ident(stage) && ident(output) && !stage.contains('.')).then_some((stage, output))
+}
+
+fn schema_message(path: &[String], inner: &str) -> String {
+    let inner = inner.trim_end_matches(|c: char| c.is_whitespace());
+    if path.is_empty() {
+        format!("manifest: {inner}")
+    } else {
+        format!("{}: {inner}", path.join("."))
+    }
+}
+
+fn read_source(path: &Path) -> Result<Source, InputError> {
+    let text = std::fs::read_to_string(path).map_err(|e| {
+        let help = if e.kind() == std::io::ErrorKind::NotFound {
+            "check the path; manifests are YAML (.yaml/.yml) or TOML (.toml) files"
+        } else {
+            "check that the file is readable UTF-8 text"
+        };
+        InputError::new(format!("cannot read manifest {}: {e}", path.display())).help(help)
+    })?;
+    if Format::from_path(path).is_none() {
+        return Err(InputError::new(format!(
+            "{}: unknown manifest format; use a .yaml, .yml or .toml file",
+            path.display()
+        )));
+    }
+    Ok(Source {
+        name: path.display().to_string(),
+        text: Arc::from(text),
+    })
+}
+
+/// `-c NAME`: `<dir>/<stem>/NAME.{yaml,yml,toml}`; a value with `/` or a suffix is a path.
+fn find_variant(manifest: &Path, variant: &str) -> Result<PathBuf, InputError> {
+    let looks_like_path = variant.contains('/') || Format::from_path(Path::new(variant)).is_some();
+    if looks_like_path {
+        let p = PathBuf::from(variant);
+        return if p.is_file() {
+            Ok(std::path::absolute(&p).unwrap_or(p))
+        } else {
+            Err(InputError::new(format!(
+                "variant file {variant} does not exist"
+            )))
+        };
+    }
+    let dir = manifest.parent().unwrap_or(Path::new("."));
+    let stem = manifest.file_stem().and_then(|s| s.to_str()).unwrap_or("");
+    let tried: Vec<PathBuf> = ["yaml", "yml", "toml"]
+        .iter()
+        .map(|ext| dir.join(stem).join(format!("{variant}.{ext}")))
+        .collect();
+    if let Some(found) = tried.iter().find(|p| p.is_file()) {
+        return Ok(found.clone());
+    }
+    let mut available: Vec<String> = std::fs::read_dir(dir.join(stem))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| {
+            let p = e.path();
+            Format::from_path(&p)?;
+            Some(p.file_stem()?.to_str()?.to_string())
+        })
+        .collect();
+    available.sort();
+    let tried: Vec<String> = tried.iter().map(|p| p.display().to_string()).collect();
+    Err(InputError::new(format!(
+        "no variant `{variant}`: tried {}",
+        tried.join(", ")
+    ))
+    .help(if available.is_empty() {
+        format!("this manifest has no variants; create {}", tried[0])
+    } else {
+        format!("available variants: {}", available.join(", "))
+    }))
+}
+
+/// The `vars:` block, read from the raw text before templating.
+fn extract_vars(source: &Source) -> Result<Value, InputError> {
+    let format = Format::from_path(Path::new(&source.name)).unwrap_or(Format::Yaml);
+    let text: &str = &source.text;
+    let mut block = String::new();
+    let mut start = None;
+    let mut inside = false;
+    for (offset, line) in line_offsets(text) {
+        let top_level = !line.starts_with([' ', '\t']) && !line.trim().is_empty();
+        let opens = match format {
+            Format::Yaml => line.starts_with("vars:"),
+            Format::Toml => {
+                line.starts_with("[vars]")
+                    || line.starts_with("[vars.")
+                    || line.starts_with("vars =")
+                    || line.starts_with("vars=")
+            }
+        };
+        let continues = match format {
+            Format::Yaml => !top_level || line.starts_with('#'),
+            Format::Toml => !line.starts_with('['),
+        };
+        if opens {
+            inside = true;
+            start.get_or_insert(offset);
+        } else if inside && !continues {
+            inside = false;
+        }
+        if inside {
+            block.push_str(line);
+            block.push('\n');
+        }
+    }
+    let Some(start) = start else {
+        return Ok(Value::Object(Default::default()));
+    };
+    if block.contains("{{") || block.contains("{%") {
+        return Err(
+            InputError::new("`vars` is read before templating, so it cannot use Jinja")
+                .at(source, start..start + 4, "here")
+                .help("give vars plain values; use them elsewhere as {{ name }}"),
+        );
+    }
+    let (value, _) = doc::parse(format, &block, false).map_err(|e| {
+        InputError::new(e.message).at(source, start + e.span.start..start + e.span.end, "here")
+    })?;
+    match value.get("vars") {
+        Some(Value::Object(m)) => Ok(Value::Object(m.clone())),
+        Some(Value::Null) | None => Ok(Value::Object(Default::default())),
+        Some(_) => Err(
+            InputError::new("`vars` must be a mapping of names to values").at(
+                source,
+                start..start + 4,
+                "here",
+            ),
+        ),
+    }
+}
+
+fn line_offsets(text: &str) -> impl Iterator<Item = (usize, &str)> {
+    let mut offset = 0;
+    text.split_inclusive('\n').map(move |raw| {
+        let at = offset;
+        offset += raw.len();
+        (at, raw.trim_end_matches(['\n', '\r']))
+    })
+}
+
+fn render_and_parse(
+    source: &Source,
+    vars: &Value,
+    locator: &mut Locator,
+) -> Result<Value, InputError> {
+    let format = Format::from_path(Path::new(&source.name)).unwrap_or(Format::Yaml);
+    let mut env = minijinja::Environment::new();
+    env.set_undefined_behavior(minijinja::UndefinedBehavior::Strict);
+    let rendered = env
+        .render_str(&source.text, minijinja::value::Serde(vars))
+        .map_err(|e| {
+            let span = e
+                .range()
+                .or_else(|| e.line().map(|l| line_range(&source.text, l)))
+                .unwrap_or(0..0);
+            let what = match e.detail() {
+                Some(d) => format!("{}: {d}", e.kind()),
+                None => e.kind().to_string(),
+            };
+            InputError::new(format!("template error: {what}"))
+                .at(source, span, "here")
+                .help("template variables come from `vars:` (and `vars.NAME=VALUE` overrides)")
+        })?;
+    let rendered_source = if rendered.trim_end() == source.text.trim_end() {
+        source.clone()
+    } else {
+        Source {
+            name: format!("{} (after templating)", source.name),
+            text: Arc::from(rendered),
+        }
+    };
+    let (value, _) = doc::parse(format, &rendered_source.text, false)
+        .map_err(|e| InputError::new(e.message).at(&rendered_source, e.span, "here"))?;
+    locator.docs.push(Document {
+        source: rendered_source,
+        format,
+        spans: std::sync::OnceLock::new(),
+    });
+    Ok(value)
+}
+
+fn line_range(text: &str, line: usize) -> std::ops::Range<usize> {
+    line_offsets(text)
+        .nth(line.saturating_sub(1))
+        .map(|(at, l)| at..at + l.len())
+        .unwrap_or(0..0)
+}
+
+/// Deep merge: mappings merge key by key, anything else is replaced.
+pub fn merge(base: &mut Value, over: Value) {
+    match (base, over) {
+        (Value::Object(b), Value::Object(o)) => {
+            for (k, v) in o {
+                match b.get_mut(&k) {
+                    Some(existing) => merge(existing, v),
+                    None => {
+                        b.insert(k, v);
+                    }
+                }
+            }
+        }
+        (slot, over) => *slot = over,
+    }
+}
+
+/// `a.b.c=VALUE`: set an existing key; the value is typed like a YAML scalar.
+fn apply_override(tree: &mut Value, text: &str) -> Result<(), InputError> {
+    let Some((key, raw)) = text.split_once('=') else {
+        return Err(InputError::new(format!(
+            "override `{text}` is not KEY.PATH=VALUE"
+        )));
+    };
+    let path: Vec<&str> = key.split('.').collect();
+    if path.iter().any(|p| p.is_empty()) {
+        return Err(InputError::new(format!(
+            "override `{text}`: `{key}` is not a valid key path"
+        )));
+    }
+    let mut node = tree;
+    for (depth, seg) in path.iter().enumerate() {
+        let here = path[..depth].join(".");
+        let next = match node {
+            Value::Object(m) => {
+                if !m.contains_key(*seg) {
+                    let where_ = if here.is_empty() {
+                        "the manifest".to_string()
+                    } else {
+                        format!("`{here}`")
+                    };
+                    let keys: Vec<&str> = m.keys().map(String::as_str).collect();
+                    let help = format!(
+                        "keys at {where_}: {}",
+                        if keys.is_empty() {
+                            "none".to_string()
+                        } else {
+                            keys.join(", ")
+                        }
+                    );
+                    return Err(InputError::new(format!(
+                        "override `{text}`: {where_} has no key `{seg}`, so there is nothing to override"
+                    ))
+                    .help(format!("{help}; an override only changes a value the manifest already sets")));
+                }
+                m.get_mut(*seg)
+            }
+            Value::Array(items) => seg.parse::<usize>().ok().and_then(|i| items.get_mut(i)),
+            _ => None,
+        };
+        node = next.ok_or_else(|| {
+            InputError::new(format!(
+                "override `{text}`: `{here}` has no element `{seg}`"
+            ))
+        })?;
+    }
+    *node = doc::plain_scalar(raw);
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn references_and_paths() {
+        assert_eq!(parse_reference("gen:nums"), Some(("gen", "nums")));
+        assert_eq!(parse_reference("data/corpus.txt"), None);
+        assert_eq!(parse_reference("./gen:nums"), None);
+    }
+
+    #[test]
+    fn overrides_must_name_existing_keys() {
+        let mut tree = serde_json::json!({"stages": {"a": {"params": {"lr": 0.1}}}});
+        apply_override(&mut tree, "stages.a.params.lr=1e-4").unwrap();
+        assert_eq!(
+            tree["stages"]["a"]["params"]["lr"],
+            serde_json::json!(0.0001)
+        );
+        let err = apply_override(&mut tree, "stages.a.params.zzz=1").unwrap_err();
+        assert!(err.message.contains("zzz"));
+    }
+}

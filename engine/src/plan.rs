@@ -1,0 +1,430 @@
+//! Keys and plans: what each stage's key is, whether it is already in the store, and why not.
+//!
+//! ```text
+//! key = blake3("nemo-dag key v1\n" ++ canonical JSON of {
+//!         op, op_version, params, cmd, outputs,      (after templating and overrides)
+//!         inputs: { name: content digest }          (source files and consumed upstream outputs)
+//!       })
+//! ```
+//! Canonical JSON has sorted keys, no whitespace and one number form (see [`crate::doc`]).
+//! Resources, the executor, the store path and the manifest's formatting are not in the key.
+//! Because a downstream key covers the *content* of what it consumes (not the upstream key),
+//! an upstream rerun that produces identical bytes leaves the downstream key unchanged:
+//! early cutoff falls out of the definition.
+
+use crate::diag::{InputError, Result};
+use crate::digest::Digester;
+use crate::manifest::{Input, Manifest, Stage};
+use crate::store::{Artifact, InputRecord, Published, RunRecord, Store};
+use serde_json::Value;
+use std::collections::{BTreeMap, HashMap};
+use std::fmt::Write;
+
+pub const KEY_FORMAT: &str = "nemo-dag key v1";
+
+/// A stage whose inputs are all known: its key and the records of what it consumes.
+#[derive(Debug, Clone)]
+pub struct Resolved {
+    pub key: String,
+    pub inputs: BTreeMap<String, InputRecord>,
+    pub upstream_keys: Vec<String>,
+}
+
+/// The key of a stage given the digests of everything it consumes: the canonical JSON of
+/// `{cmd, inputs, op, op_version, outputs, params}` (keys in that sorted order), written
+/// straight into one buffer — this runs for every stage on every `status`.
+pub fn stage_key(stage: &Stage, inputs: &BTreeMap<String, InputRecord>) -> String {
+    let mut text = String::with_capacity(512);
+    text.push_str(KEY_FORMAT);
+    text.push('\n');
+    text.push_str("{\"cmd\":");
+    match &stage.cmd {
+        Some(cmd) => push_json_str(&mut text, cmd),
+        None => text.push_str("null"),
+    }
+    text.push_str(",\"inputs\":{");
+    for (i, (name, record)) in inputs.iter().enumerate() {
+        if i > 0 {
+            text.push(',');
+        }
+        push_json_str(&mut text, name);
+        text.push(':');
+        push_json_str(&mut text, record.digest());
+    }
+    text.push_str("},\"op\":");
+    push_json_str(&mut text, stage.op.name());
+    let _ = write!(
+        text,
+        ",\"op_version\":{},\"outputs\":{{",
+        stage.op.version()
+    );
+    for (i, (name, path)) in stage.outputs.iter().enumerate() {
+        if i > 0 {
+            text.push(',');
+        }
+        push_json_str(&mut text, name);
+        text.push(':');
+        push_json_str(&mut text, path);
+    }
+    text.push_str("},\"params\":");
+    canonical(&stage.params, &mut text);
+    text.push('}');
+    blake3::hash(text.as_bytes()).to_hex().to_string()
+}
+
+fn push_json_str(out: &mut String, s: &str) {
+    if s.bytes()
+        .all(|b| b >= 0x20 && b != b'"' && b != b'\\' && b < 0x7f)
+    {
+        out.push('"');
+        out.push_str(s);
+        out.push('"');
+    } else {
+        let _ = write!(out, "{}", Value::String(s.to_string()));
+    }
+}
+
+/// Sorted keys, no whitespace, numbers as serde_json prints them (shortest round-trip form).
+pub fn canonical(value: &Value, out: &mut String) {
+    match value {
+        Value::Object(map) => {
+            let mut keys: Vec<&String> = map.keys().collect();
+            keys.sort();
+            out.push('{');
+            for (i, k) in keys.into_iter().enumerate() {
+                if i > 0 {
+                    out.push(',');
+                }
+                push_json_str(out, k);
+                out.push(':');
+                canonical(&map[k], out);
+            }
+            out.push('}');
+        }
+        Value::Array(items) => {
+            out.push('[');
+            for (i, v) in items.iter().enumerate() {
+                if i > 0 {
+                    out.push(',');
+                }
+                canonical(v, out);
+            }
+            out.push(']');
+        }
+        other => {
+            let _ = write!(out, "{other}");
+        }
+    }
+}
+
+/// Resolve a stage whose upstream artifacts are all known; `None` if one is not.
+pub fn resolve(
+    manifest: &Manifest,
+    stage: &Stage,
+    upstream: &HashMap<String, Published>,
+    digester: &mut Digester,
+) -> Result<Option<Resolved>, InputError> {
+    let mut inputs = BTreeMap::new();
+    let mut upstream_keys = Vec::new();
+    for (name, input) in &stage.inputs {
+        let record = match input {
+            Input::File { written, path } => {
+                let digest = digester.digest(path).map_err(|e| {
+                    manifest.error_at(
+                        &["stages", &stage.name, "inputs", name],
+                        format!("input `{name}` ({written}): {e}"),
+                    )
+                })?;
+                InputRecord::File {
+                    path: path.display().to_string(),
+                    digest,
+                }
+            }
+            Input::Stage { stage: up, output } => {
+                let Some(published) = upstream.get(up) else {
+                    return Ok(None);
+                };
+                let Some(digest) = published.outputs.get(output) else {
+                    return Ok(None);
+                };
+                upstream_keys.push(published.key.clone());
+                InputRecord::Upstream {
+                    stage: up.clone(),
+                    output: output.clone(),
+                    key: published.key.clone(),
+                    digest: digest.clone(),
+                }
+            }
+        };
+        inputs.insert(name.clone(), record);
+    }
+    upstream_keys.sort();
+    upstream_keys.dedup();
+    Ok(Some(Resolved {
+        key: stage_key(stage, &inputs),
+        inputs,
+        upstream_keys,
+    }))
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Freshness {
+    UpToDate,
+    Stale,
+    PendingUpstream,
+}
+
+impl Freshness {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Freshness::UpToDate => "up-to-date",
+            Freshness::Stale => "stale",
+            Freshness::PendingUpstream => "pending-upstream",
+        }
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct StagePlan {
+    pub name: String,
+    pub freshness: Freshness,
+    pub key: Option<String>,
+    pub reasons: Vec<String>,
+}
+
+/// What `status` shows: each stage's freshness against the store, and why it is not fresh,
+/// compared with the last recorded run of this manifest. Reads only; writes nothing.
+pub fn plan(manifest: &Manifest, store: &Store, digester: &mut Digester) -> Result<Vec<StagePlan>> {
+    let record = last_run_record(manifest, store);
+    let previous = &record.stages;
+    let mut known: HashMap<String, Published> = HashMap::new();
+    let mut out = Vec::new();
+    let mut fresh: HashMap<&str, Freshness> = HashMap::new();
+    for name in &manifest.order {
+        let stage = &manifest.stages[name];
+        let resolved = resolve(manifest, stage, &known, digester)?;
+        // The previous artifact is only read to explain a stage that is not up to date.
+        let prev = || previous.get(name).and_then(|k| store.load(k));
+        let (freshness, key, reasons) = match &resolved {
+            Some(r) => match store.lookup(&record, name, &r.key) {
+                Some(published) => {
+                    known.insert(name.clone(), published);
+                    (Freshness::UpToDate, Some(r.key.clone()), Vec::new())
+                }
+                None => {
+                    let mut reasons = why_stale(stage, Some(r), prev().as_ref(), &fresh);
+                    if reasons.is_empty() {
+                        reasons.push(if previous.get(name) == Some(&r.key) {
+                            "artifact missing from the store".to_string()
+                        } else {
+                            "no artifact with this key".to_string()
+                        });
+                    }
+                    (Freshness::Stale, Some(r.key.clone()), reasons)
+                }
+            },
+            None => {
+                let reasons = why_stale(stage, None, prev().as_ref(), &fresh);
+                (Freshness::PendingUpstream, None, reasons)
+            }
+        };
+        fresh.insert(name.as_str(), freshness);
+        out.push(StagePlan {
+            name: name.clone(),
+            freshness,
+            key,
+            reasons,
+        });
+    }
+    Ok(out)
+}
+
+/// The last recorded run of this manifest (and variant); empty if there is none.
+pub fn last_run_record(manifest: &Manifest, store: &Store) -> RunRecord {
+    std::fs::read(store.run_record_path(&run_id(manifest)))
+        .ok()
+        .and_then(|b| serde_json::from_slice::<RunRecord>(&b).ok())
+        .unwrap_or_default()
+}
+
+/// One run record per manifest file and variant.
+pub fn run_id(manifest: &Manifest) -> String {
+    let stem = manifest
+        .path
+        .file_stem()
+        .and_then(|s| s.to_str())
+        .unwrap_or("manifest");
+    let variant = manifest
+        .variant
+        .as_ref()
+        .map(|v| v.display().to_string())
+        .unwrap_or_default();
+    let id = blake3::hash(format!("{}\n{variant}", manifest.path.display()).as_bytes());
+    format!("{stem}-{}", &id.to_hex()[..12])
+}
+
+/// The key components that differ from the previous artifact of this stage.
+fn why_stale(
+    stage: &Stage,
+    now: Option<&Resolved>,
+    prev: Option<&Artifact>,
+    fresh: &HashMap<&str, Freshness>,
+) -> Vec<String> {
+    let mut reasons = Vec::new();
+    let Some(prev) = prev else {
+        reasons.push("never run".to_string());
+        return reasons;
+    };
+    if prev.op != stage.op.name() {
+        reasons.push(format!("op {} → {}", prev.op, stage.op.name()));
+    } else if prev.op_version != stage.op.version() {
+        reasons.push(format!(
+            "op version {} → {}",
+            prev.op_version,
+            stage.op.version()
+        ));
+    }
+    diff_values("params", &prev.params, &stage.params, &mut reasons);
+    if prev.cmd != stage.cmd {
+        reasons.push("cmd changed".to_string());
+    }
+    let prev_outputs: BTreeMap<&String, &String> =
+        prev.outputs.iter().map(|(k, v)| (k, &v.path)).collect();
+    let declared_changed = prev_outputs.len() != stage.outputs.len()
+        || stage
+            .outputs
+            .iter()
+            .any(|(k, v)| prev_outputs.get(k).map(|p| p.strip_prefix("out/")) != Some(Some(v)));
+    if declared_changed {
+        reasons.push("outputs changed".to_string());
+    }
+    for (name, input) in &stage.inputs {
+        let before = prev.inputs.get(name);
+        match input {
+            Input::File { written, .. } => {
+                let after = now.and_then(|r| r.inputs.get(name));
+                match (before, after) {
+                    (None, _) => reasons.push(format!("input {name} added")),
+                    (Some(b), Some(a)) if b.digest() != a.digest() => {
+                        reasons.push(format!("input {name} changed ({written})"))
+                    }
+                    _ => {}
+                }
+            }
+            Input::Stage { stage: up, .. } => {
+                let after = now.and_then(|r| r.inputs.get(name));
+                match (before, after) {
+                    (None, _) => reasons.push(format!("input {name} added")),
+                    (Some(b), Some(a)) if b.digest() != a.digest() => {
+                        reasons.push(format!("upstream {up} changed"))
+                    }
+                    (Some(_), None) => {
+                        let state = fresh.get(up.as_str()).copied();
+                        if state != Some(Freshness::UpToDate) {
+                            reasons.push(format!("upstream {up} is not up to date"));
+                        }
+                    }
+                    _ => {}
+                }
+            }
+        }
+    }
+    for name in prev.inputs.keys() {
+        if !stage.inputs.contains_key(name) {
+            reasons.push(format!("input {name} removed"));
+        }
+    }
+    reasons.dedup();
+    reasons
+}
+
+fn diff_values(path: &str, before: &Value, after: &Value, out: &mut Vec<String>) {
+    match (before, after) {
+        (Value::Object(b), Value::Object(a)) => {
+            let mut keys: Vec<&String> = b.keys().chain(a.keys()).collect();
+            keys.sort();
+            keys.dedup();
+            for k in keys {
+                let sub = format!("{path}.{k}");
+                match (b.get(k), a.get(k)) {
+                    (Some(x), Some(y)) => diff_values(&sub, x, y, out),
+                    (Some(x), None) => out.push(format!("{sub}: {x} → (unset)")),
+                    (None, Some(y)) => out.push(format!("{sub}: (unset) → {y}")),
+                    (None, None) => {}
+                }
+            }
+        }
+        (b, a) if b != a => out.push(format!("{path}: {b} → {a}")),
+        _ => {}
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn canonical_json_sorts_keys_and_normalises_numbers() {
+        let mut a = String::new();
+        canonical(&json!({"b": 1, "a": {"y": [1, 2.5], "x": "s"}}), &mut a);
+        assert_eq!(a, r#"{"a":{"x":"s","y":[1,2.5]},"b":1}"#);
+        let mut x = String::new();
+        let mut y = String::new();
+        canonical(&crate::doc::plain_scalar("1e-4"), &mut x);
+        canonical(&crate::doc::plain_scalar("0.0001"), &mut y);
+        assert_eq!(x, y);
+    }
+
+    #[test]
+    fn the_direct_key_encoding_is_the_canonical_json_of_the_components() {
+        let dir = std::env::temp_dir().join(format!("nemo-dag-key-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("m.yaml");
+        std::fs::write(
+            &path,
+            "stages:\n  s:\n    op: cmd\n    params: {b: [1, 2.5], a: {z: \"q\\\"x\", y: null}}\n    outputs: {o: o.txt, \"é\": e.txt}\n    cmd: \"echo > {outputs.o}\"\n",
+        )
+        .unwrap();
+        let m = crate::manifest::Manifest::load(&crate::manifest::LoadArgs {
+            path,
+            ..Default::default()
+        })
+        .unwrap();
+        let stage = &m.stages["s"];
+        let inputs = BTreeMap::from([(
+            "x\ty".to_string(),
+            InputRecord::File {
+                path: "p".into(),
+                digest: "d1".into(),
+            },
+        )]);
+        let digests: serde_json::Map<String, Value> = inputs
+            .iter()
+            .map(|(k, r)| (k.clone(), Value::String(r.digest().into())))
+            .collect();
+        let parts = serde_json::json!({
+            "op": stage.op.name(), "op_version": stage.op.version(), "params": stage.params,
+            "cmd": stage.cmd, "outputs": stage.outputs, "inputs": digests,
+        });
+        let mut text = format!("{KEY_FORMAT}\n");
+        canonical(&parts, &mut text);
+        assert_eq!(
+            stage_key(stage, &inputs),
+            blake3::hash(text.as_bytes()).to_hex().to_string()
+        );
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[test]
+    fn param_diffs_name_the_leaf() {
+        let mut out = Vec::new();
+        diff_values(
+            "params",
+            &json!({"lr": 0.001, "n": 3}),
+            &json!({"lr": 0.0001, "n": 3}),
+            &mut out,
+        );
+        assert_eq!(out, vec!["params.lr: 0.001 → 0.0001"]);
+    }
+}

@@ -1,0 +1,249 @@
+//! Execution profiles from `env.toml`, with the Nemotron CLI's schema.
+//!
+//! ```toml
+//! [wandb]                      # reserved sections are not profiles:
+//! project = "nano3"            #   [wandb] [artifacts] [cache] [cli]
+//!
+//! [cluster]
+//! executor = "slurm"
+//! account = "llm"
+//! partition = "batch"
+//! run_partition = "interactive"   # used by --run
+//! batch_partition = "batch"       # used by --batch
+//! time = "04:00:00"
+//! mounts = ["/lustre:/lustre"]
+//!
+//! [cluster-gpu]
+//! extends = "cluster"             # child keys override the parent's; env_vars merge; mounts add up
+//! gpus_per_node = 8
+//! ```
+//!
+//! The file is found as the Nemotron CLI finds it: `$NEMO_DAG_ENV_FILE` if set, else the first
+//! `env.toml` walking up from the manifest's directory, stopping at the project root (a
+//! directory holding `.git`, `pyproject.toml` or `Cargo.toml`).
+
+use crate::diag::{InputError, Source};
+use crate::doc::{self, Format};
+use serde::Deserialize;
+use serde_json::Value;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+const RESERVED: [&str; 4] = ["wandb", "artifacts", "cache", "cli"];
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
+#[serde(rename_all = "lowercase")]
+pub enum Executor {
+    #[default]
+    Local,
+    Slurm,
+}
+
+/// One resolved profile (its `extends` chain already applied).
+#[derive(Debug, Clone, Default, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct Profile {
+    #[serde(skip)]
+    pub name: String,
+    #[serde(default)]
+    pub executor: Executor,
+    #[serde(default)]
+    pub extends: Option<String>,
+    pub account: Option<String>,
+    pub partition: Option<String>,
+    pub run_partition: Option<String>,
+    pub batch_partition: Option<String>,
+    pub nodes: Option<u32>,
+    pub ntasks_per_node: Option<u32>,
+    pub nproc_per_node: Option<u32>,
+    pub gpus_per_node: Option<u32>,
+    pub cpus_per_task: Option<u32>,
+    pub time: Option<String>,
+    pub mem: Option<String>,
+    pub exclusive: Option<bool>,
+    #[serde(default)]
+    pub mounts: Vec<String>,
+    #[serde(alias = "container")]
+    pub container_image: Option<String>,
+    #[serde(default)]
+    pub startup_commands: Vec<String>,
+    #[serde(default)]
+    pub env_vars: BTreeMap<String, String>,
+}
+
+/// Where `env.toml` is for a manifest in `start`.
+pub fn find_env_file(start: &Path) -> Option<PathBuf> {
+    if let Some(p) = std::env::var_os("NEMO_DAG_ENV_FILE") {
+        return Some(PathBuf::from(p));
+    }
+    let mut dir = Some(start.to_path_buf());
+    while let Some(d) = dir {
+        let candidate = d.join("env.toml");
+        if candidate.is_file() {
+            return Some(candidate);
+        }
+        if [".git", "pyproject.toml", "Cargo.toml"]
+            .iter()
+            .any(|m| d.join(m).exists())
+        {
+            return None;
+        }
+        dir = d.parent().map(Path::to_path_buf);
+    }
+    None
+}
+
+/// Load profile `name` from the env file found from `start`.
+pub fn load(start: &Path, name: &str) -> Result<Profile, InputError> {
+    let path = find_env_file(start).ok_or_else(|| {
+        InputError::new(format!("profile `{name}` asked for, but no env.toml was found"))
+            .help(format!(
+                "create env.toml beside the manifest (or in a parent up to the project root), or set NEMO_DAG_ENV_FILE; searched from {}",
+                start.display()
+            ))
+    })?;
+    let text = std::fs::read_to_string(&path)
+        .map_err(|e| InputError::new(format!("cannot read {}: {e}", path.display())))?;
+    let source = Source {
+        name: path.display().to_string(),
+        text: Arc::from(text),
+    };
+    let (tree, spans) = doc::parse(Format::Toml, &source.text, true)
+        .map_err(|e| InputError::new(e.message).at(&source, e.span, "here"))?;
+    let tables = tree.as_object().cloned().unwrap_or_default();
+    let available: Vec<&str> = tables
+        .keys()
+        .map(String::as_str)
+        .filter(|k| !RESERVED.contains(k))
+        .collect();
+    let at = |path: &[&str], message: String| {
+        let key: Vec<String> = path.iter().map(|s| s.to_string()).collect();
+        let err = InputError::new(message);
+        match spans.nearest(&key, true) {
+            Some(range) => err.at(&source, range, "here"),
+            None => err,
+        }
+    };
+    if RESERVED.contains(&name) || !tables.contains_key(name) {
+        return Err(InputError::new(format!("no profile `{name}` in {}", path.display())).help(
+            if available.is_empty() {
+                "the file defines no profiles; add a table like [mycluster] with executor = \"slurm\"".to_string()
+            } else {
+                format!("available profiles: {}", available.join(", "))
+            },
+        ));
+    }
+
+    // Walk the `extends` chain from the child up, then merge parent-first.
+    let mut chain = vec![name.to_string()];
+    loop {
+        let current = &chain[chain.len() - 1];
+        let Some(parent) = tables[current.as_str()].get("extends") else {
+            break;
+        };
+        let Some(parent) = parent.as_str() else {
+            return Err(at(
+                &[current, "extends"],
+                "`extends` must name a profile".into(),
+            ));
+        };
+        if chain.iter().any(|c| c == parent) {
+            let mut cycle = chain.clone();
+            cycle.push(parent.to_string());
+            return Err(at(
+                &[current, "extends"],
+                format!("profile `extends` cycle: {}", cycle.join(" → ")),
+            ));
+        }
+        if !tables.contains_key(parent) || RESERVED.contains(&parent) {
+            return Err(at(
+                &[current, "extends"],
+                format!("profile `{current}` extends unknown profile `{parent}`"),
+            )
+            .help(format!("available profiles: {}", available.join(", "))));
+        }
+        chain.push(parent.to_string());
+    }
+    let mut merged = Value::Object(Default::default());
+    let mut mounts: Vec<Value> = Vec::new();
+    for link in chain.iter().rev() {
+        let table = tables[link.as_str()].clone();
+        if let Some(Value::Array(m)) = table.get("mounts") {
+            mounts.extend(m.iter().cloned());
+        }
+        crate::manifest::merge(&mut merged, table);
+    }
+    if let Value::Object(m) = &mut merged {
+        m.insert("mounts".into(), Value::Array(mounts));
+        m.remove("extends");
+    }
+    let mut profile: Profile = serde_path_to_error::deserialize(&merged).map_err(|e| {
+        let field = e.path().to_string();
+        // Point at the first table in the chain that sets the bad field.
+        let owner = chain
+            .iter()
+            .find(|c| {
+                tables[c.as_str()]
+                    .get(field.split('.').next().unwrap_or(""))
+                    .is_some()
+            })
+            .cloned()
+            .unwrap_or_else(|| name.to_string());
+        at(
+            &[&owner, &field],
+            format!("profile `{owner}`: {field}: {}", e.into_inner()),
+        )
+    })?;
+    profile.name = name.to_string();
+    Ok(profile)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn write_env(text: &str) -> (PathBuf, PathBuf) {
+        let dir = std::env::temp_dir().join(format!(
+            "nemo-dag-profile-{}-{}",
+            std::process::id(),
+            blake3::hash(text.as_bytes()).to_hex()
+        ));
+        std::fs::create_dir_all(&dir).unwrap();
+        std::fs::write(dir.join("env.toml"), text).unwrap();
+        std::fs::write(dir.join("Cargo.toml"), "").unwrap();
+        (dir.clone(), dir.join("env.toml"))
+    }
+
+    #[test]
+    fn extends_merges_child_over_parent() {
+        let (dir, _) = write_env(
+            "[wandb]\nproject='x'\n[base]\nexecutor='slurm'\npartition='p'\nmounts=['/a:/a']\nenv_vars={A='1',B='2'}\n[gpu]\nextends='base'\ngpus_per_node=8\nmounts=['/b:/b']\nenv_vars={B='3'}\n",
+        );
+        let p = load(&dir, "gpu").unwrap();
+        assert_eq!(p.executor, Executor::Slurm);
+        assert_eq!(p.partition.as_deref(), Some("p"));
+        assert_eq!(p.gpus_per_node, Some(8));
+        assert_eq!(p.mounts, vec!["/a:/a", "/b:/b"]);
+        assert_eq!(p.env_vars["A"], "1");
+        assert_eq!(p.env_vars["B"], "3");
+    }
+
+    #[test]
+    fn cycles_unknown_parents_and_unknown_profiles_are_errors() {
+        let (dir, _) =
+            write_env("[a]\nextends='b'\n[b]\nextends='a'\n[c]\nextends='zz'\n[cli]\ntheme='x'\n");
+        let e = load(&dir, "a").unwrap_err();
+        assert!(e.message.contains("a → b → a"), "{}", e.message);
+        let e = load(&dir, "c").unwrap_err();
+        assert!(e.message.contains("zz"), "{}", e.message);
+        let e = load(&dir, "nope").unwrap_err();
+        assert!(
+            e.help.as_deref().unwrap_or("").contains("a, b, c"),
+            "{:?}",
+            e.help
+        );
+        let e = load(&dir, "cli").unwrap_err();
+        assert!(e.message.contains("no profile `cli`"), "{}", e.message);
+    }
+}

@@ -1,0 +1,419 @@
+//! The artifact store: one directory per published key, made visible by a single rename.
+//!
+//! ```text
+//! <store>/
+//!   artifacts/<key>/      published: artifact.json, log.txt, out/<declared outputs>
+//!   tmp/<key>/            a stage being built (never read as a result)
+//!   failed/<key>/         the last failed attempt at a key, kept for its log
+//!   locks/<key>.lock      one writer per key, across processes (flock)
+//!   runs/<id>.json        the last run of each manifest (+variant): stage → key
+//!   pins/<name>           a key that `gc` must keep
+//!   cache/digests.json    the file-digest memo
+//! ```
+//!
+//! The invariant: `artifacts/<key>/` exists only complete. Everything is written and synced
+//! inside `tmp/`, then renamed into place, so a crash or `kill -9` at any instant leaves at worst
+//! a stray `tmp/` entry, which nothing reads and `gc` removes.
+
+use crate::diag::{Failure, Result, io_err};
+use serde::{Deserialize, Serialize};
+use serde_json::Value;
+use std::collections::{BTreeMap, BTreeSet};
+use std::fs::File;
+use std::io::{self, Write};
+use std::path::{Path, PathBuf};
+
+pub const ARTIFACT_SCHEMA: u32 = 1;
+
+#[derive(Debug, Clone)]
+pub struct Store {
+    pub root: PathBuf,
+}
+
+/// `artifact.json`: everything needed to trust, explain and trace a published result.
+#[derive(Debug, Clone, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Artifact {
+    pub schema: u32,
+    pub key: String,
+    pub stage: String,
+    pub op: String,
+    pub op_version: u32,
+    pub params: Value,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cmd: Option<String>,
+    pub inputs: BTreeMap<String, InputRecord>,
+    pub outputs: BTreeMap<String, OutputRecord>,
+    pub metrics: serde_json::Map<String, Value>,
+    pub upstream_keys: Vec<String>,
+    pub manifest: String,
+    pub started_at: String,
+    pub seconds: f64,
+    pub host: String,
+    pub engine_version: String,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(tag = "kind", rename_all = "snake_case", deny_unknown_fields)]
+pub enum InputRecord {
+    File {
+        path: String,
+        digest: String,
+    },
+    Upstream {
+        stage: String,
+        output: String,
+        key: String,
+        digest: String,
+    },
+}
+
+impl InputRecord {
+    pub fn digest(&self) -> &str {
+        match self {
+            InputRecord::File { digest, .. } | InputRecord::Upstream { digest, .. } => digest,
+        }
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct OutputRecord {
+    /// Relative to the artifact's directory (`out/nums.txt`).
+    pub path: String,
+    pub digest: String,
+    pub bytes: u64,
+}
+
+/// The last run of one manifest: which key each stage had.
+#[derive(Debug, Clone, Serialize, Deserialize, Default)]
+pub struct RunRecord {
+    pub manifest: String,
+    pub variant: Option<String>,
+    pub overrides: Vec<String>,
+    pub argv: Vec<String>,
+    pub finished_at: String,
+    pub stages: BTreeMap<String, String>,
+    /// Stage → output → digest, for the key in `stages`: lets `status` and no-op runs skip
+    /// reading every `artifact.json` (the artifact's existence is still checked).
+    #[serde(default)]
+    pub outputs: BTreeMap<String, BTreeMap<String, String>>,
+}
+
+impl RunRecord {
+    /// What the record says stage `name` published under `key`, if it recorded that key.
+    pub fn published(&self, name: &str, key: &str) -> Option<Published> {
+        if self.stages.get(name).map(String::as_str) != Some(key) {
+            return None;
+        }
+        Some(Published {
+            key: key.to_string(),
+            outputs: self.outputs.get(name)?.clone(),
+        })
+    }
+}
+
+/// What a consumer needs of a published stage: its key and the digest of each output.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Published {
+    pub key: String,
+    pub outputs: BTreeMap<String, String>,
+}
+
+impl From<&Artifact> for Published {
+    fn from(a: &Artifact) -> Published {
+        Published {
+            key: a.key.clone(),
+            outputs: a
+                .outputs
+                .iter()
+                .map(|(k, o)| (k.clone(), o.digest.clone()))
+                .collect(),
+        }
+    }
+}
+
+impl Store {
+    /// A store at `root`, made absolute: stage commands run in their own directory, so every
+    /// path handed to them must be absolute.
+    pub fn new(root: PathBuf) -> Store {
+        let root = std::path::absolute(&root).unwrap_or(root);
+        Store { root }
+    }
+
+    pub fn artifacts(&self) -> PathBuf {
+        self.root.join("artifacts")
+    }
+
+    pub fn artifact_dir(&self, key: &str) -> PathBuf {
+        self.artifacts().join(key)
+    }
+
+    /// Where `key` is built. Only the holder of the key's lock uses it, so its name is stable:
+    /// an attempt that was killed leaves it behind for the next attempt (a requeued cluster
+    /// job, say) to resume from, if the op can.
+    pub fn tmp_dir(&self, key: &str) -> PathBuf {
+        self.root.join("tmp").join(key)
+    }
+
+    pub fn failed_dir(&self, key: &str) -> PathBuf {
+        self.root.join("failed").join(key)
+    }
+
+    pub fn memo_file(&self) -> PathBuf {
+        self.root.join("cache").join("digests.json")
+    }
+
+    /// Create the layout (only commands that write call this).
+    pub fn ensure(&self) -> Result<()> {
+        for sub in [
+            "artifacts",
+            "tmp",
+            "failed",
+            "locks",
+            "runs",
+            "pins",
+            "cache",
+            "trash",
+        ] {
+            let dir = self.root.join(sub);
+            std::fs::create_dir_all(&dir).map_err(|e| io_err("cannot create", &dir, e))?;
+        }
+        let tag = self.root.join("CACHEDIR.TAG");
+        if !tag.exists() {
+            let _ = std::fs::write(
+                &tag,
+                "Signature: 8a477f597d28d172789f06886806bc55\n# nemo-dag artifact store\n",
+            );
+        }
+        Ok(())
+    }
+
+    /// The published artifact for `key`, if there is one. A directory without a readable
+    /// `artifact.json` is not an artifact.
+    pub fn load(&self, key: &str) -> Option<Artifact> {
+        let bytes = std::fs::read(self.artifact_dir(key).join("artifact.json")).ok()?;
+        let artifact: Artifact = serde_json::from_slice(&bytes).ok()?;
+        (artifact.key == key && artifact.schema == ARTIFACT_SCHEMA).then_some(artifact)
+    }
+
+    pub fn is_published(&self, key: &str) -> bool {
+        self.artifact_dir(key).join("artifact.json").is_file()
+    }
+
+    /// The published `key` of stage `name`: from the run record when it knows the key (one
+    /// `stat`), else from `artifact.json`.
+    pub fn lookup(&self, record: &RunRecord, name: &str, key: &str) -> Option<Published> {
+        match record.published(name, key) {
+            Some(p) if self.is_published(key) => Some(p),
+            _ => self.load(key).map(|a| Published::from(&a)),
+        }
+    }
+
+    /// Block until this process is the only one working on `key`. Dropping the file unlocks.
+    pub fn lock(&self, key: &str) -> Result<File> {
+        let path = self.root.join("locks").join(format!("{key}.lock"));
+        let file = File::options()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&path)
+            .map_err(|e| io_err("cannot open lock", &path, e))?;
+        file.lock().map_err(|e| io_err("cannot lock", &path, e))?;
+        Ok(file)
+    }
+
+    /// Move a finished `tmp` directory into place as `artifacts/<key>`. With `replace`, an
+    /// existing entry is swapped out first (a forced rerun).
+    pub fn publish(&self, tmp: &Path, key: &str, replace: bool) -> Result<()> {
+        let dest = self.artifact_dir(key);
+        if replace && dest.exists() {
+            let trash = self
+                .root
+                .join("trash")
+                .join(format!("{key}.{}", std::process::id()));
+            let _ = std::fs::remove_dir_all(&trash);
+            std::fs::rename(&dest, &trash).map_err(|e| io_err("cannot move aside", &dest, e))?;
+            let _ = std::fs::remove_dir_all(&trash);
+        }
+        std::fs::rename(tmp, &dest).map_err(|e| io_err("cannot publish", &dest, e))?;
+        sync_dir(&self.artifacts());
+        Ok(())
+    }
+
+    pub fn run_record_path(&self, id: &str) -> PathBuf {
+        self.root.join("runs").join(format!("{id}.json"))
+    }
+
+    pub fn run_records(&self) -> Vec<(PathBuf, RunRecord)> {
+        let mut out: Vec<(PathBuf, RunRecord)> = std::fs::read_dir(self.root.join("runs"))
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter_map(|e| {
+                let p = e.path();
+                let rec = serde_json::from_slice(&std::fs::read(&p).ok()?).ok()?;
+                Some((p, rec))
+            })
+            .collect();
+        out.sort_by(|a, b| a.1.finished_at.cmp(&b.1.finished_at));
+        out
+    }
+
+    pub fn pins(&self) -> BTreeMap<String, String> {
+        std::fs::read_dir(self.root.join("pins"))
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter_map(|e| {
+                let key = std::fs::read_to_string(e.path()).ok()?;
+                Some((
+                    e.file_name().to_string_lossy().to_string(),
+                    key.trim().to_string(),
+                ))
+            })
+            .collect()
+    }
+
+    pub fn published_keys(&self) -> Vec<String> {
+        let mut keys: Vec<String> = std::fs::read_dir(self.artifacts())
+            .into_iter()
+            .flatten()
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().to_string())
+            .collect();
+        keys.sort();
+        keys
+    }
+
+    /// Resolve a full key or a unique prefix of at least 6 hex digits.
+    pub fn resolve_key(&self, prefix: &str) -> Result<Option<String>> {
+        if prefix.len() < 6 || !prefix.chars().all(|c| c.is_ascii_hexdigit()) {
+            return Ok(None);
+        }
+        let matches: Vec<String> = self
+            .published_keys()
+            .into_iter()
+            .filter(|k| k.starts_with(prefix))
+            .collect();
+        match matches.len() {
+            0 => Ok(None),
+            1 => Ok(matches.into_iter().next()),
+            n => Err(Failure::Input(Box::new(crate::diag::InputError::new(
+                format!("key prefix `{prefix}` matches {n} artifacts; give more digits"),
+            )))),
+        }
+    }
+
+    /// Every key that a run record or pin references, with all of their ancestors.
+    pub fn live_keys(&self) -> BTreeSet<String> {
+        let mut todo: Vec<String> = self
+            .run_records()
+            .into_iter()
+            .flat_map(|(_, r)| r.stages.into_values())
+            .chain(self.pins().into_values())
+            .collect();
+        let mut live = BTreeSet::new();
+        while let Some(key) = todo.pop() {
+            if !live.insert(key.clone()) {
+                continue;
+            }
+            if let Some(a) = self.load(&key) {
+                todo.extend(a.upstream_keys);
+            }
+        }
+        live
+    }
+}
+
+/// Write a file by temp file + rename, optionally fsynced: readers see the old or the new
+/// content, never a torn one.
+pub fn write_atomic(path: &Path, bytes: &[u8], sync: bool) -> io::Result<()> {
+    let dir = path.parent().unwrap_or(Path::new("."));
+    std::fs::create_dir_all(dir)?;
+    let tmp = dir.join(format!(
+        ".{}.{}.tmp",
+        path.file_name().and_then(|n| n.to_str()).unwrap_or("file"),
+        std::process::id()
+    ));
+    let mut f = File::create(&tmp)?;
+    f.write_all(bytes)?;
+    if sync {
+        f.sync_all()?;
+    }
+    drop(f);
+    std::fs::rename(&tmp, path)?;
+    if sync {
+        sync_dir(dir);
+    }
+    Ok(())
+}
+
+/// fsync a directory so a rename in it survives a power cut (best effort).
+pub fn sync_dir(dir: &Path) {
+    if let Ok(d) = File::open(dir) {
+        let _ = d.sync_all();
+    }
+}
+
+/// fsync every file under `dir`, then the directories themselves.
+pub fn sync_tree(dir: &Path) -> io::Result<()> {
+    for entry in std::fs::read_dir(dir)? {
+        let entry = entry?;
+        let ty = entry.file_type()?;
+        if ty.is_dir() {
+            sync_tree(&entry.path())?;
+        } else if ty.is_file() {
+            File::open(entry.path())?.sync_all()?;
+        }
+    }
+    sync_dir(dir);
+    Ok(())
+}
+
+/// RFC 3339 UTC timestamp with milliseconds, from the system clock.
+pub fn timestamp() -> String {
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default();
+    let secs = now.as_secs() as i64;
+    let (days, rem) = (secs.div_euclid(86_400), secs.rem_euclid(86_400));
+    // Civil date from days since 1970-01-01 (Howard Hinnant's algorithm).
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!(
+        "{year:04}-{month:02}-{day:02}T{:02}:{:02}:{:02}.{:03}Z",
+        rem / 3600,
+        rem % 3600 / 60,
+        rem % 60,
+        now.subsec_millis()
+    )
+}
+
+pub fn hostname() -> String {
+    let mut buf = [0u8; 256];
+    // SAFETY: the buffer is valid for its length; gethostname NUL-terminates on success.
+    let ok = unsafe { libc::gethostname(buf.as_mut_ptr().cast(), buf.len()) } == 0;
+    if !ok {
+        return "unknown".into();
+    }
+    let end = buf.iter().position(|b| *b == 0).unwrap_or(buf.len());
+    String::from_utf8_lossy(&buf[..end]).into_owned()
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn timestamps_are_rfc3339() {
+        let t = super::timestamp();
+        assert_eq!(t.len(), 24, "{t}");
+        assert!(t.ends_with('Z') && t.as_bytes()[10] == b'T', "{t}");
+    }
+}
