@@ -1,0 +1,450 @@
+//! `pack`: chat conversations → packed SFT sequences in Parquet, as Nemotron's SFT data prep
+//! makes them (reference: nemotron-recipes.md §1.7 "SFT chat → packed Parquet", §3, §6.4).
+//!
+//! ```yaml
+//! pack:
+//!   op: pack
+//!   inputs: {tokenizer: "tok:tokenizer", chat: "gen_chat:data"}
+//!   params: {chat_template: nano3, pack_size: 4096, algorithm: first_fit_shuffle}
+//! ```
+//!
+//! For every conversation ([`crate::chat`]): render it with the chat template, cut it into role
+//! chunks by incremental rendering, expand reasoning conversations into one sequence per user
+//! turn, tokenize each chunk on its own and set the loss mask to 1 exactly on assistant tokens.
+//! Rows that fail validation or render inconsistently are dropped and counted. Then, per shard
+//! ([`crate::packing`]): pack the sequences into bins of at most `pack_size` tokens (a
+//! conversation is never split; an over-long one is truncated and counted), materialize each
+//! bin with `seq_start_id` and the label-aligned mask, and write
+//! `shards/<dataset>/shard_<i:06d>.parquet` ([`crate::packed_parquet`]). Shards never mix
+//! datasets. Finally whole shards are split into train/valid/test by the ratio rule and a seeded
+//! shuffle, and `splits/<split>/<position:06d>__<dataset>__shard_<i:06d>.parquet` relative
+//! symlinks plus `blend.json` record the result.
+//!
+//! Inputs: `tokenizer` (a tokenizer.json), optional `chat_template` (a Jinja file) or
+//! `tokenizer_config` (a Hugging Face tokenizer_config.json with `chat_template`); every other
+//! input is a chat JSONL dataset.
+
+use crate::chat::{
+    self, ChatOptions, ChatStats, ChatTemplate, RowConfig, RowFields, TemplateSource,
+};
+use crate::packing::{self, Algorithm, PackStats, Sequence};
+use crate::text::files_of;
+use crate::{
+    DeclError, Metrics, Op, RunContext, RunError, StageDecl, packed_parquet, typed_params,
+};
+use rayon::prelude::*;
+use serde::Deserialize;
+use serde_json::{Value, json};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+pub struct Pack;
+
+const RESERVED_INPUTS: [&str; 3] = ["tokenizer", "chat_template", "tokenizer_config"];
+
+fn d_template() -> String {
+    "nano3".into()
+}
+fn d_pack_size() -> usize {
+    4096
+}
+fn d_algorithm() -> String {
+    "first_fit_shuffle".into()
+}
+fn d_seed() -> u64 {
+    42
+}
+fn d_one() -> usize {
+    1
+}
+fn d_train() -> f64 {
+    0.98
+}
+fn d_split() -> f64 {
+    0.01
+}
+fn d_messages() -> String {
+    "messages".into()
+}
+fn d_tools() -> String {
+    "tools".into()
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Params {
+    /// A bundled template name (`nano3`) or an inline Jinja template; a template file is given
+    /// as the input `chat_template` instead (so its content is part of the key).
+    #[serde(default = "d_template")]
+    chat_template: String,
+    #[serde(default = "d_pack_size")]
+    pack_size: usize,
+    #[serde(default = "d_algorithm")]
+    algorithm: String,
+    #[serde(default = "d_seed")]
+    seed: u64,
+    #[serde(default = "d_one")]
+    num_shards: usize,
+    #[serde(default = "d_train")]
+    train_ratio: f64,
+    #[serde(default = "d_split")]
+    valid_ratio: f64,
+    #[serde(default = "d_split")]
+    test_ratio: f64,
+    #[serde(default)]
+    max_doc_tokens: Option<usize>,
+    #[serde(default = "d_messages")]
+    messages_field: String,
+    #[serde(default = "d_tools")]
+    tools_field: String,
+    #[serde(default)]
+    used_in_filter: Option<String>,
+    #[serde(default)]
+    truncate_history_thinking: Option<bool>,
+    /// Read only the first N rows of each dataset (into one shard).
+    #[serde(default)]
+    sample: Option<usize>,
+    /// Dataset (input name) → weight; 1 when not given. With non-uniform weights each split
+    /// keeps whole shards so that its row mix matches the weights (§1.7 step 12).
+    #[serde(default)]
+    weights: BTreeMap<String, f64>,
+}
+
+impl Params {
+    fn algorithm(&self) -> Result<Algorithm, String> {
+        Algorithm::from_name(&self.algorithm, self.seed)
+    }
+}
+
+impl Op for Pack {
+    fn name(&self) -> &'static str {
+        "pack"
+    }
+
+    fn version(&self) -> u32 {
+        1
+    }
+
+    fn summary(&self) -> &'static str {
+        "chat JSONL → chat-templated, loss-masked, packed Parquet shards + train/valid/test splits"
+    }
+
+    fn check(&self, stage: &StageDecl) -> Result<(), DeclError> {
+        let p: Params = typed_params(stage.params)?;
+        if !stage.inputs.contains(&"tokenizer") {
+            return Err(DeclError::new(
+                &["inputs"],
+                "pack needs an input named `tokenizer` (a tokenizer.json)",
+            ));
+        }
+        if !stage.inputs.iter().any(|i| !RESERVED_INPUTS.contains(i)) {
+            return Err(DeclError::new(
+                &["inputs"],
+                "pack needs at least one chat JSONL input besides `tokenizer`",
+            ));
+        }
+        if !stage.outputs.is_empty() {
+            return Err(DeclError::new(
+                &["outputs"],
+                "pack names its own output (`data`)",
+            ));
+        }
+        p.algorithm()
+            .map_err(|e| DeclError::new(&["params", "algorithm"], e))?;
+        if p.pack_size == 0 || p.num_shards == 0 {
+            return Err(DeclError::new(
+                &["params", "pack_size"],
+                "pack_size and num_shards must be at least 1",
+            ));
+        }
+        packing::split_shard_counts(p.num_shards, p.train_ratio, p.valid_ratio, p.test_ratio)
+            .map_err(|e| DeclError::new(&["params", "train_ratio"], e))?;
+        for (name, w) in &p.weights {
+            if !stage.inputs.contains(&name.as_str()) || RESERVED_INPUTS.contains(&name.as_str()) {
+                return Err(DeclError::new(
+                    &["params", "weights", name],
+                    format!("`{name}` is not a dataset input of this stage"),
+                ));
+            }
+            if !(*w >= 0.0 && w.is_finite()) {
+                return Err(DeclError::new(
+                    &["params", "weights", name],
+                    "a weight must be ≥ 0",
+                ));
+            }
+        }
+        let has_file =
+            stage.inputs.contains(&"chat_template") || stage.inputs.contains(&"tokenizer_config");
+        if !has_file {
+            ChatTemplate::load(&param_template(&p.chat_template))
+                .map_err(|e| DeclError::new(&["params", "chat_template"], e))?;
+        }
+        Ok(())
+    }
+
+    fn outputs(&self, _stage: &StageDecl) -> BTreeMap<String, String> {
+        BTreeMap::from([("data".to_string(), "data".to_string())])
+    }
+
+    fn run(&self, ctx: &mut RunContext) -> Result<Metrics, RunError> {
+        let p: Params = typed_params(ctx.stage.params).map_err(|e| RunError(e.message))?;
+        let (tokenizer, _) = crate::load_tokenizer(ctx.inputs)?;
+        let source = match (
+            ctx.inputs.get("chat_template"),
+            ctx.inputs.get("tokenizer_config"),
+        ) {
+            (Some(f), _) => TemplateSource::File(f.clone()),
+            (None, Some(f)) => TemplateSource::TokenizerConfig(f.clone()),
+            (None, None) => param_template(&p.chat_template),
+        };
+        let template =
+            ChatTemplate::load(&source).map_err(|e| RunError(format!("chat template: {e}")))?;
+        let algorithm = p.algorithm().map_err(RunError)?;
+        let mut chat_opts = ChatOptions::default();
+        if let Some(t) = p.truncate_history_thinking {
+            chat_opts.truncate_history_thinking = t;
+        }
+        let cfg = RowConfig {
+            fields: RowFields {
+                messages_field: p.messages_field.clone(),
+                tools_field: p.tools_field.clone(),
+            },
+            used_in_filter: p.used_in_filter.clone(),
+            max_doc_tokens: p.max_doc_tokens,
+            chat: chat_opts,
+            ..Default::default()
+        };
+
+        // Rows of every dataset, dealt into shards (row i → shard i mod n).
+        let shards_per_dataset = if p.sample.is_some() { 1 } else { p.num_shards };
+        let mut jobs: Vec<(String, usize, Vec<String>)> = Vec::new();
+        for (name, path) in ctx
+            .inputs
+            .iter()
+            .filter(|(n, _)| !RESERVED_INPUTS.contains(&n.as_str()))
+        {
+            let mut rows = Vec::new();
+            for file in files_of(path)? {
+                let text = std::fs::read_to_string(&file)
+                    .map_err(|e| RunError(format!("{}: {e}", file.display())))?;
+                rows.extend(
+                    text.lines()
+                        .filter(|l| !l.trim().is_empty())
+                        .map(str::to_string),
+                );
+            }
+            if let Some(n) = p.sample {
+                rows.truncate(n);
+            }
+            let mut dealt: Vec<Vec<String>> = vec![Vec::new(); shards_per_dataset];
+            for (i, row) in rows.into_iter().enumerate() {
+                dealt[i % shards_per_dataset].push(row);
+            }
+            jobs.extend(
+                dealt
+                    .into_iter()
+                    .enumerate()
+                    .map(|(i, rows)| (name.clone(), i, rows)),
+            );
+        }
+
+        let out = ctx.out_dir.join("data");
+        let encode = |text: &str| -> Vec<u32> {
+            // A plain tokenizer.json (no truncation or padding configured) cannot fail here.
+            tokenizer
+                .encode_fast(text, false)
+                .map(|e| e.get_ids().to_vec())
+                .unwrap_or_default()
+        };
+        let results: Vec<Result<ShardOut, RunError>> = jobs
+            .par_iter()
+            .map(|(dataset, index, rows)| {
+                let mut stats = ChatStats::default();
+                let mut seqs = Vec::new();
+                for row in rows {
+                    if let Ok(found) = chat::process_row(&template, row, &cfg, encode, &mut stats) {
+                        seqs.extend(
+                            found
+                                .into_iter()
+                                .map(|(tokens, mask)| Sequence { tokens, mask }),
+                        );
+                    }
+                }
+                let lengths: Vec<usize> = seqs.iter().map(|s| s.tokens.len()).collect();
+                let bins = packing::pack(&lengths, p.pack_size, &algorithm);
+                let rows: Vec<_> = bins
+                    .iter()
+                    .map(|b| packing::materialize(&seqs, b, p.pack_size))
+                    .collect();
+                let rel = PathBuf::from("shards")
+                    .join(dataset)
+                    .join(format!("shard_{index:06}.parquet"));
+                let path = out.join(&rel);
+                if let Some(parent) = path.parent() {
+                    std::fs::create_dir_all(parent)?;
+                }
+                packed_parquet::write(&path, &rows).map_err(|e| RunError(e.to_string()))?;
+                Ok(ShardOut {
+                    dataset: dataset.clone(),
+                    index: *index,
+                    rel,
+                    chat: stats,
+                    pack: PackStats::compute(&lengths, bins.len(), p.pack_size),
+                })
+            })
+            .collect();
+        let mut shards = Vec::with_capacity(results.len());
+        for r in results {
+            shards.push(r?);
+        }
+
+        // Whole shards into splits, then symlinks and blend.json.
+        let (_, valid_n, test_n) =
+            packing::split_shard_counts(shards.len(), p.train_ratio, p.valid_ratio, p.test_ratio)
+                .map_err(RunError)?;
+        let (train, valid, test) =
+            packing::assign_splits(shards.iter().collect(), p.seed, valid_n, test_n);
+        let weight = |d: &str| p.weights.get(d).copied().unwrap_or(1.0);
+        let (train, valid, test) = (
+            weighted(train, &p.weights),
+            weighted(valid, &p.weights),
+            weighted(test, &p.weights),
+        );
+        if train.is_empty() {
+            return Err(RunError(
+                "the train split has no shard: add data, shards, or weight".into(),
+            ));
+        }
+        let mut blend = serde_json::Map::new();
+        let mut split_rows = serde_json::Map::new();
+        for (split, list) in [("train", &train), ("valid", &valid), ("test", &test)] {
+            let dir = out.join("splits").join(split);
+            std::fs::create_dir_all(&dir)?;
+            let mut entries = Vec::new();
+            for (pos, s) in list.iter().enumerate() {
+                let name = format!("{pos:06}__{}__shard_{:06}.parquet", s.dataset, s.index);
+                std::os::unix::fs::symlink(Path::new("../..").join(&s.rel), dir.join(&name))?;
+                entries.push(Value::from(crate::format_weight(weight(&s.dataset))));
+                entries.push(Value::from(format!("splits/{split}/{name}")));
+            }
+            blend.insert(split.into(), Value::Array(entries));
+            split_rows.insert(
+                format!("{split}_rows"),
+                Value::from(
+                    list.iter()
+                        .map(|s| s.pack.num_packed_sequences)
+                        .sum::<usize>(),
+                ),
+            );
+        }
+        let text = serde_json::to_string_pretty(&Value::Object(blend))
+            .map_err(|e| RunError(e.to_string()))?;
+        std::fs::write(out.join("blend.json"), text + "\n")?;
+
+        // Totals over all shards.
+        let lengths_total: usize = shards.iter().map(|s| s.pack.total_tokens).sum();
+        let seqs: usize = shards.iter().map(|s| s.pack.num_sequences).sum();
+        let bins: usize = shards.iter().map(|s| s.pack.num_packed_sequences).sum();
+        let sum = |f: fn(&ChatStats) -> u64| shards.iter().map(|s| f(&s.chat)).sum::<u64>();
+        let factor = if bins == 0 {
+            0.0
+        } else {
+            packing::py_round(seqs as f64 / bins as f64, 2)
+        };
+        let efficiency = if bins == 0 {
+            0.0
+        } else {
+            packing::py_round(
+                lengths_total as f64 / (bins * p.pack_size) as f64 * 100.0,
+                1,
+            )
+        };
+        writeln!(
+            ctx.log,
+            "{} rows → {seqs} sequences → {bins} packed rows of ≤ {} tokens (factor {factor}, efficiency {efficiency}%); {} rows dropped",
+            sum(|c| c.num_input_rows),
+            p.pack_size,
+            sum(|c| c.num_filtered)
+        )?;
+        let mut m = Metrics::new();
+        m.insert("pack_size".into(), Value::from(p.pack_size));
+        m.insert("num_rows".into(), Value::from(sum(|c| c.num_input_rows)));
+        m.insert("num_sequences".into(), Value::from(seqs));
+        m.insert("num_packed_sequences".into(), Value::from(bins));
+        m.insert("total_tokens".into(), Value::from(lengths_total));
+        m.insert(
+            "num_truncated_to_pack_size".into(),
+            Value::from(
+                shards
+                    .iter()
+                    .map(|s| s.pack.num_truncated_to_pack_size)
+                    .sum::<usize>(),
+            ),
+        );
+        m.insert("packing_factor".into(), json!(factor));
+        m.insert("packing_efficiency".into(), json!(efficiency));
+        m.insert("num_filtered".into(), Value::from(sum(|c| c.num_filtered)));
+        m.insert(
+            "num_validation_errors".into(),
+            Value::from(sum(|c| c.num_validation_errors)),
+        );
+        m.insert("num_errors".into(), Value::from(sum(|c| c.num_errors)));
+        m.insert(
+            "num_truncated".into(),
+            Value::from(sum(|c| c.num_truncated)),
+        );
+        m.insert("num_shards".into(), Value::from(shards.len()));
+        m.insert("data_format".into(), Value::from("packed_sft_parquet"));
+        for (k, v) in split_rows {
+            m.insert(k, v);
+        }
+        Ok(m)
+    }
+}
+
+struct ShardOut {
+    dataset: String,
+    index: usize,
+    rel: PathBuf,
+    chat: ChatStats,
+    pack: PackStats,
+}
+
+/// A split's shards after weighting: zero-weight datasets leave; with non-uniform weights,
+/// whole shards are subsampled to match them ([`packing::subsample_by_weight`]).
+fn weighted<'a>(list: Vec<&'a ShardOut>, weights: &BTreeMap<String, f64>) -> Vec<&'a ShardOut> {
+    let weight = |d: &str| weights.get(d).copied().unwrap_or(1.0);
+    let list: Vec<&ShardOut> = list
+        .into_iter()
+        .filter(|s| weight(&s.dataset) > 0.0)
+        .collect();
+    let mut names: Vec<&str> = list.iter().map(|s| s.dataset.as_str()).collect();
+    names.sort();
+    names.dedup();
+    let w: Vec<f64> = names.iter().map(|n| weight(n)).collect();
+    if w.windows(2).all(|x| x[0] == x[1]) {
+        return list;
+    }
+    let index: Vec<(usize, usize)> = list
+        .iter()
+        .map(|s| {
+            (
+                names.iter().position(|n| *n == s.dataset).unwrap_or(0),
+                s.pack.num_packed_sequences,
+            )
+        })
+        .collect();
+    packing::subsample_by_weight(&index, &w)
+        .into_iter()
+        .map(|i| list[i])
+        .collect()
+}
+
+/// A `chat_template` param: a bundled name, or inline Jinja (template files come as inputs).
+fn param_template(param: &str) -> TemplateSource {
+    if param.contains("{{") || param.contains("{%") {
+        TemplateSource::Inline(param.to_string())
+    } else {
+        TemplateSource::Bundled(param.to_string())
+    }
+}

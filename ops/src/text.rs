@@ -1,0 +1,358 @@
+//! Reading documents from dataset files: the one place that knows the input formats.
+//!
+//! - `.jsonl` / `.json` (JSON Lines): one document per line, its text in a configurable field
+//!   (`text` by default). A blank line is skipped.
+//! - `.parquet`: one document per row, its text in the same configurable column.
+//! - `.txt` / `.md` / any other file: the whole file is one document.
+//! - A directory: every file in it, recursively, in path order (hidden files skipped).
+//!
+//! Problems are never silent: a malformed JSON line, a missing or non-string text field, or
+//! invalid UTF-8 is an error naming the file and line — or, with [`OnBadRow::Skip`], a skip that
+//! is counted and reported in the artifact's metrics.
+
+use crate::RunError;
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize, Default)]
+#[serde(rename_all = "snake_case")]
+pub enum OnBadRow {
+    /// Stop with an error naming the file and line (the default).
+    #[default]
+    Fail,
+    /// Skip the row and count it.
+    Skip,
+}
+
+/// One document and where it came from.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Document {
+    pub text: String,
+    pub file: PathBuf,
+    /// 1-based line for JSONL rows; 0 for whole-file documents.
+    pub line: usize,
+}
+
+/// The files of an input (a file, or every file under a directory), sorted by path.
+pub fn files_of(path: &Path) -> Result<Vec<PathBuf>, RunError> {
+    let meta = std::fs::metadata(path).map_err(|e| RunError(format!("{}: {e}", path.display())))?;
+    if !meta.is_dir() {
+        return Ok(vec![path.to_path_buf()]);
+    }
+    let mut out = Vec::new();
+    let mut stack = vec![path.to_path_buf()];
+    while let Some(dir) = stack.pop() {
+        for entry in
+            std::fs::read_dir(&dir).map_err(|e| RunError(format!("{}: {e}", dir.display())))?
+        {
+            let entry = entry.map_err(|e| RunError(format!("{}: {e}", dir.display())))?;
+            if entry.file_name().to_string_lossy().starts_with('.') {
+                continue;
+            }
+            let p = entry.path();
+            if p.is_dir() {
+                stack.push(p);
+            } else {
+                out.push(p);
+            }
+        }
+    }
+    out.sort();
+    Ok(out)
+}
+
+fn is_parquet(path: &Path) -> bool {
+    path.extension().and_then(|e| e.to_str()) == Some("parquet")
+}
+
+fn is_jsonl(path: &Path) -> bool {
+    matches!(
+        path.extension().and_then(|e| e.to_str()),
+        Some("jsonl" | "json" | "ndjson")
+    )
+}
+
+/// Counts of rows that were read and skipped.
+#[derive(Debug, Default, Clone, Copy, PartialEq)]
+pub struct ReadStats {
+    pub rows: u64,
+    pub skipped: u64,
+}
+
+/// Call `each` with every document of `file`, in order, stopping after `limit` documents.
+pub fn read_documents(
+    file: &Path,
+    text_field: &str,
+    on_bad: OnBadRow,
+    limit: Option<u64>,
+    stats: &mut ReadStats,
+    mut each: impl FnMut(Document) -> Result<(), RunError>,
+) -> Result<(), RunError> {
+    let reached = |stats: &ReadStats| limit.is_some_and(|l| stats.rows >= l);
+    if is_parquet(file) {
+        return read_parquet(file, text_field, on_bad, limit, stats, each);
+    }
+    let bytes = std::fs::read(file).map_err(|e| RunError(format!("{}: {e}", file.display())))?;
+    if !is_jsonl(file) {
+        if reached(stats) {
+            return Ok(());
+        }
+        let text = String::from_utf8(bytes).map_err(|e| {
+            RunError(format!(
+                "{}: invalid UTF-8 at byte {}",
+                file.display(),
+                e.utf8_error().valid_up_to()
+            ))
+        });
+        match (text, on_bad) {
+            (Ok(text), _) => {
+                stats.rows += 1;
+                each(Document {
+                    text,
+                    file: file.to_path_buf(),
+                    line: 0,
+                })?;
+            }
+            (Err(_), OnBadRow::Skip) => stats.skipped += 1,
+            (Err(e), OnBadRow::Fail) => return Err(e),
+        }
+        return Ok(());
+    }
+    for (i, raw) in bytes.split(|b| *b == b'\n').enumerate() {
+        if reached(stats) {
+            break;
+        }
+        let line = i + 1;
+        if raw.iter().all(|b| b.is_ascii_whitespace()) {
+            continue;
+        }
+        match parse_row(raw, text_field) {
+            Ok(text) => {
+                stats.rows += 1;
+                each(Document {
+                    text,
+                    file: file.to_path_buf(),
+                    line,
+                })?;
+            }
+            Err(why) => match on_bad {
+                OnBadRow::Skip => stats.skipped += 1,
+                OnBadRow::Fail => {
+                    return Err(RunError(format!(
+                        "{}:{line}: {why} (set `on_bad_row: skip` to skip and count such rows)",
+                        file.display()
+                    )));
+                }
+            },
+        }
+    }
+    Ok(())
+}
+
+fn read_parquet(
+    file: &Path,
+    text_field: &str,
+    on_bad: OnBadRow,
+    limit: Option<u64>,
+    stats: &mut ReadStats,
+    mut each: impl FnMut(Document) -> Result<(), RunError>,
+) -> Result<(), RunError> {
+    use parquet::file::reader::{FileReader, SerializedFileReader};
+    use parquet::record::Field;
+    let at = |e: &dyn std::fmt::Display| RunError(format!("{}: {e}", file.display()));
+    let f = std::fs::File::open(file).map_err(|e| at(&e))?;
+    let reader = SerializedFileReader::new(f).map_err(|e| at(&e))?;
+    let columns: Vec<String> = reader
+        .metadata()
+        .file_metadata()
+        .schema_descr()
+        .root_schema()
+        .get_fields()
+        .iter()
+        .map(|c| c.name().to_string())
+        .collect();
+    if !columns.iter().any(|c| c == text_field) {
+        return Err(at(&format!(
+            "no column `{text_field}` (columns: {})",
+            columns.join(", ")
+        )));
+    }
+    for (i, row) in reader.get_row_iter(None).map_err(|e| at(&e))?.enumerate() {
+        if limit.is_some_and(|l| stats.rows >= l) {
+            break;
+        }
+        let row = row.map_err(|e| at(&e))?;
+        let text = row
+            .get_column_iter()
+            .find(|(name, _)| name.as_str() == text_field)
+            .and_then(|(_, v)| match v {
+                Field::Str(s) => Some(s.clone()),
+                _ => None,
+            });
+        match (text, on_bad) {
+            (Some(text), _) => {
+                stats.rows += 1;
+                each(Document {
+                    text,
+                    file: file.to_path_buf(),
+                    line: i + 1,
+                })?;
+            }
+            (None, OnBadRow::Skip) => stats.skipped += 1,
+            (None, OnBadRow::Fail) => {
+                return Err(RunError(format!(
+                    "{} row {}: `{text_field}` is null or not a string (set `on_bad_row: skip` to skip and count such rows)",
+                    file.display(),
+                    i + 1
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
+fn parse_row(raw: &[u8], text_field: &str) -> Result<String, String> {
+    let line = std::str::from_utf8(raw)
+        .map_err(|e| format!("invalid UTF-8 at byte {}", e.valid_up_to()))?;
+    let value: Value = serde_json::from_str(line).map_err(|e| format!("not valid JSON: {e}"))?;
+    match value.get(text_field) {
+        Some(Value::String(s)) => Ok(s.clone()),
+        Some(Value::Null) | None => Err(format!("no `{text_field}` field")),
+        Some(other) => Err(format!(
+            "`{text_field}` is not a string but {}",
+            kind(other)
+        )),
+    }
+}
+
+fn kind(v: &Value) -> &'static str {
+    match v {
+        Value::Null => "null",
+        Value::Bool(_) => "a boolean",
+        Value::Number(_) => "a number",
+        Value::String(_) => "a string",
+        Value::Array(_) => "a list",
+        Value::Object(_) => "an object",
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn tmp(name: &str, bytes: &[u8]) -> PathBuf {
+        let dir = std::env::temp_dir().join(format!("nemo-dag-text-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let p = dir.join(name);
+        std::fs::write(&p, bytes).unwrap();
+        p
+    }
+
+    fn read(p: &Path, on_bad: OnBadRow) -> Result<(Vec<String>, ReadStats), RunError> {
+        let mut docs = Vec::new();
+        let mut stats = ReadStats::default();
+        read_documents(p, "text", on_bad, None, &mut stats, |d| {
+            docs.push(d.text);
+            Ok(())
+        })?;
+        Ok((docs, stats))
+    }
+
+    #[test]
+    fn jsonl_errors_name_file_and_line_or_are_counted() {
+        let p = tmp(
+            "a.jsonl",
+            b"{\"text\": \"one\"}\n\n{\"txt\": \"x\"}\n{bad\n{\"text\": 5}\n{\"text\": \"two\"}\n",
+        );
+        let err = read(&p, OnBadRow::Fail).unwrap_err().0;
+        assert!(err.contains("a.jsonl:3: no `text` field"), "{err}");
+        let (docs, stats) = read(&p, OnBadRow::Skip).unwrap();
+        assert_eq!(docs, vec!["one", "two"]);
+        assert_eq!(
+            stats,
+            ReadStats {
+                rows: 2,
+                skipped: 3
+            }
+        );
+    }
+
+    #[test]
+    fn invalid_utf8_is_an_error() {
+        let p = tmp("b.jsonl", b"{\"text\": \"ok\"}\n{\"text\": \"\xff\"}\n");
+        let err = read(&p, OnBadRow::Fail).unwrap_err().0;
+        assert!(err.contains("b.jsonl:2: invalid UTF-8"), "{err}");
+        let p = tmp("c.txt", b"ab\xffcd");
+        assert!(
+            read(&p, OnBadRow::Fail)
+                .unwrap_err()
+                .0
+                .contains("invalid UTF-8")
+        );
+    }
+
+    #[test]
+    fn parquet_rows_are_documents_and_nulls_are_bad_rows() {
+        use parquet::data_type::{ByteArray, ByteArrayType};
+        use parquet::file::writer::SerializedFileWriter;
+        let schema = std::sync::Arc::new(
+            parquet::schema::parser::parse_message_type(
+                "message m { OPTIONAL BINARY text (UTF8); }",
+            )
+            .unwrap(),
+        );
+        let p = tmp("f.parquet", b"");
+        let mut w = SerializedFileWriter::new(
+            std::fs::File::create(&p).unwrap(),
+            schema,
+            Default::default(),
+        )
+        .unwrap();
+        let mut rg = w.next_row_group().unwrap();
+        let mut col = rg.next_column().unwrap().unwrap();
+        let values = [ByteArray::from("first doc"), ByteArray::from("third doc")];
+        col.typed::<ByteArrayType>()
+            .write_batch(&values, Some(&[1, 0, 1]), None)
+            .unwrap();
+        col.close().unwrap();
+        rg.close().unwrap();
+        w.close().unwrap();
+        let err = read(&p, OnBadRow::Fail).unwrap_err().0;
+        assert!(err.contains("f.parquet row 2"), "{err}");
+        let (docs, stats) = read(&p, OnBadRow::Skip).unwrap();
+        assert_eq!(docs, vec!["first doc", "third doc"]);
+        assert_eq!(
+            stats,
+            ReadStats {
+                rows: 2,
+                skipped: 1
+            }
+        );
+        let mut s = ReadStats::default();
+        let e = read_documents(&p, "body", OnBadRow::Fail, None, &mut s, |_| Ok(()))
+            .unwrap_err()
+            .0;
+        assert!(e.contains("no column `body` (columns: text)"), "{e}");
+    }
+
+    #[test]
+    fn a_text_file_is_one_document_and_limits_apply() {
+        let p = tmp("d.txt", b"line one\nline two\n");
+        assert_eq!(
+            read(&p, OnBadRow::Fail).unwrap().0,
+            vec!["line one\nline two\n"]
+        );
+        let p = tmp(
+            "e.jsonl",
+            b"{\"text\":\"1\"}\n{\"text\":\"2\"}\n{\"text\":\"3\"}\n",
+        );
+        let mut stats = ReadStats::default();
+        let mut n = 0;
+        read_documents(&p, "text", OnBadRow::Fail, Some(2), &mut stats, |_| {
+            n += 1;
+            Ok(())
+        })
+        .unwrap();
+        assert_eq!(n, 2);
+    }
+}

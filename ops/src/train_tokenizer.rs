@@ -1,0 +1,246 @@
+//! `train_tokenizer`: train a byte-level BPE tokenizer on a corpus, so a recipe needs no
+//! model hub.
+//!
+//! ```yaml
+//! tokenizer:
+//!   op: train_tokenizer
+//!   inputs: {corpus: data/shakespeare.txt, chat: "gen_chat:data"}
+//!   params:
+//!     vocab_size: 4096
+//!     special_tokens: ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>"]
+//! ```
+//!
+//! The model is GPT-2's design: text is split by GPT-2's regex into words, words are mapped to
+//! bytes (each byte one of 256 visible characters), and BPE merges are learned over those
+//! bytes, so every string round-trips and no token is unknown. Special tokens are added whole
+//! and never split. The output is a standard Hugging Face `tokenizer.json` that Python's
+//! `tokenizers` (and `transformers`) load. Training is deterministic for a fixed corpus: inputs
+//! are read in input-name order, files in path order.
+
+use crate::text::{self, OnBadRow, ReadStats};
+use crate::{DeclError, Metrics, Op, RunContext, RunError, StageDecl, typed_params};
+use serde::Deserialize;
+use serde_json::Value;
+use std::collections::BTreeMap;
+use tokenizers::models::bpe::{BPE, BpeTrainerBuilder};
+use tokenizers::pre_tokenizers::byte_level::ByteLevel;
+use tokenizers::{AddedToken, NormalizerWrapper, Tokenizer, TokenizerBuilder};
+
+pub struct TrainTokenizer;
+
+fn default_vocab() -> usize {
+    8192
+}
+fn default_min_frequency() -> u64 {
+    2
+}
+fn default_special() -> Vec<String> {
+    [
+        "<|endoftext|>",
+        "<|im_start|>",
+        "<|im_end|>",
+        "<think>",
+        "</think>",
+    ]
+    .map(String::from)
+    .to_vec()
+}
+fn default_text_field() -> String {
+    "text".into()
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Params {
+    #[serde(default = "default_vocab")]
+    vocab_size: usize,
+    #[serde(default = "default_min_frequency")]
+    min_frequency: u64,
+    #[serde(default = "default_special")]
+    special_tokens: Vec<String>,
+    /// The text field of JSONL inputs.
+    #[serde(default = "default_text_field")]
+    text_field: String,
+    #[serde(default)]
+    on_bad_row: OnBadRow,
+    /// Read only the first N documents of each input.
+    #[serde(default)]
+    sample: Option<u64>,
+}
+
+impl Op for TrainTokenizer {
+    fn name(&self) -> &'static str {
+        "train_tokenizer"
+    }
+
+    fn version(&self) -> u32 {
+        1
+    }
+
+    fn summary(&self) -> &'static str {
+        "train a byte-level BPE tokenizer.json on a corpus (no model hub needed)"
+    }
+
+    fn check(&self, stage: &StageDecl) -> Result<(), DeclError> {
+        let p: Params = typed_params(stage.params)?;
+        if p.vocab_size < 256 + p.special_tokens.len() {
+            return Err(DeclError::new(
+                &["params", "vocab_size"],
+                format!(
+                    "vocab_size {} is below the 256 byte tokens plus {} special tokens",
+                    p.vocab_size,
+                    p.special_tokens.len()
+                ),
+            ));
+        }
+        if stage.inputs.is_empty() {
+            return Err(
+                DeclError::new(&[], "train_tokenizer needs at least one input corpus")
+                    .with_help("add e.g. `inputs: {corpus: data/corpus.txt}`"),
+            );
+        }
+        if !stage.outputs.is_empty() {
+            return Err(DeclError::new(
+                &["outputs"],
+                "train_tokenizer names its own output (`tokenizer`)",
+            ));
+        }
+        Ok(())
+    }
+
+    fn outputs(&self, _stage: &StageDecl) -> BTreeMap<String, String> {
+        BTreeMap::from([("tokenizer".to_string(), "tokenizer.json".to_string())])
+    }
+
+    fn run(&self, ctx: &mut RunContext) -> Result<Metrics, RunError> {
+        let p: Params = typed_params(ctx.stage.params).map_err(|e| RunError(e.message))?;
+        let mut docs = Vec::new();
+        let mut stats = ReadStats::default();
+        for (name, path) in ctx.inputs {
+            let mut input_stats = ReadStats::default();
+            for file in text::files_of(path)? {
+                text::read_documents(
+                    &file,
+                    &p.text_field,
+                    p.on_bad_row,
+                    p.sample,
+                    &mut input_stats,
+                    |d| {
+                        docs.push(d.text);
+                        Ok(())
+                    },
+                )?;
+            }
+            writeln!(
+                ctx.log,
+                "input {name}: {} documents, {} skipped",
+                input_stats.rows, input_stats.skipped
+            )?;
+            stats.rows += input_stats.rows;
+            stats.skipped += input_stats.skipped;
+        }
+        let tokenizer = train(&docs, &p)?;
+        let out = ctx.out_dir.join("tokenizer.json");
+        tokenizer
+            .save(&out, true)
+            .map_err(|e| RunError(format!("cannot save {}: {e}", out.display())))?;
+        let vocab = tokenizer.get_vocab_size(true);
+        writeln!(
+            ctx.log,
+            "trained a {vocab}-token byte-level BPE on {} documents",
+            stats.rows
+        )?;
+        let mut m = Metrics::new();
+        m.insert("vocab_size".into(), Value::from(vocab));
+        m.insert("documents".into(), Value::from(stats.rows));
+        m.insert("skipped_rows".into(), Value::from(stats.skipped));
+        m.insert(
+            "bytes".into(),
+            Value::from(docs.iter().map(|d| d.len() as u64).sum::<u64>()),
+        );
+        Ok(m)
+    }
+}
+
+fn train(docs: &[String], p: &Params) -> Result<Tokenizer, RunError> {
+    let specials: Vec<AddedToken> = p
+        .special_tokens
+        .iter()
+        .map(|t| AddedToken::from(t.clone(), true))
+        .collect();
+    let mut trainer = BpeTrainerBuilder::new()
+        .show_progress(false)
+        .vocab_size(p.vocab_size)
+        .min_frequency(p.min_frequency)
+        .initial_alphabet(ByteLevel::alphabet().into_iter().collect())
+        .special_tokens(specials)
+        .build();
+    let byte_level = ByteLevel::new(false, true, true);
+    let mut tokenizer =
+        TokenizerBuilder::<BPE, NormalizerWrapper, ByteLevel, ByteLevel, ByteLevel>::new()
+            .with_model(BPE::default())
+            .with_normalizer(None)
+            .with_pre_tokenizer(Some(byte_level))
+            .with_post_processor(Some(byte_level))
+            .with_decoder(Some(byte_level))
+            .build()
+            .map_err(|e| RunError(format!("cannot build the tokenizer: {e}")))?;
+    tokenizer
+        .train(&mut trainer, docs.iter())
+        .map_err(|e| RunError(format!("BPE training failed: {e}")))?;
+    Ok(tokenizer.into())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn params(vocab: usize) -> Params {
+        serde_json::from_value(serde_json::json!({"vocab_size": vocab})).unwrap()
+    }
+
+    #[test]
+    fn training_is_deterministic_and_round_trips() {
+        let docs: Vec<String> = (0..200)
+            .map(|i| {
+                format!(
+                    "To be, or not to be: that is the question {i}. Whether 'tis nobler <|im_end|>"
+                )
+            })
+            .collect();
+        let a = train(&docs, &params(400)).unwrap();
+        let b = train(&docs, &params(400)).unwrap();
+        assert_eq!(a.to_string(true).unwrap(), b.to_string(true).unwrap());
+        let text = "To be, or not — ünïcode 🙂 <|im_start|>user";
+        let enc = a.encode(text, false).unwrap();
+        assert_eq!(a.decode(enc.get_ids(), false).unwrap(), text);
+        // Special tokens are single ids.
+        let id = a.token_to_id("<|im_start|>").unwrap();
+        assert!(enc.get_ids().contains(&id));
+    }
+
+    #[test]
+    fn vocab_below_the_byte_alphabet_is_rejected() {
+        let value = serde_json::json!({"vocab_size": 100});
+        let outputs = BTreeMap::new();
+        let decl = StageDecl {
+            name: "t",
+            params: &value,
+            inputs: vec!["c"],
+            outputs: &outputs,
+            cmd: None,
+        };
+        let err = TrainTokenizer.check(&decl).unwrap_err();
+        assert_eq!(err.path, vec!["params", "vocab_size"]);
+        let value = serde_json::json!({"vocab_sise": 1000});
+        let decl = StageDecl {
+            name: "t",
+            params: &value,
+            inputs: vec!["c"],
+            outputs: &outputs,
+            cmd: None,
+        };
+        let err = TrainTokenizer.check(&decl).unwrap_err();
+        assert!(err.message.contains("unknown field"), "{}", err.message);
+    }
+}
