@@ -1,0 +1,619 @@
+//! Data ops end to end: `train_tokenizer` → `tokenize`, checked against Python's `tokenizers`
+//! and a numpy reader of Megatron's format.
+//!
+//! `scripts/test` makes a virtual environment with `tokenizers` and `numpy` and points
+//! `NEMO_DAG_PYTHON` at it (and sets `NEMO_DAG_REQUIRE_PYTHON=1`); run alone without one, the
+//! Python comparisons say they skip.
+
+use nemo_dag_ops::megatron::IndexedReader;
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+mod common;
+
+use common::{Project, output};
+
+/// The absolute path of a stage's output, from `show --json`.
+fn output_path(p: &Project, manifest: &str, stage: &str, out: &str) -> PathBuf {
+    let v = p.json(&["show", stage, "--manifest", manifest, "--json"]);
+    PathBuf::from(v["outputs"][out]["path"].as_str().unwrap())
+}
+
+/// A small corpus with punctuation, numbers, unicode and special-token text.
+fn corpus(rows: usize) -> String {
+    let words = [
+        "the",
+        "quick",
+        "brown",
+        "fox",
+        "jumps",
+        "över",
+        "lazy",
+        "dög",
+        "—",
+        "42",
+        "3.14",
+        "naïve",
+        "café",
+        "🙂",
+        "<|im_end|>",
+    ];
+    (0..rows)
+        .map(|i| {
+            let n = 3 + (i * 7) % 11;
+            let text: Vec<&str> = (0..n)
+                .map(|j| words[(i * 31 + j * 17) % words.len()])
+                .collect();
+            serde_json::json!({ "text": format!("{} {i}.", text.join(" ")), "id": i }).to_string()
+        })
+        .collect::<Vec<_>>()
+        .join("\n")
+        + "\n"
+}
+
+fn manifest(tokenize_params: &str) -> String {
+    format!(
+        r#"
+stages:
+  tok:
+    op: train_tokenizer
+    inputs: {{corpus: corpus.jsonl}}
+    params: {{vocab_size: 600}}
+  data:
+    op: tokenize
+    inputs: {{tokenizer: "tok:tokenizer", corpus: corpus.jsonl}}
+    params: {tokenize_params}
+"#
+    )
+}
+
+fn python() -> Option<String> {
+    let candidate = std::env::var("NEMO_DAG_PYTHON").unwrap_or_else(|_| "python3".into());
+    let ok = Command::new(&candidate)
+        .args(["-c", "import tokenizers, numpy"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if ok {
+        return Some(candidate);
+    }
+    if std::env::var("NEMO_DAG_REQUIRE_PYTHON").as_deref() == Ok("1") {
+        panic!("NEMO_DAG_REQUIRE_PYTHON=1 but {candidate} cannot import tokenizers and numpy");
+    }
+    eprintln!(
+        "skipping the Python comparison: {candidate} lacks tokenizers/numpy (scripts/test installs them)"
+    );
+    None
+}
+
+fn check_with_python(p: &Project, manifest: &str) {
+    let Some(py) = python() else { return };
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/py/check_tokenize.py");
+    let tok = output_path(p, manifest, "tok", "tokenizer");
+    let data = output_path(p, manifest, "data", "data");
+    let mut cmd = Command::new(py);
+    cmd.arg(script)
+        .arg(&tok)
+        .arg(&data)
+        .arg(p.dir.join("corpus.jsonl"))
+        .arg("<|endoftext|>");
+    let out = output(cmd);
+    assert!(out.code == 0, "Python disagrees: {}", out);
+    assert!(out.stdout.as_str().starts_with("ok "), "{}", out);
+}
+
+/// Read shards with megatron-core's own `IndexedDataset` code and compare with our reader.
+fn check_with_megatron(data: &Path, prefixes: &[String]) {
+    let Some(py) = python() else { return };
+    let Ok(indexed) = std::env::var("NEMO_DAG_MEGATRON_INDEXED") else {
+        if std::env::var("NEMO_DAG_REQUIRE_PYTHON").as_deref() == Ok("1") {
+            panic!("NEMO_DAG_REQUIRE_PYTHON=1 but NEMO_DAG_MEGATRON_INDEXED is not set");
+        }
+        eprintln!(
+            "skipping the megatron-core check: NEMO_DAG_MEGATRON_INDEXED not set (scripts/test sets it)"
+        );
+        return;
+    };
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/py/megatron_read.py");
+    let mut cmd = Command::new(py);
+    cmd.arg(script)
+        .arg(indexed)
+        .args(prefixes.iter().map(|p| data.join(p)));
+    let out = output(cmd);
+    assert!(
+        out.code == 0,
+        "megatron-core could not read our shards: {}",
+        out
+    );
+    let lines: Vec<Value> = out
+        .stdout
+        .as_str()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), prefixes.len());
+    for (prefix, got) in prefixes.iter().zip(&lines) {
+        let ours = IndexedReader::open(&data.join(prefix)).unwrap();
+        let want: Vec<Vec<u32>> = (0..ours.len()).map(|i| ours.sequence(i).unwrap()).collect();
+        let theirs: Vec<Vec<u32>> = serde_json::from_value(got["sequences"].clone()).unwrap();
+        assert_eq!(
+            theirs, want,
+            "{prefix}: megatron-core reads different tokens"
+        );
+        assert_eq!(
+            got["documents"].as_u64().unwrap() as usize,
+            ours.num_documents()
+        );
+    }
+}
+
+#[test]
+fn token_ids_match_python_tokenizers_document_by_document() {
+    let p = Project::new("ids");
+    p.write("corpus.jsonl", &corpus(300));
+    p.write("m.yaml", &manifest("{num_shards: 1}"));
+    let out = p.run(&["run", "m.yaml"]);
+    assert!(out.code == 0, "{}", out);
+    let data = output_path(&p, "m.yaml", "data", "data");
+    let blend: Value =
+        serde_json::from_str(&std::fs::read_to_string(data.join("blend.json")).unwrap()).unwrap();
+    assert_eq!(
+        blend["train"],
+        serde_json::json!(["1.0", "datasets/corpus/shard_000000"])
+    );
+    assert_eq!(blend["valid"], serde_json::json!([]));
+    // Our own reader: 300 documents, each ending in EOS, int32 by default.
+    let reader = IndexedReader::open(&data.join("datasets/corpus/shard_000000")).unwrap();
+    assert_eq!(reader.len(), 300);
+    assert_eq!(reader.dtype().name(), "int32");
+    let idx = std::fs::read(data.join("datasets/corpus/shard_000000.idx")).unwrap();
+    assert_eq!(&idx[..9], b"MMIDIDX\x00\x00");
+    check_with_python(&p, "m.yaml");
+    check_with_megatron(&data, &["datasets/corpus/shard_000000".to_string()]);
+}
+
+#[test]
+fn shards_split_into_train_valid_test_and_match_python() {
+    let p = Project::new("split");
+    p.write("corpus.jsonl", &corpus(400));
+    p.write(
+        "m.yaml",
+        &manifest("{num_shards: 4, valid_shards: 1, test_shards: 1, dtype: auto}"),
+    );
+    let out = p.run(&["run", "m.yaml"]);
+    assert!(out.code == 0, "{}", out);
+    let data = output_path(&p, "m.yaml", "data", "data");
+    let blend: Value =
+        serde_json::from_str(&std::fs::read_to_string(data.join("blend.json")).unwrap()).unwrap();
+    let count = |s: &str| blend[s].as_array().unwrap().len() / 2;
+    assert_eq!(
+        (count("train"), count("valid"), count("test")),
+        (2, 1, 1),
+        "{blend}"
+    );
+    let mut all: Vec<String> = ["train", "valid", "test"]
+        .iter()
+        .flat_map(|s| {
+            blend[*s]
+                .as_array()
+                .unwrap()
+                .iter()
+                .skip(1)
+                .step_by(2)
+                .map(|v| v.as_str().unwrap().to_string())
+        })
+        .collect();
+    all.sort();
+    assert_eq!(
+        all,
+        (0..4)
+            .map(|i| format!("datasets/corpus/shard_{i:06}"))
+            .collect::<Vec<_>>()
+    );
+    // A 600-token vocabulary fits uint16, which `auto` picks; rows are disjoint across shards.
+    let mut docs = 0;
+    for prefix in &all {
+        let r = IndexedReader::open(&data.join(prefix)).unwrap();
+        assert_eq!(r.dtype().name(), "uint16");
+        docs += r.len();
+    }
+    assert_eq!(docs, 400);
+    check_with_megatron(&data, &all);
+    let show = p.json(&["show", "data", "--manifest", "m.yaml", "--json"]);
+    let m = &show["metrics"];
+    assert_eq!(m["documents"], 400);
+    assert_eq!(
+        m["train_tokens"].as_u64().unwrap()
+            + m["valid_tokens"].as_u64().unwrap()
+            + m["test_tokens"].as_u64().unwrap(),
+        m["total_tokens"].as_u64().unwrap()
+    );
+    check_with_python(&p, "m.yaml");
+}
+
+#[test]
+fn the_same_inputs_give_byte_identical_shards() {
+    let p = Project::new("determinism");
+    p.write("corpus.jsonl", &corpus(200));
+    p.write("m.yaml", &manifest("{num_shards: 3, valid_shards: 1}"));
+    let a = p.json(&["run", "m.yaml", "--json", "--store", "a"]);
+    let b = p.json(&["run", "m.yaml", "--json", "--store", "b"]);
+    let keys = |v: &Value| -> Vec<(String, String, String)> {
+        v["stages"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|s| {
+                (
+                    s["name"].to_string(),
+                    s["key"].to_string(),
+                    s["state"].to_string(),
+                )
+            })
+            .collect()
+    };
+    assert_eq!(keys(&a), keys(&b), "two stores, same keys, both executed");
+    let digest = |store: &str| {
+        let v = p.json(&[
+            "show",
+            "data",
+            "--manifest",
+            "m.yaml",
+            "--store",
+            store,
+            "--json",
+        ]);
+        v["outputs"]["data"]["digest"].as_str().unwrap().to_string()
+    };
+    assert_eq!(digest("a"), digest("b"));
+}
+
+#[test]
+fn a_malformed_row_fails_the_stage_naming_file_and_line_or_is_counted() {
+    let p = Project::new("bad");
+    let mut rows = corpus(5);
+    rows.push_str("{\"text\": \"ok\"\n{\"txt\": \"no text field\"}\n");
+    p.write("corpus.jsonl", &rows);
+    p.write("clean.jsonl", &corpus(50));
+    let m = r#"
+stages:
+  tok:
+    op: train_tokenizer
+    inputs: {corpus: clean.jsonl}
+    params: {vocab_size: 400}
+  data:
+    op: tokenize
+    inputs: {tokenizer: "tok:tokenizer", corpus: corpus.jsonl}
+    params: {on_bad_row: fail}
+"#;
+    p.write("m.yaml", m);
+    let out = p.run(&["run", "m.yaml"]);
+    assert_eq!(out.code, 1, "{}", out);
+    assert!(
+        out.to_string().contains("corpus.jsonl:6: not valid JSON"),
+        "{}",
+        out
+    );
+    p.write("m.yaml", &m.replace("on_bad_row: fail", "on_bad_row: skip"));
+    let out = p.run(&["run", "m.yaml"]);
+    assert!(out.code == 0, "{}", out);
+    let show = p.json(&["show", "data", "--manifest", "m.yaml", "--json"]);
+    assert_eq!(show["metrics"]["skipped_rows"], 2);
+    assert_eq!(show["metrics"]["documents"], 5);
+}
+
+#[test]
+fn bad_tokenize_params_are_manifest_errors() {
+    let p = Project::new("params");
+    p.write("corpus.jsonl", &corpus(5));
+    for (params, needle) in [
+        (
+            "{datasets: [{input: corpus}], train: [{input: corpus}]}",
+            "not both",
+        ),
+        (
+            "{num_shards: 2, valid_shards: 1, test_shards: 1}",
+            "leaves no shard for train",
+        ),
+        ("{dtype: int8}", "use int32, uint16 or auto"),
+        (
+            "{datasets: [{input: nope}]}",
+            "`nope` is not a dataset input",
+        ),
+        ("{shards: 2}", "unknown field `shards`"),
+    ] {
+        p.write("m.yaml", &manifest(params));
+        let out = p.run(&["validate", "m.yaml"]);
+        assert_eq!(out.code, 2, "{params}: {}", out);
+        assert!(
+            out.to_string().contains(needle),
+            "{params}: expected `{needle}` in {}",
+            out
+        );
+    }
+}
+
+#[test]
+fn rl_data_writes_gym_jsonl_splits_and_rejects_rows_without_answers() {
+    let p = Project::new("rl");
+    let rows: String = (0..100)
+        .map(|i| serde_json::json!({"question": format!("What is {i} + {i}?"), "expected_answer": (2 * i).to_string()}).to_string() + "\n")
+        .collect();
+    p.write("prompts.jsonl", &rows);
+    let m = r#"
+stages:
+  rl:
+    op: rl_data
+    inputs: {prompts: prompts.jsonl}
+    params: {valid_fraction: 0.1, test_fraction: 0.1}
+"#;
+    p.write("m.yaml", m);
+    let out = p.run(&["run", "m.yaml"]);
+    assert!(out.code == 0, "{}", out);
+    let data = output_path(&p, "m.yaml", "rl", "data");
+    let manifest: Value =
+        serde_json::from_str(&std::fs::read_to_string(data.join("manifest.json")).unwrap())
+            .unwrap();
+    assert_eq!(
+        manifest,
+        serde_json::json!({"train": "train.jsonl", "val": "val.jsonl", "test": "test.jsonl"})
+    );
+    let lines = |f: &str| -> Vec<Value> {
+        std::fs::read_to_string(data.join(f))
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect()
+    };
+    let (train, val, test) = (
+        lines("train.jsonl"),
+        lines("val.jsonl"),
+        lines("test.jsonl"),
+    );
+    assert_eq!((train.len(), val.len(), test.len()), (80, 10, 10));
+    let r = &train[0];
+    assert_eq!(r["agent_ref"]["name"], "math_with_judge");
+    let prompt = r["responses_create_params"]["input"][0]["content"]
+        .as_str()
+        .unwrap();
+    assert!(
+        prompt.contains("\\boxed{}") && prompt.ends_with(r["question"].as_str().unwrap()),
+        "{prompt}"
+    );
+    // Every question appears exactly once across the splits.
+    let mut questions: Vec<String> = train
+        .iter()
+        .chain(&val)
+        .chain(&test)
+        .map(|r| r["question"].as_str().unwrap().to_string())
+        .collect();
+    questions.sort();
+    questions.dedup();
+    assert_eq!(questions.len(), 100);
+
+    p.write("prompts.jsonl", &(rows + "{\"question\": \"no answer\"}\n"));
+    let out = p.run(&["run", "m.yaml"]);
+    assert_eq!(out.code, 1, "{}", out);
+    assert!(
+        out.to_string()
+            .contains("prompts.jsonl:101: missing `expected_answer`"),
+        "{}",
+        out
+    );
+}
+
+/// Chat conversations about sums, some multi-turn, some with reasoning.
+fn chat_rows(n: usize) -> String {
+    (0..n)
+        .map(|i| {
+            let (a, b) = (i % 17, (i * 7) % 23);
+            let mut messages = vec![
+                serde_json::json!({"role": "system", "content": "You add numbers."}),
+                serde_json::json!({"role": "user", "content": format!("What is {a} + {b}?")}),
+            ];
+            let mut answer =
+                serde_json::json!({"role": "assistant", "content": format!("{}", a + b)});
+            if i % 3 == 0 {
+                answer["reasoning_content"] =
+                    serde_json::json!(format!("{a} plus {b} makes {}.", a + b));
+            }
+            messages.push(answer);
+            if i % 4 == 0 {
+                messages.push(serde_json::json!({"role": "user", "content": "And doubled?"}));
+                messages.push(
+                    serde_json::json!({"role": "assistant", "content": format!("{}", 2 * (a + b))}),
+                );
+            }
+            serde_json::json!({ "messages": messages }).to_string() + "\n"
+        })
+        .collect()
+}
+
+#[test]
+fn pack_writes_masked_packed_parquet_shards_and_splits() {
+    let p = Project::new("pack");
+    let mut rows = chat_rows(200);
+    // A tool call without a `# Tools` header is dropped and counted (§1.7 step 2).
+    rows.push_str(&(serde_json::json!({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "<tool_call>x</tool_call>"}]}).to_string() + "\n"));
+    p.write("chat.jsonl", &rows);
+    // The tokenizer is trained on the raw JSON lines, read as one text file: fine for a test.
+    p.write("chat.txt", &rows);
+    p.write(
+        "m.yaml",
+        r#"
+stages:
+  tok:
+    op: train_tokenizer
+    inputs: {corpus: chat.txt}
+    params: {vocab_size: 400}
+  sft:
+    op: pack
+    inputs: {tokenizer: "tok:tokenizer", chat: chat.jsonl}
+    params: {pack_size: 96, num_shards: 4, train_ratio: 0.5, valid_ratio: 0.25, test_ratio: 0.25}
+"#,
+    );
+    let out = p.run(&["run", "m.yaml"]);
+    assert!(out.code == 0, "{}", out);
+    let data = output_path(&p, "m.yaml", "sft", "data");
+    let tok =
+        tokenizers::Tokenizer::from_file(output_path(&p, "m.yaml", "tok", "tokenizer")).unwrap();
+
+    let show = p.json(&["show", "sft", "--manifest", "m.yaml", "--json"]);
+    let m = &show["metrics"];
+    assert_eq!(m["num_rows"], 201);
+    assert_eq!(m["num_validation_errors"], 1, "{m}");
+    // Reasoning conversations with two user turns expand into two sequences.
+    assert!(m["num_sequences"].as_u64().unwrap() > 200, "{m}");
+    assert!(m["packing_factor"].as_f64().unwrap() > 1.0, "{m}");
+
+    let blend: Value =
+        serde_json::from_str(&std::fs::read_to_string(data.join("blend.json")).unwrap()).unwrap();
+    let count = |s: &str| blend[s].as_array().unwrap().len() / 2;
+    assert_eq!(
+        (count("train"), count("valid"), count("test")),
+        (2, 1, 1),
+        "{blend}"
+    );
+    let mut trained_answers = 0;
+    for split in ["train", "valid", "test"] {
+        for entry in std::fs::read_dir(data.join("splits").join(split)).unwrap() {
+            let path = entry.unwrap().path();
+            assert!(path.symlink_metadata().unwrap().file_type().is_symlink());
+            for row in nemo_dag_ops::packed_parquet::read(&path).unwrap() {
+                let n = row.input_ids.len();
+                assert!(n <= 96 && n == row.loss_mask.len());
+                assert_eq!(row.seq_start_id[0], 0);
+                assert!(row.seq_start_id.windows(2).all(|w| w[0] < w[1]));
+                assert!((*row.seq_start_id.last().unwrap() as usize) < n);
+                // Label alignment: the trained label tokens of each subsequence decode to the
+                // assistant's answer and end-of-turn, never to the prompt.
+                let mut bounds: Vec<usize> = row.seq_start_id.iter().map(|s| *s as usize).collect();
+                bounds.push(n);
+                for w in bounds.windows(2) {
+                    let (s, e) = (w[0], w[1]);
+                    assert_eq!(
+                        row.loss_mask[e - 1],
+                        0,
+                        "the last position of a subsequence is never trained"
+                    );
+                    let labels: Vec<u32> = (s..e - 1)
+                        .filter(|j| row.loss_mask[*j] == 1)
+                        .map(|j| row.input_ids[j + 1] as u32)
+                        .collect();
+                    let text = tok.decode(&labels, false).unwrap();
+                    assert!(
+                        !text.contains("What is") && !text.contains("You add"),
+                        "trained on the prompt: {text:?}"
+                    );
+                    if text.contains("<|im_end|>") {
+                        trained_answers += 1;
+                    }
+                }
+            }
+        }
+    }
+    assert!(trained_answers > 200, "{trained_answers}");
+}
+
+/// The shipped data-prep recipe composes every data op and runs from nothing in seconds.
+#[test]
+fn the_data_prep_recipe_runs_tiny_end_to_end_and_then_is_cached() {
+    let p = Project::new("recipe");
+    let manifests = Path::new(env!("CARGO_MANIFEST_DIR")).join("../manifests");
+    p.write(
+        "data-prep.yaml",
+        &std::fs::read_to_string(manifests.join("data-prep.yaml")).unwrap(),
+    );
+    std::fs::create_dir_all(p.dir.join("data-prep")).unwrap();
+    p.write(
+        "data-prep/tiny.yaml",
+        &std::fs::read_to_string(manifests.join("data-prep/tiny.yaml")).unwrap(),
+    );
+    let first = p.json(&["run", "data-prep.yaml", "-c", "tiny", "--json"]);
+    let states: Vec<&str> = first["stages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["state"].as_str().unwrap())
+        .collect();
+    assert_eq!(states, vec!["executed"; 5], "{first}");
+    let again = p.json(&["run", "data-prep.yaml", "-c", "tiny", "--json"]);
+    assert!(
+        again["stages"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|s| s["state"] == "cached"),
+        "{again}"
+    );
+    let sft = p.json(&["show", "sft_data", "--manifest", "data-prep.yaml", "--json"]);
+    assert_eq!(sft["metrics"]["num_rows"], 2000);
+    assert!(sft["metrics"]["packing_efficiency"].as_f64().unwrap() > 50.0);
+}
+
+#[test]
+fn pack_weights_subsample_whole_shards_to_the_weighted_mix() {
+    let p = Project::new("weights");
+    let rows = chat_rows(400);
+    p.write("a.jsonl", &rows);
+    p.write("b.jsonl", &rows);
+    p.write("chat.txt", &rows);
+    let manifest = |weights: &str| {
+        format!(
+            r#"
+stages:
+  tok:
+    op: train_tokenizer
+    inputs: {{corpus: chat.txt}}
+    params: {{vocab_size: 400}}
+  sft:
+    op: pack
+    inputs: {{tokenizer: "tok:tokenizer", a: a.jsonl, b: b.jsonl}}
+    params: {{pack_size: 96, num_shards: 4, train_ratio: 1.0, valid_ratio: 0.0, test_ratio: 0.0{weights}}}
+"#
+        )
+    };
+    let train_of = |p: &Project| -> Vec<Value> {
+        let data = output_path(p, "m.yaml", "sft", "data");
+        let blend: Value =
+            serde_json::from_str(&std::fs::read_to_string(data.join("blend.json")).unwrap())
+                .unwrap();
+        blend["train"].as_array().unwrap().clone()
+    };
+    p.write("m.yaml", &manifest(""));
+    assert!(p.run(&["run", "m.yaml"]).code == 0);
+    let uniform = train_of(&p);
+    assert_eq!(
+        uniform.len() / 2,
+        8,
+        "uniform weights keep every shard: {uniform:?}"
+    );
+    p.write("m.yaml", &manifest(", weights: {a: 3.0, b: 1.0}"));
+    let out = p.run(&["run", "m.yaml"]);
+    assert!(out.code == 0, "{}", out);
+    let weighted = train_of(&p);
+    let shards_of = |list: &[Value], d: &str| {
+        list.chunks(2)
+            .filter(|e| e[1].as_str().unwrap().contains(&format!("__{d}__")))
+            .count()
+    };
+    assert_eq!(shards_of(&weighted, "a"), 4, "{weighted:?}");
+    assert!(
+        (1..4).contains(&shards_of(&weighted, "b")),
+        "b is subsampled but keeps ≥ 1 shard: {weighted:?}"
+    );
+    assert!(weighted.chunks(2).all(|e| e[0]
+        == if e[1].as_str().unwrap().contains("__a__") {
+            "3.0"
+        } else {
+            "1.0"
+        }));
+    p.write("m.yaml", &manifest(", weights: {c: 1.0}"));
+    let out = p.run(&["validate", "m.yaml"]);
+    assert_eq!(out.code, 2);
+    assert!(
+        out.to_string().contains("`c` is not a dataset input"),
+        "{}",
+        out
+    );
+}

@@ -1,0 +1,308 @@
+//! Every bad input is exit code 2, a diagnostic on stderr that names the problem, and nothing
+//! written anywhere: no `.nemo-dag` store, and the project directory exactly as it was
+//! (docs/cli-contract.md, docs/manifest.md "Errors").
+
+mod common;
+
+use common::*;
+
+/// Run `nemo-dag ARGS` (and the same manifest through `validate` and `status`) and check the
+/// contract for bad input. `needles` must all appear in stderr (case-insensitive).
+fn assert_bad_input(p: &Project, args: &[&str], needles: &[&str]) {
+    let before = snapshot(&p.dir);
+    let mut commands: Vec<Vec<&str>> = vec![args.to_vec()];
+    // The same manifest and options through the read-only commands: the same error.
+    if args[0] == "run" {
+        for cmd in ["validate", "status"] {
+            let mut c = args.to_vec();
+            c[0] = cmd;
+            c.retain(|a| *a != "--json");
+            commands.push(c);
+        }
+    }
+    for argv in commands {
+        let out = p.run(&argv);
+        assert_eq!(out.code, 2, "nemo-dag {argv:?}: bad input exits 2\n{out}");
+        assert!(
+            out.stdout.trim().is_empty(),
+            "nemo-dag {argv:?}: nothing on stdout for bad input\n{out}"
+        );
+        // miette wraps long messages at 80 columns (even in the middle of a path) behind a `│`
+        // gutter, so compare with whitespace and gutters squeezed out of both sides.
+        let err = squash(&out.stderr);
+        for n in needles {
+            assert!(
+                err.contains(&squash(n)),
+                "nemo-dag {argv:?}: stderr should mention {n:?}\n{out}"
+            );
+        }
+        assert!(
+            !p.store().exists(),
+            "nemo-dag {argv:?}: bad input must not create the store\n{out}"
+        );
+        assert_eq!(
+            snapshot(&p.dir),
+            before,
+            "nemo-dag {argv:?}: bad input must write nothing\n{out}"
+        );
+    }
+}
+
+/// Lowercase, without whitespace or miette's `│` gutter.
+fn squash(s: &str) -> String {
+    s.chars()
+        .filter(|c| !c.is_whitespace() && *c != '│')
+        .flat_map(char::to_lowercase)
+        .collect()
+}
+
+fn with_manifest(test: &str, file: &str, text: &str) -> Project {
+    let p = Project::new(test);
+    p.write(file, text);
+    p
+}
+
+#[test]
+fn yaml_syntax_error() {
+    let p = with_manifest(
+        "yaml-syntax",
+        "broken.yaml",
+        "stages:\n  gen:\n    op: cmd\n    outputs: {o: [o.txt}\n    cmd: \"echo > {outputs.o}\"\n",
+    );
+    // The diagnostic points into the file: its name and the line (4).
+    assert_bad_input(&p, &["run", "broken.yaml"], &["broken.yaml:4"]);
+}
+
+#[test]
+fn toml_syntax_error() {
+    let p = with_manifest(
+        "toml-syntax",
+        "broken.toml",
+        "[stages.gen]\nop = \"cmd\"\noutputs = { o = \"o.txt\" \ncmd = \"echo > {outputs.o}\"\n",
+    );
+    assert_bad_input(&p, &["run", "broken.toml"], &["broken.toml:4"]);
+}
+
+#[test]
+fn jinja_undefined_variable() {
+    let p = with_manifest(
+        "jinja-undefined",
+        "t.yaml",
+        "vars: {n: 3}\nstages:\n  gen:\n    op: cmd\n    params: {n: {{ undefined_var }}}\n    outputs: {o: o.txt}\n    cmd: \"seq {params.n} > {outputs.o}\"\n",
+    );
+    // Strict templating: the name of the undefined variable is in the message or the snippet.
+    assert_bad_input(&p, &["run", "t.yaml"], &["t.yaml", "undefined_var"]);
+}
+
+#[test]
+fn jinja_syntax_error() {
+    let p = with_manifest(
+        "jinja-syntax",
+        "t.yaml",
+        "vars: {n: 3}\nstages:\n  gen:\n    op: cmd\n    params: {n: {{ n }}\n    outputs: {o: o.txt}\n    cmd: \"seq {params.n} > {outputs.o}\"\n{% if %}\n",
+    );
+    assert_bad_input(&p, &["run", "t.yaml"], &["t.yaml"]);
+}
+
+#[test]
+fn jinja_undefined_variable_in_toml() {
+    let p = with_manifest(
+        "jinja-undefined-toml",
+        "t.toml",
+        "[stages.gen]\nop = \"cmd\"\nparams = { n = {{ qqnum }} }\noutputs = { o = \"o.txt\" }\ncmd = \"seq {params.n} > {outputs.o}\"\n",
+    );
+    assert_bad_input(&p, &["run", "t.toml"], &["t.toml", "qqnum"]);
+}
+
+#[test]
+fn unknown_op() {
+    let p = with_manifest(
+        "unknown-op",
+        "m.yaml",
+        "stages:\n  gen:\n    op: frobnicate\n    outputs: {o: o.txt}\n    cmd: \"echo > {outputs.o}\"\n",
+    );
+    assert_bad_input(&p, &["run", "m.yaml"], &["frobnicate"]);
+}
+
+#[test]
+fn unknown_field_in_a_stage() {
+    let p = with_manifest(
+        "unknown-field",
+        "m.yaml",
+        "stages:\n  gen:\n    opp: cmd\n    outputs: {o: o.txt}\n    cmd: \"echo > {outputs.o}\"\n",
+    );
+    assert_bad_input(&p, &["run", "m.yaml"], &["opp"]);
+
+    // A typo next to a correct `op` as well.
+    let p = with_manifest(
+        "unknown-field-2",
+        "m.yaml",
+        "stages:\n  gen:\n    op: cmd\n    ouputs: {o: o.txt}\n    cmd: \"echo > o.txt\"\n",
+    );
+    assert_bad_input(&p, &["run", "m.yaml"], &["ouputs"]);
+}
+
+#[test]
+fn unknown_top_level_key() {
+    let p = with_manifest(
+        "unknown-top",
+        "m.toml",
+        "[varz]\nn = 3\n\n[stages.gen]\nop = \"cmd\"\noutputs = { o = \"o.txt\" }\ncmd = \"echo > {outputs.o}\"\n",
+    );
+    assert_bad_input(&p, &["run", "m.toml"], &["varz"]);
+}
+
+#[test]
+fn reference_to_a_missing_stage() {
+    // `nope` is not a stage. Per docs/manifest.md an input `NAME:OUTPUT` whose NAME is not a
+    // stage is read as a path, so this may be reported as a missing stage or a missing file;
+    // either way the message must name `nope`.
+    let p = with_manifest(
+        "bad-ref-stage",
+        "m.yaml",
+        "stages:\n  gen:\n    op: cmd\n    outputs: {o: o.txt}\n    cmd: \"echo > {outputs.o}\"\n  use:\n    op: cmd\n    inputs: {i: \"nope:out\"}\n    outputs: {o: o.txt}\n    cmd: \"cat {inputs.i} > {outputs.o}\"\n",
+    );
+    assert_bad_input(&p, &["run", "m.yaml"], &["nope"]);
+}
+
+#[test]
+fn reference_to_a_missing_output() {
+    let p = with_manifest(
+        "bad-ref-output",
+        "m.yaml",
+        "stages:\n  gen:\n    op: cmd\n    outputs: {o: o.txt}\n    cmd: \"echo > {outputs.o}\"\n  use:\n    op: cmd\n    inputs: {i: \"gen:missing_out\"}\n    outputs: {o: o.txt}\n    cmd: \"cat {inputs.i} > {outputs.o}\"\n",
+    );
+    assert_bad_input(&p, &["run", "m.yaml"], &["missing_out"]);
+}
+
+#[test]
+fn a_cycle_is_named_whole() {
+    let p = with_manifest(
+        "cycle",
+        "m.yaml",
+        r#"stages:
+  alpha:
+    op: cmd
+    inputs: {i: "gamma:o"}
+    outputs: {o: o.txt}
+    cmd: "cat {inputs.i} > {outputs.o}"
+  beta:
+    op: cmd
+    inputs: {i: "alpha:o"}
+    outputs: {o: o.txt}
+    cmd: "cat {inputs.i} > {outputs.o}"
+  gamma:
+    op: cmd
+    inputs: {i: "beta:o"}
+    outputs: {o: o.txt}
+    cmd: "cat {inputs.i} > {outputs.o}"
+  fine:
+    op: cmd
+    outputs: {o: o.txt}
+    cmd: "echo > {outputs.o}"
+"#,
+    );
+    assert_bad_input(&p, &["run", "m.yaml"], &["cycle", "alpha", "beta", "gamma"]);
+    // Named whole, as a closed path (`a → b → c → a`, any rotation, either direction); `fine`
+    // is not part of it.
+    let err = squash(&p.run(&["validate", "m.yaml"]).stderr);
+    let whole = (0..3).any(|i| {
+        let mut ring = ["alpha", "beta", "gamma"];
+        ring.rotate_left(i);
+        let fwd = [ring[0], ring[1], ring[2], ring[0]];
+        let back = [ring[0], ring[2], ring[1], ring[0]];
+        [fwd, back]
+            .iter()
+            .any(|path| err.contains(&path.join("→")) || err.contains(&path.join("->")))
+    });
+    assert!(whole, "the cycle is named whole, as a closed path:\n{err}");
+    assert!(!err.contains("fine→") && !err.contains("→fine"), "{err}");
+}
+
+#[test]
+fn a_self_cycle() {
+    let p = with_manifest(
+        "self-cycle",
+        "m.yaml",
+        "stages:\n  loop:\n    op: cmd\n    inputs: {i: \"loop:o\"}\n    outputs: {o: o.txt}\n    cmd: \"cat {inputs.i} > {outputs.o}\"\n",
+    );
+    assert_bad_input(&p, &["run", "m.yaml"], &["cycle", "loop"]);
+}
+
+#[test]
+fn unknown_override_key() {
+    let p = with_manifest("unknown-override", "m.yaml", TWO_STAGE_YAML);
+    assert_bad_input(&p, &["run", "m.yaml", "stages.gen.params.zzz=1"], &["zzz"]);
+    assert_bad_input(&p, &["run", "m.yaml", "vars.zzq=5"], &["zzq"]);
+    assert_bad_input(&p, &["run", "m.yaml", "stages.gne.params.n=5"], &["gne"]);
+    // Not KEY=VALUE at all.
+    assert_bad_input(
+        &p,
+        &["run", "m.yaml", "stages.gen.params.n"],
+        &["stages.gen.params.n"],
+    );
+}
+
+#[test]
+fn missing_input_file() {
+    let p = with_manifest(
+        "missing-input",
+        "m.yaml",
+        "stages:\n  count:\n    op: cmd\n    inputs: {corpus: absent-corpus.txt}\n    outputs: {o: o.txt}\n    cmd: \"wc -l < {inputs.corpus} > {outputs.o}\"\n",
+    );
+    assert_bad_input(&p, &["run", "m.yaml"], &["absent-corpus.txt"]);
+}
+
+#[test]
+fn unknown_variant_lists_the_paths_tried() {
+    let p = with_manifest("unknown-variant", "pipe.yaml", TWO_STAGE_YAML);
+    p.write("pipe/tiny.yaml", "vars:\n  n: 2\n");
+    assert_bad_input(
+        &p,
+        &["run", "pipe.yaml", "-c", "nope"],
+        &["pipe/nope.yaml", "pipe/nope.yml", "pipe/nope.toml"],
+    );
+}
+
+#[test]
+fn undefined_param_placeholder_in_cmd() {
+    let p = with_manifest(
+        "undefined-placeholder",
+        "m.yaml",
+        "stages:\n  gen:\n    op: cmd\n    params: {n: 3}\n    outputs: {o: o.txt}\n    cmd: \"seq {params.undefined} > {outputs.o}\"\n",
+    );
+    assert_bad_input(&p, &["run", "m.yaml"], &["params.undefined"]);
+}
+
+#[test]
+fn undefined_input_and_output_placeholders_in_cmd() {
+    let p = with_manifest(
+        "undefined-io-placeholder",
+        "m.yaml",
+        "stages:\n  gen:\n    op: cmd\n    outputs: {o: o.txt}\n    cmd: \"cat {inputs.nothing} > {outputs.o}\"\n",
+    );
+    assert_bad_input(&p, &["run", "m.yaml"], &["inputs.nothing"]);
+    let p = with_manifest(
+        "undefined-out-placeholder",
+        "m.yaml",
+        "stages:\n  gen:\n    op: cmd\n    outputs: {o: o.txt}\n    cmd: \"echo > {outputs.elsewhere}\"\n",
+    );
+    assert_bad_input(&p, &["run", "m.yaml"], &["outputs.elsewhere"]);
+}
+
+#[test]
+fn an_error_after_a_successful_run_writes_nothing_either() {
+    // With a store already there, a bad override must leave it byte-for-byte unchanged.
+    let p = with_manifest("error-after-run", "m.yaml", TWO_STAGE_YAML);
+    p.ok(&["run", "m.yaml"]);
+    let before = snapshot(&p.dir);
+    for argv in [
+        vec!["run", "m.yaml", "stages.gen.params.zzz=1"],
+        vec!["run", "m.yaml", "-c", "nope"],
+        vec!["status", "m.yaml", "vars.zzz=1"],
+    ] {
+        let out = p.run(&argv);
+        assert_eq!(out.code, 2, "{argv:?}\n{out}");
+        assert_eq!(snapshot(&p.dir), before, "{argv:?} wrote something\n{out}");
+    }
+}

@@ -1,0 +1,387 @@
+//! The Slurm executor against a real Slurm cluster.
+//!
+//! `scripts/test` brings up a single-node cluster (`scripts/slurm-up`) and sets
+//! `NEMO_DAG_REQUIRE_SLURM=1`, so on CI these tests run for real. Run alone without a cluster,
+//! each test prints why it skips.
+
+use serde_json::Value;
+use std::path::Path;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+mod common;
+
+use common::{Project, output};
+
+/// Whether a cluster with a usable node answers; panics if one is required and does not.
+fn cluster_up(test: &str) -> bool {
+    let ok = Command::new("sinfo")
+        .args(["-h", "-o", "%T"])
+        .output()
+        .map(|o| {
+            let states = String::from_utf8_lossy(&o.stdout);
+            o.status.success()
+                && ["idle", "mixed", "allocated", "completing"]
+                    .iter()
+                    .any(|s| states.contains(s))
+        })
+        .unwrap_or(false);
+    if !ok {
+        if std::env::var("NEMO_DAG_REQUIRE_SLURM").as_deref() == Ok("1") {
+            panic!("{test}: NEMO_DAG_REQUIRE_SLURM=1 but no usable Slurm node answers `sinfo`");
+        }
+        eprintln!("skipping {test}: no Slurm cluster here (start one with scripts/slurm-up)");
+    }
+    ok
+}
+
+/// A project for one test: the shared temp project, plus an `env.toml` with a `lab` profile and
+/// a project-root marker (the env.toml search stops there).
+fn project(name: &str) -> Project {
+    let p = Project::new(&format!("slurm-{name}"));
+    p.write(
+        "env.toml",
+        "[lab]\nexecutor = \"slurm\"\ntime = \"00:05:00\"\nenv_vars = {NEMO_DAG_TEST = \"1\"}\n",
+    );
+    p.write(".git", "");
+    p
+}
+
+fn stages(v: &Value) -> Vec<(String, String, Option<String>)> {
+    v["stages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| {
+            (
+                s["name"].as_str().unwrap().to_string(),
+                s["state"].as_str().unwrap().to_string(),
+                s["key"].as_str().map(str::to_string),
+            )
+        })
+        .collect()
+}
+
+const DIAMOND: &str = r#"
+stages:
+  gen:
+    op: cmd
+    params: {n: 5}
+    outputs: {nums: nums.txt}
+    cmd: "seq {params.n} > {outputs.nums}"
+  double:
+    op: cmd
+    inputs: {nums: "gen:nums"}
+    outputs: {out: out.txt}
+    cmd: "awk '{print 2*$1}' {inputs.nums} > {outputs.out}"
+  square:
+    op: cmd
+    inputs: {nums: "gen:nums"}
+    outputs: {out: out.txt}
+    cmd: "awk '{print $1*$1}' {inputs.nums} > {outputs.out}"
+  total:
+    op: cmd
+    inputs: {a: "double:out", b: "square:out"}
+    outputs: {sum: sum.txt}
+    cmd: "cat {inputs.a} {inputs.b} | awk '{s+=$1} END {print s}' > {outputs.sum}"
+"#;
+
+/// Wait until `status --json` says every stage is up to date.
+fn wait_up_to_date(p: &Project, manifest: &str, limit: Duration) -> Value {
+    let start = Instant::now();
+    loop {
+        let v = p.json(&["status", manifest, "--json"]);
+        if stages(&v).iter().all(|(_, s, _)| s == "up-to-date") {
+            return v;
+        }
+        assert!(
+            start.elapsed() < limit,
+            "not up to date after {limit:?}: {v}"
+        );
+        std::thread::sleep(Duration::from_millis(300));
+    }
+}
+
+#[test]
+fn a_pipeline_through_slurm_reaches_the_same_keys_as_a_local_run() {
+    if !cluster_up("slurm_same_keys") {
+        return;
+    }
+    let p = project("keys");
+    p.write("d.yaml", DIAMOND);
+    let local = p.json(&["run", "d.yaml", "--json", "--store", "local-store"]);
+    let out = p.run(&["run", "d.yaml", "--run", "lab", "--json"]);
+    assert!(out.code == 0, "{}", out);
+    let cluster: Value = out.json();
+    let mut a = stages(&local);
+    let mut b = stages(&cluster);
+    a.sort();
+    b.sort();
+    assert_eq!(a.len(), 4);
+    for ((na, _, ka), (nb, sb, kb)) in a.iter().zip(&b) {
+        assert_eq!(na, nb);
+        assert_eq!(sb, "executed", "{nb} on the cluster");
+        assert_eq!(ka, kb, "stage {na}: local and Slurm keys differ");
+    }
+    // The published result is the same bytes.
+    let show = p.json(&["show", "total", "--manifest", "d.yaml", "--json"]);
+    let sum = std::fs::read_to_string(show["outputs"]["sum"]["path"].as_str().unwrap()).unwrap();
+    assert_eq!(sum.trim(), (2 * 15 + 55).to_string());
+    // A second --batch of the up-to-date pipeline submits nothing.
+    let again = p.run(&["run", "d.yaml", "--batch", "lab"]);
+    assert!(again.code == 0, "{}", again);
+    let err = again.stderr.as_str();
+    assert!(err.contains("submitted 0 job(s)"), "{}", again);
+}
+
+#[test]
+fn batch_returns_before_the_jobs_finish_and_status_follows_them() {
+    if !cluster_up("slurm_batch") {
+        return;
+    }
+    let p = project("batch");
+    p.write(
+        "s.yaml",
+        r#"
+stages:
+  slow:
+    op: cmd
+    outputs: {o: o.txt}
+    cmd: "sleep 4; echo slow > {outputs.o}"
+  after:
+    op: cmd
+    inputs: {i: "slow:o"}
+    outputs: {o: o.txt}
+    cmd: "cat {inputs.i} > {outputs.o}"
+"#,
+    );
+    let start = Instant::now();
+    let out = p.run(&["run", "s.yaml", "--batch", "lab", "--json"]);
+    let took = start.elapsed();
+    assert!(out.code == 0, "{}", out);
+    assert!(
+        took < Duration::from_secs(3),
+        "--batch took {took:?}: it must not wait for the jobs"
+    );
+    let v: Value = out.json();
+    assert!(stages(&v).iter().all(|(_, s, _)| s == "submitted"), "{v}");
+
+    let status = p.json(&["status", "s.yaml", "--json"]);
+    let slow = &status["stages"][0];
+    assert_eq!(slow["name"], "slow");
+    assert!(
+        matches!(
+            slow["job"]["state"].as_str(),
+            Some("PENDING" | "RUNNING" | "CONFIGURING")
+        ),
+        "status should show the queued job: {status}"
+    );
+    let after = &status["stages"][1];
+    assert_eq!(after["state"], "pending-upstream");
+    assert_eq!(after["job"]["state"], "PENDING", "{status}");
+
+    wait_up_to_date(&p, "s.yaml", Duration::from_secs(60));
+}
+
+#[test]
+fn a_failing_stage_cancels_its_dependents_and_points_at_its_log() {
+    if !cluster_up("slurm_failure") {
+        return;
+    }
+    let p = project("fail");
+    p.write(
+        "f.yaml",
+        r#"
+stages:
+  ok:
+    op: cmd
+    outputs: {o: o.txt}
+    cmd: "echo ok > {outputs.o}"
+  broken:
+    op: cmd
+    inputs: {i: "ok:o"}
+    outputs: {o: o.txt}
+    cmd: "echo about to fail; exit 3"
+  downstream:
+    op: cmd
+    inputs: {i: "broken:o"}
+    outputs: {o: o.txt}
+    cmd: "cat {inputs.i} > {outputs.o}"
+"#,
+    );
+    let out = p.run(&["run", "f.yaml", "--run", "lab", "--json"]);
+    assert_eq!(out.code, 1, "{}", out);
+    let v: Value = out.json();
+    let s = stages(&v);
+    let state = |n: &str| s.iter().find(|(name, _, _)| name == n).unwrap().1.clone();
+    assert_eq!(state("ok"), "executed");
+    assert_eq!(state("broken"), "failed");
+    assert_eq!(state("downstream"), "skipped");
+    let broken = v["stages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|x| x["name"] == "broken")
+        .unwrap();
+    let log = broken["log"].as_str().unwrap();
+    assert!(
+        std::fs::read_to_string(log)
+            .unwrap()
+            .contains("about to fail")
+    );
+
+    let status = p.json(&["status", "f.yaml", "--json"]);
+    let down = status["stages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|x| x["name"] == "downstream")
+        .unwrap();
+    assert_eq!(down["job"]["state"], "CANCELLED", "{status}");
+    let because = down["job"]["because"].as_str().unwrap_or("");
+    assert!(
+        because.contains("broken") && because.contains(log),
+        "{status}"
+    );
+}
+
+#[test]
+fn cancel_stops_the_queued_and_running_jobs() {
+    if !cluster_up("slurm_cancel") {
+        return;
+    }
+    let p = project("cancel");
+    p.write(
+        "c.yaml",
+        r#"
+stages:
+  long:
+    op: cmd
+    outputs: {o: o.txt}
+    cmd: "sleep 60; echo > {outputs.o}"
+  next:
+    op: cmd
+    inputs: {i: "long:o"}
+    outputs: {o: o.txt}
+    cmd: "cat {inputs.i} > {outputs.o}"
+"#,
+    );
+    let out = p.run(&["run", "c.yaml", "--batch", "lab"]);
+    assert!(out.code == 0, "{}", out);
+    let out = p.run(&["cancel", "c.yaml"]);
+    assert!(out.code == 0, "{}", out);
+    let said = out.stdout.as_str();
+    assert!(
+        said.contains("cancelled long") && said.contains("cancelled next"),
+        "{}",
+        out
+    );
+    let start = Instant::now();
+    loop {
+        let status = p.json(&["status", "c.yaml", "--json"]);
+        let states: Vec<&str> = status["stages"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|s| s["job"]["state"].as_str().unwrap_or(""))
+            .collect();
+        if states.iter().all(|s| *s == "CANCELLED") {
+            break;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "jobs not cancelled: {status}"
+        );
+        std::thread::sleep(Duration::from_millis(300));
+    }
+}
+
+#[test]
+fn dry_run_prints_every_script_and_the_chain_and_submits_nothing() {
+    if !cluster_up("slurm_dry_run") {
+        return;
+    }
+    let p = project("dry");
+    p.write("d.yaml", DIAMOND);
+    p.write(
+        "env.toml",
+        "[lab]\nexecutor = \"slurm\"\npartition = \"debug\"\naccount = \"llm\"\ncontainer_image = \"img.sqsh\"\nmounts = [\"/data:/data\"]\nenv_vars = {NEMO_DAG_TEST = \"1\"}\n",
+    );
+    let out = p.run(&["run", "d.yaml", "--batch", "lab", "--dry-run"]);
+    assert!(out.code == 0, "{}", out);
+    let script = out.stdout.as_str();
+    for stage in ["gen", "double", "square", "total"] {
+        assert!(
+            script.contains(&format!("--job-name=d.{stage}")),
+            "{script}"
+        );
+    }
+    assert!(script.contains("#SBATCH --partition=debug"), "{script}");
+    assert!(script.contains("#SBATCH --account=llm"), "{script}");
+    assert!(
+        script.contains("--container-image=img.sqsh --container-mounts=/data:/data"),
+        "{script}"
+    );
+    assert!(
+        script.contains("# waits for: double, square (afterok)"),
+        "{script}"
+    );
+    assert!(script.contains("--kill-on-invalid-dep=yes"), "{script}");
+    assert!(
+        script.contains("export NEMO_DAG_TEST=1"),
+        "profile env_vars are exported: {script}"
+    );
+    assert!(
+        !Path::new(&p.dir.join(".nemo-dag")).exists(),
+        "a dry run must write nothing"
+    );
+}
+
+#[test]
+fn a_requeued_job_runs_again_and_publishes() {
+    if !cluster_up("slurm_requeue") {
+        return;
+    }
+    let p = project("requeue");
+    p.write(
+        "q.yaml",
+        r#"
+stages:
+  train:
+    op: cmd
+    outputs: {o: o.txt}
+    cmd: "echo attempt $SLURM_RESTART_COUNT >> {outputs.o}; sleep 3; echo done >> {outputs.o}"
+    resources: {requeue: true}
+"#,
+    );
+    let out = p.run(&["run", "q.yaml", "--batch", "lab"]);
+    assert!(out.code == 0, "{}", out);
+    let status = p.json(&["status", "q.yaml", "--json"]);
+    let id = status["stages"][0]["job"]["id"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    // Requeue it while it runs, then make it eligible at once (Slurm holds it ~2 minutes).
+    let start = Instant::now();
+    while p.json(&["status", "q.yaml", "--json"])["stages"][0]["job"]["state"] != "RUNNING" {
+        assert!(
+            start.elapsed() < Duration::from_secs(20),
+            "job {id} never started"
+        );
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    std::thread::sleep(Duration::from_millis(500));
+    let mut requeue = Command::new("scontrol");
+    requeue.args(["requeue", &id]);
+    let rq = output(requeue);
+    assert!(rq.code == 0, "{rq}");
+    std::thread::sleep(Duration::from_millis(500));
+    let _ = Command::new("scontrol")
+        .args(["update", &format!("jobid={id}"), "StartTime=now"])
+        .output();
+    wait_up_to_date(&p, "q.yaml", Duration::from_secs(60));
+    let show = p.json(&["show", "train", "--manifest", "q.yaml", "--json"]);
+    let o = std::fs::read_to_string(show["outputs"]["o"]["path"].as_str().unwrap()).unwrap();
+    // The first attempt was killed before publishing; only the second attempt's output exists.
+    assert_eq!(o, "attempt 1\ndone\n", "published output: {o:?}");
+}
