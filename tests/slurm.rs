@@ -94,10 +94,22 @@ fn wait_up_to_date(p: &Project, manifest: &str, limit: Duration) -> Value {
         if stages(&v).iter().all(|(_, s, _)| s == "up-to-date") {
             return v;
         }
-        assert!(
-            start.elapsed() < limit,
-            "not up to date after {limit:?}: {v}"
-        );
+        if start.elapsed() >= limit {
+            // Show what the jobs said: a failure here is otherwise undiagnosable after the fact.
+            let logs: Vec<String> = v["stages"]
+                .as_array()
+                .into_iter()
+                .flatten()
+                .filter_map(|s| s["job"]["log"].as_str())
+                .map(|l| {
+                    format!(
+                        "--- {l}\n{}",
+                        std::fs::read_to_string(l).unwrap_or_default()
+                    )
+                })
+                .collect();
+            panic!("not up to date after {limit:?}: {v}\n{}", logs.join("\n"));
+        }
         std::thread::sleep(Duration::from_millis(300));
     }
 }
@@ -361,7 +373,8 @@ stages:
         .as_str()
         .unwrap()
         .to_string();
-    // Requeue it while it runs, then make it eligible at once (Slurm holds it ~2 minutes).
+    let key = status["stages"][0]["key"].as_str().unwrap().to_string();
+    // Requeue it while it runs.
     let start = Instant::now();
     while p.json(&["status", "q.yaml", "--json"])["stages"][0]["job"]["state"] != "RUNNING" {
         assert!(
@@ -370,15 +383,24 @@ stages:
         );
         std::thread::sleep(Duration::from_millis(100));
     }
-    std::thread::sleep(Duration::from_millis(500));
+    // Requeue only once the command itself is running (its first line is written), not while
+    // `nemo-dag exec` is still starting up.
+    let attempt = p.dir.join(".nemo-dag/tmp").join(&key).join("out/o.txt");
+    while !std::fs::read_to_string(&attempt).is_ok_and(|t| t.starts_with("attempt")) {
+        assert!(
+            start.elapsed() < Duration::from_secs(30),
+            "job {id} never wrote {}",
+            attempt.display()
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
     let mut requeue = Command::new("scontrol");
     requeue.args(["requeue", &id]);
     let rq = output(requeue);
     assert!(rq.code == 0, "{rq}");
-    std::thread::sleep(Duration::from_millis(500));
-    let _ = Command::new("scontrol")
-        .args(["update", &format!("jobid={id}"), "StartTime=now"])
-        .output();
+    // The rerun waits out Slurm's hold (cred_expire + 1 s, 11 s on the test cluster). Forcing it
+    // earlier with `scontrol update StartTime=now` races the node's credential revocation and
+    // can fail the job ("Job credential revoked"); see docs/slurm-setup-notes.md.
     wait_up_to_date(&p, "q.yaml", Duration::from_secs(60));
     let show = p.json(&["show", "train", "--manifest", "q.yaml", "--json"]);
     let o = std::fs::read_to_string(show["outputs"]["o"]["path"].as_str().unwrap()).unwrap();
