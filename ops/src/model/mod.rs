@@ -1,0 +1,18 @@
+//! The models behind `pretrain` and `sft`, in candle, readable top to bottom.
+//!
+//! - [`config`]: what a manifest declares (sizes, the `M*-E/…` layer pattern).
+//! - [`params`]: named parameters and their seeded initialisation.
+//! - [`layers`]: RMSNorm, rotary embeddings, attention and the MLP.
+//! - [`mamba2`]: the Mamba-2 (SSD) mixer, with its sequential reference.
+//! - [`moe`]: the mixture of experts with a sigmoid router and aux-loss-free balancing.
+//! - [`net`]: the whole network (embedding, the pattern's blocks, MTP depths) and its loss.
+//!
+//! Everything is built from candle-core primitives so autograd reaches every parameter
+//! (candle-nn's fused norms and softmax silently train without a gradient).
+
+pub mod config;
+pub mod layers;
+pub mod mamba2;
+pub mod moe;
+pub mod net;
+pub mod params;
