@@ -7,7 +7,9 @@
 //!    left by a killed attempt is wiped, unless the op can resume from it (checkpoints).
 //! 4. Digest the outputs, write `artifact.json`, fsync everything, rename into `artifacts/<key>`.
 //!
-//! A failure moves the attempt to `failed/<key>/` (for its log) and publishes nothing.
+//! A failure moves the attempt to `failed/<key>/` (for its log) and publishes nothing; a
+//! resumable op's attempt stays in `tmp/<key>/` (its checkpoints) with a copy of the log in
+//! `failed/<key>/`.
 
 use crate::diag::{Failure, Result, io_err};
 use crate::digest::Digester;
@@ -137,7 +139,14 @@ pub fn exec(spec: &JobSpec) -> Result<JobResult> {
             drop(log);
             let failed = store.failed_dir(&spec.key);
             let _ = std::fs::remove_dir_all(&failed);
-            let kept = std::fs::rename(&tmp, &failed).is_ok();
+            // A resumable op (training) keeps its attempt where the next run looks for it, so
+            // a crash on day five resumes from the last checkpoint; only the log is copied.
+            let kept = if op.resumable() {
+                std::fs::create_dir_all(&failed).is_ok()
+                    && std::fs::copy(&log_path, failed.join("log.txt")).is_ok()
+            } else {
+                std::fs::rename(&tmp, &failed).is_ok()
+            };
             let log = if kept {
                 failed.join("log.txt")
             } else {
