@@ -13,6 +13,8 @@
 //! - [`tokenize`]: text datasets → Megatron `.bin`/`.idx` shards and `blend.json`.
 //! - [`pack`]: chat JSONL → chat-templated, loss-masked, packed Parquet SFT shards.
 //! - [`rl_data`]: prompts with verifiable answers → NeMo-Gym-shaped RL JSONL.
+//! - [`pretrain`]: train a model from scratch on tokenized data; [`model`] and [`train`] hold
+//!   the networks and the training loop.
 //!
 //! Shared pieces: [`text`] reads documents from dataset files; [`megatron`] writes and reads
 //! Megatron's `.bin`/`.idx` token datasets; [`packing`] and [`pyrandom`] are SFT packing and
@@ -23,13 +25,16 @@ pub mod cmd;
 pub mod generate;
 pub mod gpt_dataset;
 pub mod megatron;
+pub mod model;
 pub mod pack;
 pub mod packed_parquet;
 pub mod packing;
+pub mod pretrain;
 pub mod pyrandom;
 pub mod rl_data;
 pub mod text;
 pub mod tokenize;
+pub mod train;
 pub mod train_tokenizer;
 
 use serde::de::DeserializeOwned;
@@ -132,13 +137,14 @@ pub trait Op: Sync {
 
 /// Every built-in op, in the order `nemo-dag` lists them.
 pub fn registry() -> &'static [&'static dyn Op] {
-    static OPS: [&dyn Op; 6] = [
+    static OPS: [&dyn Op; 7] = [
         &cmd::Cmd,
         &generate::Generate,
         &train_tokenizer::TrainTokenizer,
         &tokenize::Tokenize,
         &pack::Pack,
         &rl_data::RlData,
+        &pretrain::Pretrain,
     ];
     &OPS
 }

@@ -1,0 +1,390 @@
+//! `pretrain`: train a model from scratch on a `tokenize` artifact.
+//!
+//! ```yaml
+//! pretrain:
+//!   op: pretrain
+//!   inputs: {data: "pretrain_data:data", tokenizer: "tokenizer:tokenizer"}
+//!   params:
+//!     model: {pattern: "*-*-*-*-", hidden: 128, heads: 4, kv_heads: 2, head_dim: 32, ffn: 384}
+//!     seq_length: 128
+//!     steps: 300
+//!     global_batch: 16
+//!     micro_batch: 8
+//!     lr: 3e-3
+//!     min_lr: 3e-4
+//!     warmup: 30
+//!     save_interval: 100
+//! ```
+//!
+//! The data is read the way Megatron's `GPTDataset` reads it (reference §2.4–2.5): the train
+//! split's datasets from `blend.json`, each a stream of `seq_length + 1`-token samples built
+//! from the document, sample and shuffle indices of the seed, mixed by the greedy blending
+//! rule; the global batch of step `s` is samples `s·G … (s+1)·G − 1`. Inputs are a sample's
+//! first `seq_length` tokens, labels its last `seq_length`, every label counts in the loss.
+//!
+//! Outputs: `model/` (config.json, model.safetensors, tokenizer.json) and `checkpoint/` (the
+//! model plus AdamW state and progress). The op is resumable: a stage killed or preempted
+//! after a checkpoint continues from it on the next run and ends with the same weights.
+
+use crate::gpt_dataset::{GptIndices, blend_indices, build_gpt_indices, sample_tokens};
+use crate::megatron::IndexedReader;
+use crate::model::config::ModelConfig;
+use crate::model::layers::Layout;
+use crate::model::net::{Batch, Model};
+use crate::train::{self, BatchSource, Schedule, Trainer, checkpoint};
+use crate::{DeclError, Metrics, Op, RunContext, RunError, StageDecl, typed_params};
+use serde::Deserialize;
+use serde_json::Value;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+pub struct Pretrain;
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Params {
+    model: ModelConfig,
+    seq_length: usize,
+    #[serde(flatten)]
+    schedule: Schedule,
+}
+
+impl Op for Pretrain {
+    fn name(&self) -> &'static str {
+        "pretrain"
+    }
+
+    fn version(&self) -> u32 {
+        1
+    }
+
+    fn summary(&self) -> &'static str {
+        "train a model from scratch on tokenized data (Megatron GPTDataset sampling)"
+    }
+
+    fn check(&self, stage: &StageDecl) -> Result<(), DeclError> {
+        let p: Params = typed_params(stage.params)?;
+        check_training(stage, &p.model, &p.schedule, &["data", "tokenizer"])?;
+        if p.seq_length == 0 || p.seq_length > p.model.max_seq {
+            return Err(DeclError::new(
+                &["params", "seq_length"],
+                format!(
+                    "seq_length must be between 1 and model.max_seq ({})",
+                    p.model.max_seq
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    fn outputs(&self, _stage: &StageDecl) -> BTreeMap<String, String> {
+        model_outputs()
+    }
+
+    fn resumable(&self) -> bool {
+        true
+    }
+
+    fn run(&self, ctx: &mut RunContext) -> Result<Metrics, RunError> {
+        let p: Params = typed_params(ctx.stage.params).map_err(|e| RunError(e.message))?;
+        let (tokenizer, tok_path) = crate::load_tokenizer(ctx.inputs)?;
+        let vocab = model_vocab(&p.model, tokenizer.get_vocab_size(true))?;
+        let data_dir = input(ctx, "data")?;
+        let samples = p.schedule.steps as usize * p.schedule.global_batch;
+        let mut source = PretrainData::open(
+            &data_dir,
+            p.seq_length,
+            samples,
+            p.schedule.seed as u32,
+            vocab,
+            p.schedule.micro_batch,
+            p.schedule.global_batch,
+        )?;
+        let model = Model::new(&p.model, vocab, p.schedule.seed).map_err(train::err)?;
+        writeln!(
+            ctx.log,
+            "model: pattern {} · {} parameters · vocab {vocab}",
+            model.pattern,
+            model.params.count()
+        )?;
+        let (seq, g) = (p.seq_length as u64, p.schedule.global_batch as u64);
+        train_and_publish(
+            ctx,
+            Trainer::new(model, p.schedule),
+            &mut source,
+            tok_path,
+            |_| seq * g,
+        )
+    }
+}
+
+/// What `pretrain` and `sft` publish.
+pub(crate) fn model_outputs() -> BTreeMap<String, String> {
+    BTreeMap::from([
+        ("model".to_string(), "model".to_string()),
+        ("checkpoint".to_string(), "checkpoint".to_string()),
+    ])
+}
+
+/// Declaration checks shared by the training ops.
+pub(crate) fn check_training(
+    stage: &StageDecl,
+    model: &ModelConfig,
+    schedule: &Schedule,
+    inputs: &[&str],
+) -> Result<(), DeclError> {
+    model
+        .validate()
+        .map_err(|e| DeclError::new(&["params", "model", e.field], e.message))?;
+    schedule
+        .check()
+        .map_err(|(field, msg)| DeclError::new(&["params", field], msg))?;
+    for name in inputs {
+        if !stage.inputs.contains(name) {
+            return Err(DeclError::new(
+                &["inputs"],
+                format!("{} needs an input named `{name}`", stage.name),
+            )
+            .with_help(format!(
+                "inputs: {{{}}}",
+                inputs
+                    .iter()
+                    .map(|i| format!("{i}: \"STAGE:OUTPUT\""))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            )));
+        }
+    }
+    if !stage.outputs.is_empty() {
+        return Err(DeclError::new(
+            &["outputs"],
+            "training ops name their own outputs (`model`, `checkpoint`)",
+        ));
+    }
+    Ok(())
+}
+
+/// The vocabulary the model is built with: the tokenizer's, or a larger `model.vocab`.
+pub(crate) fn model_vocab(cfg: &ModelConfig, tokenizer_vocab: usize) -> Result<usize, RunError> {
+    if cfg.vocab == 0 {
+        return Ok(tokenizer_vocab);
+    }
+    if cfg.vocab < tokenizer_vocab {
+        return Err(RunError(format!(
+            "model.vocab is {} but the tokenizer has {tokenizer_vocab} tokens",
+            cfg.vocab
+        )));
+    }
+    Ok(cfg.vocab)
+}
+
+pub(crate) fn input(ctx: &RunContext, name: &str) -> Result<PathBuf, RunError> {
+    ctx.inputs
+        .get(name)
+        .cloned()
+        .ok_or_else(|| RunError(format!("no `{name}` input")))
+}
+
+/// Resume from the stage's own checkpoint if an interrupted attempt left one, train, and
+/// write `model/` (with the tokenizer) beside `checkpoint/`.
+pub(crate) fn train_and_publish(
+    ctx: &mut RunContext,
+    mut trainer: Trainer,
+    source: &mut dyn BatchSource,
+    tokenizer: &Path,
+    tokens_per_step: impl Fn(u64) -> u64,
+) -> Result<Metrics, RunError> {
+    let ckpt = ctx.out_dir.join("checkpoint");
+    if let Some(dir) = checkpoint::latest(&ckpt) {
+        checkpoint::restore(&mut trainer, &dir)
+            .map_err(|e| RunError(format!("cannot resume from {}: {e}", dir.display())))?;
+        writeln!(
+            ctx.log,
+            "resuming from the checkpoint at step {}",
+            trainer.step
+        )?;
+    }
+    let summary = trainer.run(
+        source,
+        &ckpt,
+        tokens_per_step,
+        ctx.log,
+        train::stop_after_from_env(),
+    )?;
+    let model_dir = ctx.out_dir.join("model");
+    checkpoint::save_model(&trainer.model, &model_dir)
+        .map_err(|e| RunError(format!("cannot write {}: {e}", model_dir.display())))?;
+    std::fs::copy(tokenizer, model_dir.join("tokenizer.json"))?;
+    let _ = std::fs::remove_dir_all(ctx.out_dir.join("checkpoint.old"));
+    match summary {
+        Value::Object(m) => Ok(m),
+        _ => Ok(Metrics::new()),
+    }
+}
+
+/// The train split of a `tokenize` artifact as Megatron's blended GPT datasets.
+struct Dataset {
+    reader: IndexedReader,
+    indices: GptIndices,
+}
+
+pub(crate) struct PretrainData {
+    datasets: Vec<Dataset>,
+    /// Sample `i` of the blend is sample `which[i].1` of dataset `which[i].0`.
+    which: Vec<(u16, u64)>,
+    seq_length: usize,
+    vocab: usize,
+    micro_batch: usize,
+    global_batch: usize,
+}
+
+impl PretrainData {
+    fn open(
+        dir: &Path,
+        seq_length: usize,
+        samples: usize,
+        seed: u32,
+        vocab: usize,
+        micro_batch: usize,
+        global_batch: usize,
+    ) -> Result<PretrainData, RunError> {
+        let blend_path = dir.join("blend.json");
+        let text = std::fs::read_to_string(&blend_path).map_err(|e| {
+            RunError(format!(
+                "{}: {e} (the `data` input must be a tokenize artifact)",
+                blend_path.display()
+            ))
+        })?;
+        let blend: Value = serde_json::from_str(&text)
+            .map_err(|e| RunError(format!("{}: {e}", blend_path.display())))?;
+        let train = blend["train"]
+            .as_array()
+            .filter(|a| !a.is_empty() && a.len() % 2 == 0)
+            .ok_or_else(|| {
+                RunError(format!(
+                    "{}: `train` must be a non-empty [weight, prefix, …] list",
+                    blend_path.display()
+                ))
+            })?;
+        let mut weights = Vec::new();
+        let mut prefixes = Vec::new();
+        for pair in train.chunks(2) {
+            let w = pair[0]
+                .as_str()
+                .and_then(|s| s.parse::<f64>().ok())
+                .or_else(|| pair[0].as_f64())
+                .filter(|w| *w > 0.0 && w.is_finite());
+            let (Some(w), Some(prefix)) = (w, pair[1].as_str()) else {
+                return Err(RunError(format!(
+                    "{}: bad train entry {pair:?}",
+                    blend_path.display()
+                )));
+            };
+            weights.push(w);
+            prefixes.push(dir.join(prefix));
+        }
+        let total: f64 = weights.iter().sum();
+        let weights: Vec<f64> = weights.iter().map(|w| w / total).collect();
+        let mut datasets = Vec::new();
+        for (prefix, w) in prefixes.iter().zip(&weights) {
+            let reader = IndexedReader::open(prefix)
+                .map_err(|e| RunError(format!("{}: {e}", prefix.display())))?;
+            // Megatron asks each blended component for ceil(ceil(N·w)·1.005) samples.
+            let wanted = if prefixes.len() == 1 {
+                samples as u64
+            } else {
+                ((samples as f64 * w).ceil() * 1.005).ceil() as u64
+            };
+            let docs: Vec<u32> = (0..reader.len() as u32).collect();
+            let indices = build_gpt_indices(
+                reader.sequence_lengths(),
+                &docs,
+                seq_length,
+                Some(wanted),
+                seed,
+                true,
+            )
+            .map_err(|e| RunError(format!("{}: {}", prefix.display(), e.0)))?;
+            datasets.push(Dataset { reader, indices });
+        }
+        let which = if datasets.len() == 1 {
+            (0..samples as u64).map(|i| (0u16, i)).collect()
+        } else {
+            let (d, s) = blend_indices(&weights, samples);
+            d.into_iter().zip(s).collect()
+        };
+        Ok(PretrainData {
+            datasets,
+            which,
+            seq_length,
+            vocab,
+            micro_batch,
+            global_batch,
+        })
+    }
+
+    /// The `seq_length + 1` tokens of blended sample `i`.
+    fn sample(&self, i: usize) -> Result<Vec<u32>, RunError> {
+        let (d, s) = *self
+            .which
+            .get(i)
+            .ok_or_else(|| RunError(format!("sample {i} is beyond the planned samples")))?;
+        let ds = &self.datasets[d as usize];
+        let mut failed = None;
+        let tokens = sample_tokens(
+            ds.reader.sequence_lengths(),
+            &ds.indices.document_index,
+            &ds.indices.sample_index,
+            &ds.indices.shuffle_index,
+            s as usize,
+            self.seq_length,
+            true,
+            0,
+            |doc, offset, len| match ds.reader.sequence(doc as usize) {
+                Ok(seq) => seq
+                    .get(offset..offset + len)
+                    .map(<[u32]>::to_vec)
+                    .unwrap_or_default(),
+                Err(e) => {
+                    failed = Some(e);
+                    Vec::new()
+                }
+            },
+        )
+        .map_err(|e| RunError(e.0))?;
+        if let Some(e) = failed {
+            return Err(RunError(e.to_string()));
+        }
+        if let Some(t) = tokens.iter().find(|t| **t as usize >= self.vocab) {
+            return Err(RunError(format!(
+                "token id {t} is outside the model's vocabulary ({}); was the data tokenized with another tokenizer?",
+                self.vocab
+            )));
+        }
+        Ok(tokens)
+    }
+}
+
+impl BatchSource for PretrainData {
+    fn global_batch(&mut self, step: u64) -> Result<Vec<Batch>, RunError> {
+        let first = step as usize * self.global_batch;
+        let t = self.seq_length;
+        let mut out = Vec::new();
+        for m in 0..self.global_batch / self.micro_batch {
+            let (mut ids, mut labels) = (Vec::new(), Vec::new());
+            for r in 0..self.micro_batch {
+                let tokens = self.sample(first + m * self.micro_batch + r)?;
+                ids.extend_from_slice(&tokens[..t]);
+                labels.extend_from_slice(&tokens[1..]);
+            }
+            out.push(Batch {
+                loss_mask: vec![1.0; ids.len()],
+                ids,
+                labels,
+                layout: Layout::plain(self.micro_batch, t),
+                valid: None,
+            });
+        }
+        Ok(out)
+    }
+}

@@ -1,0 +1,433 @@
+//! The training loop shared by `pretrain` and `sft`, and its checkpoints.
+//!
+//! One optimizer step, top to bottom ([`Trainer::step`]):
+//!
+//! 1. Ask the data source for the global batch of this step: a list of micro-batches. The
+//!    source is a pure function of the step number, so resuming at step N reads exactly the
+//!    batches an uninterrupted run would have read.
+//! 2. Count the loss tokens of the whole global batch; every micro-batch's loss is its
+//!    summed cross-entropy divided by that count (per-token loss), so the gradients summed
+//!    over micro-batches are the global batch's.
+//! 3. Backward each micro-batch and add its gradients up.
+//! 4. Clip to the global norm, take the learning rate from the schedule, AdamW.
+//! 5. Move the MoE routers' expert biases (aux-loss-free balancing).
+//!
+//! Checkpoints ([`checkpoint`]) hold the weights, AdamW's moments and step, and the curve so
+//! far; with them a resumed run continues bit for bit.
+
+pub mod checkpoint;
+pub mod optim;
+
+use crate::RunError;
+use crate::model::net::{Batch, Model};
+use crate::model::params::to_f32_vec;
+use candle_core::Tensor;
+use optim::{AdamW, AdamWConfig, Decay};
+use serde::{Deserialize, Serialize};
+use serde_json::{Value, json};
+use std::io::Write;
+use std::time::Instant;
+
+fn d_beta1() -> f64 {
+    0.9
+}
+fn d_beta2() -> f64 {
+    0.95
+}
+fn d_eps() -> f64 {
+    1e-8
+}
+fn d_wd() -> f64 {
+    0.1
+}
+fn d_clip() -> f64 {
+    1.0
+}
+fn d_seed() -> u64 {
+    1234
+}
+fn d_log() -> u64 {
+    10
+}
+
+/// The optimisation settings common to `pretrain` and `sft` (flattened into their params).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Schedule {
+    /// Optimizer steps (each one global batch).
+    pub steps: u64,
+    /// Sequences per optimizer step.
+    pub global_batch: usize,
+    /// Sequences per forward/backward; `global_batch` must be a multiple of it.
+    pub micro_batch: usize,
+    pub lr: f64,
+    #[serde(default)]
+    pub min_lr: f64,
+    #[serde(default)]
+    pub warmup: u64,
+    #[serde(default)]
+    pub decay: Decay,
+    #[serde(default = "d_wd")]
+    pub weight_decay: f64,
+    #[serde(default = "d_beta1")]
+    pub beta1: f64,
+    #[serde(default = "d_beta2")]
+    pub beta2: f64,
+    #[serde(default = "d_eps")]
+    pub eps: f64,
+    /// Global gradient-norm clip (0: off).
+    #[serde(default = "d_clip")]
+    pub clip_grad: f64,
+    #[serde(default = "d_seed")]
+    pub seed: u64,
+    #[serde(default = "d_log")]
+    pub log_interval: u64,
+    /// Checkpoint every this many steps (0: only at the end).
+    #[serde(default)]
+    pub save_interval: u64,
+}
+
+impl Schedule {
+    pub fn check(&self) -> Result<(), (&'static str, String)> {
+        if self.steps == 0 {
+            return Err(("steps", "steps must be > 0".into()));
+        }
+        if self.micro_batch == 0
+            || self.global_batch == 0
+            || !self.global_batch.is_multiple_of(self.micro_batch)
+        {
+            return Err((
+                "global_batch",
+                format!(
+                    "global_batch ({}) must be a positive multiple of micro_batch ({})",
+                    self.global_batch, self.micro_batch
+                ),
+            ));
+        }
+        if !self.lr.is_finite()
+            || !self.min_lr.is_finite()
+            || self.lr <= 0.0
+            || self.min_lr < 0.0
+            || self.min_lr > self.lr
+        {
+            return Err(("lr", "need lr > 0 and 0 <= min_lr <= lr".into()));
+        }
+        Ok(())
+    }
+
+    fn adamw(&self) -> AdamWConfig {
+        AdamWConfig {
+            beta1: self.beta1,
+            beta2: self.beta2,
+            eps: self.eps,
+            weight_decay: self.weight_decay,
+        }
+    }
+}
+
+/// Where batches come from: the micro-batches of global step `step`.
+pub trait BatchSource {
+    fn global_batch(&mut self, step: u64) -> Result<Vec<Batch>, RunError>;
+}
+
+/// One logged point of the training curve.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct Point {
+    pub step: u64,
+    pub loss: f64,
+    pub lr: f64,
+    pub grad_norm: f64,
+}
+
+/// A model, its optimizer state and its progress.
+pub struct Trainer {
+    pub model: Model,
+    pub opt: AdamW,
+    pub schedule: Schedule,
+    /// Optimizer steps done.
+    pub step: u64,
+    pub curve: Vec<Point>,
+    decay: Vec<bool>,
+}
+
+pub(crate) fn err(e: candle_core::Error) -> RunError {
+    RunError(format!("training: {e}"))
+}
+
+impl Trainer {
+    pub fn new(model: Model, schedule: Schedule) -> Trainer {
+        let sizes: Vec<usize> = model.params.iter().map(|(_, v)| v.elem_count()).collect();
+        let decay = model.params.iter().map(|(_, v)| v.rank() >= 2).collect();
+        Trainer {
+            model,
+            opt: AdamW::new(&sizes),
+            schedule,
+            step: 0,
+            curve: Vec::new(),
+            decay,
+        }
+    }
+
+    /// One optimizer step on the global batch `step`; returns (mean loss, grad norm before clipping).
+    pub fn step(&mut self, source: &mut dyn BatchSource) -> Result<(f64, f64), RunError> {
+        let micro = source.global_batch(self.step)?;
+        let normaliser: f64 = micro
+            .iter()
+            .map(|b| b.loss_mask.iter().map(|m| *m as f64).sum::<f64>())
+            .sum::<f64>()
+            .max(1.0);
+        let mut sums: Vec<Option<Tensor>> = vec![None; self.model.params.len()];
+        let (mut loss_sum, mut tokens) = (0.0, 0.0);
+        for batch in &micro {
+            let loss = self.model.loss(batch, normaliser, true).map_err(err)?;
+            loss_sum += loss.main_sum;
+            tokens += loss.tokens;
+            let grads = loss.total.backward().map_err(err)?;
+            for (i, (_, var)) in self.model.params.iter().enumerate() {
+                if let Some(g) = grads.get(var.as_tensor()) {
+                    sums[i] = Some(match sums[i].take() {
+                        Some(acc) => (acc + g).map_err(err)?,
+                        None => g.clone(),
+                    });
+                }
+            }
+        }
+        let mut grads = Vec::with_capacity(sums.len());
+        for (sum, (_, var)) in sums.into_iter().zip(self.model.params.iter()) {
+            grads.push(match sum {
+                Some(g) => to_f32_vec(&g).map_err(err)?,
+                None => vec![0.0; var.elem_count()],
+            });
+        }
+        let norm = optim::clip(&mut grads, self.schedule.clip_grad);
+        if !norm.is_finite() {
+            return Err(RunError(format!(
+                "step {}: the gradient norm is {norm}; lower lr or check the data",
+                self.step + 1
+            )));
+        }
+        let s = &self.schedule;
+        let lr = optim::lr_at(self.step, s.steps, s.lr, s.min_lr, s.warmup, s.decay);
+        let mut weights = Vec::with_capacity(grads.len());
+        for (_, var) in self.model.params.iter() {
+            weights.push(to_f32_vec(var.as_tensor()).map_err(err)?);
+        }
+        self.opt
+            .step(&mut weights, &grads, &self.decay, lr, &s.adamw());
+        for ((_, var), w) in self.model.params.iter().zip(weights) {
+            let t = Tensor::from_vec(w, var.shape(), var.device()).map_err(err)?;
+            var.set(&t).map_err(err)?;
+        }
+        self.model.update_moe_biases();
+        self.step += 1;
+        let loss = loss_sum / tokens.max(1.0);
+        if self.step.is_multiple_of(s.log_interval.max(1)) || self.step == s.steps || self.step == 1
+        {
+            self.curve.push(Point {
+                step: self.step,
+                loss,
+                lr,
+                grad_norm: norm,
+            });
+        }
+        Ok((loss, norm))
+    }
+
+    /// Train to `schedule.steps`, checkpointing into `ckpt_dir` every `save_interval` steps
+    /// and at the end. Logs to `log`; `stop_after` ends early (after its checkpoint), as a
+    /// preempted job would.
+    pub fn run(
+        &mut self,
+        source: &mut dyn BatchSource,
+        ckpt_dir: &std::path::Path,
+        tokens_per_step: impl Fn(u64) -> u64,
+        log: &mut dyn Write,
+        stop_after: Option<u64>,
+    ) -> Result<Value, RunError> {
+        let s = self.schedule.clone();
+        let start = self.step;
+        let clock = Instant::now();
+        let mut window = (Instant::now(), 0u64);
+        let mut last = (f64::NAN, f64::NAN);
+        while self.step < s.steps {
+            last = self.step(source)?;
+            window.1 += tokens_per_step(self.step - 1);
+            if self.step.is_multiple_of(s.log_interval.max(1)) || self.step == s.steps {
+                let secs = window.0.elapsed().as_secs_f64();
+                writeln!(
+                    log,
+                    "step {:>6}/{} | loss {:.4} | lr {:.3e} | grad norm {:.3} | {:.0} tokens/s",
+                    self.step,
+                    s.steps,
+                    last.0,
+                    optim::lr_at(self.step - 1, s.steps, s.lr, s.min_lr, s.warmup, s.decay),
+                    last.1,
+                    window.1 as f64 / secs.max(1e-9)
+                )?;
+                window = (Instant::now(), 0);
+            }
+            let save = s.save_interval > 0 && self.step.is_multiple_of(s.save_interval);
+            if save || self.step == s.steps {
+                checkpoint::save(self, ckpt_dir).map_err(|e| {
+                    RunError(format!(
+                        "cannot write checkpoint in {}: {e}",
+                        ckpt_dir.display()
+                    ))
+                })?;
+                writeln!(log, "checkpoint: step {} saved", self.step)?;
+            }
+            if stop_after.is_some_and(|n| self.step >= n) && self.step < s.steps {
+                return Err(RunError(format!(
+                    "stopped after step {} as asked (NEMO_DAG_STOP_AFTER_STEP); run again to resume",
+                    self.step
+                )));
+            }
+        }
+        let seconds = clock.elapsed().as_secs_f64();
+        let tokens: u64 = (start..self.step).map(&tokens_per_step).sum();
+        Ok(json!({
+            "step": self.step,
+            "final_loss": last.0,
+            "parameters": self.model.params.count(),
+            "tokens_trained": tokens,
+            "tokens_per_second": tokens as f64 / seconds.max(1e-9),
+            "resumed_from_step": start,
+            "curve": self.curve,
+        }))
+    }
+}
+
+/// `NEMO_DAG_STOP_AFTER_STEP=N`: end a training stage after step N's checkpoint, as a
+/// preemption would (the stage fails; running again resumes). For tests and drills.
+pub fn stop_after_from_env() -> Option<u64> {
+    std::env::var("NEMO_DAG_STOP_AFTER_STEP")
+        .ok()
+        .and_then(|v| v.parse().ok())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::config::ModelConfig;
+    use crate::model::layers::Layout;
+
+    /// Rows of a repeating arithmetic sequence: next token = (token + 3) mod 32, learnable.
+    struct Counting;
+
+    impl BatchSource for Counting {
+        fn global_batch(&mut self, step: u64) -> Result<Vec<Batch>, RunError> {
+            let (b, t) = (2, 12);
+            (0..2u64)
+                .map(|m| {
+                    let mut ids = Vec::new();
+                    let mut labels = Vec::new();
+                    for r in 0..b as u64 {
+                        let start = (step * 7 + m * 3 + r * 5) % 32;
+                        let seq: Vec<u32> = (0..=t as u64)
+                            .map(|i| ((start + 3 * i) % 32) as u32)
+                            .collect();
+                        ids.extend_from_slice(&seq[..t]);
+                        labels.extend_from_slice(&seq[1..]);
+                    }
+                    Ok(Batch {
+                        loss_mask: vec![1.0; ids.len()],
+                        ids,
+                        labels,
+                        layout: Layout::plain(b, t),
+                        valid: None,
+                    })
+                })
+                .collect()
+        }
+    }
+
+    fn trainer(steps: u64, save_interval: u64) -> Trainer {
+        let cfg: ModelConfig = serde_json::from_value(json!({
+            "pattern": "*-*-", "hidden": 32, "heads": 4, "kv_heads": 2, "head_dim": 8, "ffn": 64
+        }))
+        .unwrap();
+        let schedule: Schedule = serde_json::from_value(json!({
+            "steps": steps, "global_batch": 4, "micro_batch": 2, "lr": 1e-2, "min_lr": 1e-3,
+            "warmup": 2, "log_interval": 5, "save_interval": save_interval
+        }))
+        .unwrap();
+        Trainer::new(Model::new(&cfg, 32, 11).unwrap(), schedule)
+    }
+
+    fn weights(t: &Trainer) -> Vec<Vec<f32>> {
+        t.model
+            .params
+            .iter()
+            .map(|(_, v)| to_f32_vec(v.as_tensor()).unwrap())
+            .collect()
+    }
+
+    #[test]
+    fn the_loss_falls_on_a_learnable_sequence() {
+        let mut t = trainer(40, 0);
+        let dir = tempdir("falls");
+        let summary = t
+            .run(
+                &mut Counting,
+                &dir.join("ckpt"),
+                |_| 48,
+                &mut Vec::new(),
+                None,
+            )
+            .unwrap();
+        let first = t.curve.first().unwrap().loss;
+        let last = summary["final_loss"].as_f64().unwrap();
+        assert!(first > 3.0, "starts near ln(32) = 3.47: {first}");
+        assert!(last < first * 0.5, "loss {first} → {last}");
+    }
+
+    #[test]
+    fn same_seed_same_bytes_and_resume_is_exact() {
+        let dir = tempdir("resume");
+        // 2N straight.
+        let mut straight = trainer(8, 0);
+        straight
+            .run(&mut Counting, &dir.join("a"), |_| 48, &mut Vec::new(), None)
+            .unwrap();
+        // N, stop (as a preemption after the step-4 checkpoint), then resume in a fresh trainer.
+        let mut first = trainer(8, 4);
+        let stopped = first.run(
+            &mut Counting,
+            &dir.join("b"),
+            |_| 48,
+            &mut Vec::new(),
+            Some(4),
+        );
+        assert!(stopped.is_err(), "stop_after ends the run early");
+        let mut resumed = trainer(8, 4);
+        checkpoint::restore(&mut resumed, &checkpoint::latest(&dir.join("b")).unwrap()).unwrap();
+        assert_eq!(resumed.step, 4);
+        resumed
+            .run(&mut Counting, &dir.join("b"), |_| 48, &mut Vec::new(), None)
+            .unwrap();
+        assert_eq!(
+            weights(&straight),
+            weights(&resumed),
+            "resumed weights differ"
+        );
+        assert_eq!(straight.opt, resumed.opt);
+        assert_eq!(straight.curve, resumed.curve);
+        // And the checkpoints are the same bytes.
+        for f in [
+            "model.safetensors",
+            "optimizer.safetensors",
+            "state.json",
+            "config.json",
+        ] {
+            let a = std::fs::read(dir.join("a").join(f)).unwrap();
+            let b = std::fs::read(dir.join("b").join(f)).unwrap();
+            assert!(a == b, "{f} differs");
+        }
+    }
+
+    fn tempdir(name: &str) -> std::path::PathBuf {
+        let d = std::env::temp_dir().join(format!("nemo-dag-train-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        std::fs::create_dir_all(&d).unwrap();
+        d
+    }
+}
