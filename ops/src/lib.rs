@@ -15,6 +15,7 @@
 //! - [`rl_data`]: prompts with verifiable answers → NeMo-Gym-shaped RL JSONL.
 //! - [`pretrain`]: train a model from scratch on tokenized data; [`model`] and [`train`] hold
 //!   the networks and the training loop.
+//! - [`sft`]: fine-tune an upstream model on packed chat data.
 //!
 //! Shared pieces: [`text`] reads documents from dataset files; [`megatron`] writes and reads
 //! Megatron's `.bin`/`.idx` token datasets; [`packing`] and [`pyrandom`] are SFT packing and
@@ -32,6 +33,7 @@ pub mod packing;
 pub mod pretrain;
 pub mod pyrandom;
 pub mod rl_data;
+pub mod sft;
 pub mod text;
 pub mod tokenize;
 pub mod train;
@@ -137,7 +139,7 @@ pub trait Op: Sync {
 
 /// Every built-in op, in the order `nemo-dag` lists them.
 pub fn registry() -> &'static [&'static dyn Op] {
-    static OPS: [&dyn Op; 7] = [
+    static OPS: [&dyn Op; 8] = [
         &cmd::Cmd,
         &generate::Generate,
         &train_tokenizer::TrainTokenizer,
@@ -145,6 +147,7 @@ pub fn registry() -> &'static [&'static dyn Op] {
         &pack::Pack,
         &rl_data::RlData,
         &pretrain::Pretrain,
+        &sft::Sft,
     ];
     &OPS
 }

@@ -64,7 +64,7 @@ impl Op for Pretrain {
 
     fn check(&self, stage: &StageDecl) -> Result<(), DeclError> {
         let p: Params = typed_params(stage.params)?;
-        check_training(stage, &p.model, &p.schedule, &["data", "tokenizer"])?;
+        check_training(stage, Some(&p.model), &p.schedule, &["data", "tokenizer"])?;
         if p.seq_length == 0 || p.seq_length > p.model.max_seq {
             return Err(DeclError::new(
                 &["params", "seq_length"],
@@ -129,13 +129,15 @@ pub(crate) fn model_outputs() -> BTreeMap<String, String> {
 /// Declaration checks shared by the training ops.
 pub(crate) fn check_training(
     stage: &StageDecl,
-    model: &ModelConfig,
+    model: Option<&ModelConfig>,
     schedule: &Schedule,
     inputs: &[&str],
 ) -> Result<(), DeclError> {
-    model
-        .validate()
-        .map_err(|e| DeclError::new(&["params", "model", e.field], e.message))?;
+    if let Some(model) = model {
+        model
+            .validate()
+            .map_err(|e| DeclError::new(&["params", "model", e.field], e.message))?;
+    }
     schedule
         .check()
         .map_err(|(field, msg)| DeclError::new(&["params", field], msg))?;
