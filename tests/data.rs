@@ -12,7 +12,7 @@ use std::process::Command;
 
 mod common;
 
-use common::{Project, output};
+use common::{Project, output, python};
 
 /// The absolute path of a stage's output, from `show --json`.
 fn output_path(p: &Project, manifest: &str, stage: &str, out: &str) -> PathBuf {
@@ -66,24 +66,6 @@ stages:
     params: {tokenize_params}
 "#
     )
-}
-
-fn python() -> Option<String> {
-    let candidate = std::env::var("NEMO_DAG_PYTHON").unwrap_or_else(|_| "python3".into());
-    let ok = Command::new(&candidate)
-        .args(["-c", "import tokenizers, numpy"])
-        .output()
-        .is_ok_and(|o| o.status.success());
-    if ok {
-        return Some(candidate);
-    }
-    if std::env::var("NEMO_DAG_REQUIRE_PYTHON").as_deref() == Ok("1") {
-        panic!("NEMO_DAG_REQUIRE_PYTHON=1 but {candidate} cannot import tokenizers and numpy");
-    }
-    eprintln!(
-        "skipping the Python comparison: {candidate} lacks tokenizers/numpy (scripts/test installs them)"
-    );
-    None
 }
 
 fn check_with_python(p: &Project, manifest: &str) {

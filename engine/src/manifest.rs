@@ -766,9 +766,13 @@ pub fn merge(base: &mut Value, over: Value) {
 /// `a.b.c=VALUE`: set an existing key; the value is typed like a YAML scalar.
 fn apply_override(tree: &mut Value, text: &str) -> Result<(), InputError> {
     let Some((key, raw)) = text.split_once('=') else {
-        return Err(InputError::new(format!(
-            "override `{text}` is not KEY.PATH=VALUE"
-        )));
+        let mut e = InputError::new(format!("override `{text}` is not KEY.PATH=VALUE"));
+        if tree["stages"].get(text).is_some() {
+            e = e.help(format!(
+                "to run only `{text}` and what it needs: nemo-dag run MANIFEST --target {text}"
+            ));
+        }
+        return Err(e);
     };
     let path: Vec<&str> = key.split('.').collect();
     if path.iter().any(|p| p.is_empty()) {

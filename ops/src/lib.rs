@@ -16,6 +16,7 @@
 //! - [`pretrain`]: train a model from scratch on tokenized data; [`model`] and [`train`] hold
 //!   the networks and the training loop.
 //! - [`sft`]: fine-tune an upstream model on packed chat data.
+//! - [`export`]: a dense model as a Hugging Face Llama checkpoint.
 //!
 //! Shared pieces: [`text`] reads documents from dataset files; [`megatron`] writes and reads
 //! Megatron's `.bin`/`.idx` token datasets; [`packing`] and [`pyrandom`] are SFT packing and
@@ -23,6 +24,7 @@
 
 pub mod chat;
 pub mod cmd;
+pub mod export;
 pub mod generate;
 pub mod gpt_dataset;
 pub mod megatron;
@@ -139,7 +141,7 @@ pub trait Op: Sync {
 
 /// Every built-in op, in the order `nemo-dag` lists them.
 pub fn registry() -> &'static [&'static dyn Op] {
-    static OPS: [&dyn Op; 8] = [
+    static OPS: [&dyn Op; 9] = [
         &cmd::Cmd,
         &generate::Generate,
         &train_tokenizer::TrainTokenizer,
@@ -148,6 +150,7 @@ pub fn registry() -> &'static [&'static dyn Op] {
         &rl_data::RlData,
         &pretrain::Pretrain,
         &sft::Sft,
+        &export::Export,
     ];
     &OPS
 }

@@ -335,3 +335,24 @@ pub fn find_named(dir: &Path, prefix: &str) -> Vec<String> {
         })
         .collect()
 }
+
+/// The Python that reference checks run with (`NEMO_DAG_PYTHON`, else `python3`), if it has
+/// `tokenizers` and `numpy`. `NEMO_DAG_REQUIRE_PYTHON=1` (set by scripts/test) turns a missing
+/// one into a failure instead of a printed skip.
+pub fn python() -> Option<String> {
+    let candidate = std::env::var("NEMO_DAG_PYTHON").unwrap_or_else(|_| "python3".into());
+    let ok = Command::new(&candidate)
+        .args(["-c", "import tokenizers, numpy"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if ok {
+        return Some(candidate);
+    }
+    if std::env::var("NEMO_DAG_REQUIRE_PYTHON").as_deref() == Ok("1") {
+        panic!("NEMO_DAG_REQUIRE_PYTHON=1 but {candidate} cannot import tokenizers and numpy");
+    }
+    eprintln!(
+        "skipping the Python comparison: {candidate} lacks tokenizers/numpy (scripts/test installs them)"
+    );
+    None
+}

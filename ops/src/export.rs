@@ -1,0 +1,198 @@
+//! `export`: a dense model as a Hugging Face Llama checkpoint.
+//!
+//! ```yaml
+//! export:
+//!   op: export
+//!   inputs: {model: "sft:model"}
+//! ```
+//!
+//! Writes `hf/` with `config.json` (`LlamaForCausalLM`), `model.safetensors` and the model's
+//! `tokenizer.json`, which `transformers.AutoModelForCausalLM.from_pretrained` loads. Only a
+//! Llama-shaped model can be exported: the pattern alternates attention and MLP (`*-*-…`), with
+//! SwiGLU, rotary positions and no MTP. The mapping is a renaming plus two splits — the fused
+//! `qkv` into `q_proj`/`k_proj`/`v_proj`, and SwiGLU's stacked `fc1` into `gate_proj`/`up_proj`:
+//!
+//! | nemo-dag | Hugging Face Llama |
+//! | --- | --- |
+//! | `embedding` | `model.embed_tokens.weight` |
+//! | `blocks.{2i}.norm` | `model.layers.{i}.input_layernorm.weight` |
+//! | `blocks.{2i}.attn.qkv` | `model.layers.{i}.self_attn.{q,k,v}_proj.weight` |
+//! | `blocks.{2i}.attn.proj` | `model.layers.{i}.self_attn.o_proj.weight` |
+//! | `blocks.{2i+1}.norm` | `model.layers.{i}.post_attention_layernorm.weight` |
+//! | `blocks.{2i+1}.mlp.fc1` | `model.layers.{i}.mlp.{gate,up}_proj.weight` |
+//! | `blocks.{2i+1}.mlp.fc2` | `model.layers.{i}.mlp.down_proj.weight` |
+//! | `final_norm` | `model.norm.weight` |
+//! | `output` | `lm_head.weight` (absent with tied embeddings) |
+
+use crate::model::config::{Activation, BlockKind, Position};
+use crate::model::net::{Mixer, Model};
+use crate::pretrain::input;
+use crate::train::checkpoint;
+use crate::{DeclError, Metrics, Op, RunContext, RunError, StageDecl, typed_params};
+use candle_core::Tensor;
+use serde::Deserialize;
+use serde_json::{Value, json};
+use std::collections::{BTreeMap, HashMap};
+use std::path::Path;
+
+pub struct Export;
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Params {}
+
+impl Op for Export {
+    fn name(&self) -> &'static str {
+        "export"
+    }
+
+    fn version(&self) -> u32 {
+        1
+    }
+
+    fn summary(&self) -> &'static str {
+        "write a dense model as a Hugging Face Llama checkpoint (config.json + safetensors)"
+    }
+
+    fn check(&self, stage: &StageDecl) -> Result<(), DeclError> {
+        let _: Params = typed_params(stage.params)?;
+        if !stage.inputs.contains(&"model") {
+            return Err(
+                DeclError::new(&["inputs"], "export needs an input named `model`")
+                    .with_help("inputs: {model: \"sft:model\"}"),
+            );
+        }
+        if !stage.outputs.is_empty() {
+            return Err(DeclError::new(
+                &["outputs"],
+                "export names its own output (`hf`)",
+            ));
+        }
+        Ok(())
+    }
+
+    fn outputs(&self, _stage: &StageDecl) -> BTreeMap<String, String> {
+        BTreeMap::from([("hf".to_string(), "hf".to_string())])
+    }
+
+    fn run(&self, ctx: &mut RunContext) -> Result<Metrics, RunError> {
+        let dir = input(ctx, "model")?;
+        let model = checkpoint::load_model(&dir)
+            .map_err(|e| RunError(format!("cannot load the model: {e}")))?;
+        let out = ctx.out_dir.join("hf");
+        let layers = write_llama(&model, &out)?;
+        std::fs::copy(dir.join("tokenizer.json"), out.join("tokenizer.json"))?;
+        writeln!(
+            ctx.log,
+            "exported {layers} Llama layers to {}",
+            out.display()
+        )?;
+        let mut m = Metrics::new();
+        m.insert("layers".into(), Value::from(layers));
+        m.insert("parameters".into(), Value::from(model.params.count()));
+        Ok(m)
+    }
+}
+
+/// Why a model is not Llama-shaped, or `Ok(number of Llama layers)`.
+pub fn llama_layers(model: &Model) -> Result<usize, String> {
+    let cfg = &model.cfg;
+    let pairs = model.pattern.main.chunks(2);
+    let dense = pairs
+        .clone()
+        .all(|p| p == [BlockKind::Attention, BlockKind::Mlp]);
+    if !dense {
+        return Err(format!(
+            "only a pattern of attention/MLP pairs (`*-*-…`) maps to Llama; this model is `{}`",
+            model.pattern
+        ));
+    }
+    if !model.pattern.mtp.is_empty() {
+        return Err("a model with MTP depths has no Llama equivalent".into());
+    }
+    if cfg.activation != Activation::Swiglu || cfg.position != Position::Rope {
+        return Err("Llama needs activation swiglu and position rope".into());
+    }
+    Ok(model.pattern.main.len() / 2)
+}
+
+/// Write `config.json` and `model.safetensors` of the Llama equivalent into `out`.
+pub fn write_llama(model: &Model, out: &Path) -> Result<usize, RunError> {
+    let layers = llama_layers(model).map_err(RunError)?;
+    let cfg = &model.cfg;
+    let (h, k, d) = (cfg.heads, cfg.kv_heads(), cfg.head_dim);
+    let e = |e: candle_core::Error| RunError(format!("export: {e}"));
+    let mut tensors: HashMap<String, Tensor> = HashMap::new();
+    let mut put = |name: String, t: Tensor| -> Result<(), RunError> {
+        tensors.insert(name, t.contiguous().map_err(e)?);
+        Ok(())
+    };
+    put("model.embed_tokens.weight".into(), model.embedding.clone())?;
+    for i in 0..layers {
+        let (attn_block, mlp_block) = (&model.blocks[2 * i], &model.blocks[2 * i + 1]);
+        let (Mixer::Attention(attn), Mixer::Mlp(mlp)) = (&attn_block.mixer, &mlp_block.mixer)
+        else {
+            return Err(RunError("internal: pattern and blocks disagree".into()));
+        };
+        let p = format!("model.layers.{i}");
+        put(
+            format!("{p}.input_layernorm.weight"),
+            attn_block.norm.clone(),
+        )?;
+        put(
+            format!("{p}.self_attn.q_proj.weight"),
+            attn.qkv.narrow(0, 0, h * d).map_err(e)?,
+        )?;
+        put(
+            format!("{p}.self_attn.k_proj.weight"),
+            attn.qkv.narrow(0, h * d, k * d).map_err(e)?,
+        )?;
+        put(
+            format!("{p}.self_attn.v_proj.weight"),
+            attn.qkv.narrow(0, (h + k) * d, k * d).map_err(e)?,
+        )?;
+        put(format!("{p}.self_attn.o_proj.weight"), attn.proj.clone())?;
+        put(
+            format!("{p}.post_attention_layernorm.weight"),
+            mlp_block.norm.clone(),
+        )?;
+        put(
+            format!("{p}.mlp.gate_proj.weight"),
+            mlp.fc1.narrow(0, 0, cfg.ffn).map_err(e)?,
+        )?;
+        put(
+            format!("{p}.mlp.up_proj.weight"),
+            mlp.fc1.narrow(0, cfg.ffn, cfg.ffn).map_err(e)?,
+        )?;
+        put(format!("{p}.mlp.down_proj.weight"), mlp.fc2.clone())?;
+    }
+    put("model.norm.weight".into(), model.final_norm.clone())?;
+    if let Some(output) = &model.output {
+        put("lm_head.weight".into(), output.clone())?;
+    }
+    std::fs::create_dir_all(out)?;
+    candle_core::safetensors::save(&tensors, out.join("model.safetensors")).map_err(e)?;
+    let config = json!({
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": cfg.hidden,
+        "intermediate_size": cfg.ffn,
+        "num_hidden_layers": layers,
+        "num_attention_heads": h,
+        "num_key_value_heads": k,
+        "head_dim": d,
+        "hidden_act": "silu",
+        "max_position_embeddings": cfg.max_seq,
+        "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "vocab_size": model.vocab,
+        "tie_word_embeddings": cfg.tie_embeddings,
+        "attention_bias": false,
+        "mlp_bias": false,
+        "initializer_range": cfg.init_std,
+        "torch_dtype": "float32",
+    });
+    let text = serde_json::to_string_pretty(&config).map_err(|e| RunError(e.to_string()))?;
+    std::fs::write(out.join("config.json"), text + "\n")?;
+    Ok(layers)
+}
