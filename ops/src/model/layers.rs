@@ -193,12 +193,14 @@ impl Attention {
                 .reshape((b, h, t, d))
         };
         let (kk, v) = (repeat(kk)?, repeat(v)?);
-        let scores = (q.matmul(&kk.t()?)? * (1.0 / (d as f64).sqrt()))?;
-        let scores = match &ctx.mask {
-            Some(mask) => scores.broadcast_add(mask)?,
-            None => scores,
+        let scale = 1.0 / (d as f64).sqrt();
+        let scores = q.matmul(&kk.t()?)?;
+        let probs = match &ctx.mask {
+            // One fused pass for scale + mask + softmax (and one backward).
+            Some(mask) => super::fused::masked_softmax(&scores, mask, scale)?,
+            None => softmax(&(scores * scale)?)?,
         };
-        let y = softmax(&scores)?.matmul(&v)?; // (B, heads, T, D)
+        let y = probs.matmul(&v)?; // (B, heads, T, D)
         let y = y.transpose(1, 2)?.reshape((b, t, h * d))?;
         linear(&y, &self.proj)
     }
@@ -252,8 +254,9 @@ pub fn activate(h: &Tensor, activation: Activation) -> Result<Tensor> {
     }
 }
 
-/// Mean (or sum) cross-entropy pieces: `-log softmax(logits)[label]` per position, `(N,)`.
-/// `logits` is `(N, vocab)`, `labels` `(N,)` u32.
+/// Cross-entropy `-log softmax(logits)[label]` per position, `(N,)`, from candle primitives:
+/// the plain reference of [`super::fused::cross_entropy`]. `logits` is `(N, vocab)`, `labels`
+/// `(N,)` u32.
 pub fn token_losses(logits: &Tensor, labels: &Tensor) -> Result<Tensor> {
     let max = logits.max_keepdim(D::Minus1)?.detach();
     let shifted = logits.broadcast_sub(&max)?;

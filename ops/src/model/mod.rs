@@ -3,6 +3,7 @@
 //! - [`config`]: what a manifest declares (sizes, the `M*-E/…` layer pattern).
 //! - [`params`]: named parameters and their seeded initialisation.
 //! - [`layers`]: RMSNorm, rotary embeddings, attention and the MLP.
+//! - [`fused`]: one-pass CPU kernels (masked softmax, cross-entropy) with their backward.
 //! - [`mamba2`]: the Mamba-2 (SSD) mixer, with its sequential reference.
 //! - [`moe`]: the mixture of experts with a sigmoid router and aux-loss-free balancing.
 //! - [`net`]: the whole network (embedding, the pattern's blocks, MTP depths) and its loss.
@@ -11,6 +12,7 @@
 //! (candle-nn's fused norms and softmax silently train without a gradient).
 
 pub mod config;
+pub mod fused;
 pub mod layers;
 pub mod mamba2;
 pub mod moe;

@@ -14,7 +14,8 @@
 //! gradients summed over micro-batches are exactly those of the global batch.
 
 use super::config::{BlockKind, ModelConfig, Pattern};
-use super::layers::{Attention, Context, Layout, Mlp, Rope, linear, rms_norm, token_losses};
+use super::fused::cross_entropy;
+use super::layers::{Attention, Context, Layout, Mlp, Rope, linear, rms_norm};
 use super::mamba2::Mamba2;
 use super::moe::Moe;
 use super::params::{Init, ParamStore, Rng};
@@ -272,7 +273,7 @@ impl Model {
         let logits = self.head(&rms_norm(&h, &self.final_norm, self.cfg.norm_eps)?)?;
         let labels = Tensor::from_vec(batch.labels.clone(), n, &Device::Cpu)?;
         let mask = Tensor::from_vec(batch.loss_mask.clone(), n, &Device::Cpu)?;
-        let ce = (token_losses(&logits.reshape((n, self.vocab))?, &labels)? * &mask)?.sum_all()?;
+        let ce = (cross_entropy(&logits.reshape((n, self.vocab))?, &labels)? * &mask)?.sum_all()?;
         let main_sum = ce.to_scalar::<f32>()? as f64;
         let tokens: f64 = batch.loss_mask.iter().map(|m| *m as f64).sum();
         let mut total = (ce / normaliser)?;
@@ -297,7 +298,7 @@ impl Model {
             let labels = Tensor::from_vec(labels_k, n, &Device::Cpu)?;
             let mask = Tensor::from_vec(mask_k, n, &Device::Cpu)?;
             let ce =
-                (token_losses(&logits.reshape((n, self.vocab))?, &labels)? * &mask)?.sum_all()?;
+                (cross_entropy(&logits.reshape((n, self.vocab))?, &labels)? * &mask)?.sum_all()?;
             mtp_sums.push(ce.to_scalar::<f32>()? as f64);
             let scale = self.cfg.mtp_loss_scale / depths as f64 / normaliser;
             total = (total + (ce * scale)?)?;

@@ -1,0 +1,217 @@
+#!/usr/bin/env python3
+"""Training throughput: nemo-dag's `pretrain` (candle, CPU) against the same model in PyTorch.
+
+    cargo build --release
+    python3 -m venv target/torch-venv && target/torch-venv/bin/pip install torch numpy
+    target/torch-venv/bin/python bench/train_bench.py [--steps 20] [--threads 1,2]
+
+The model is the same in both: a Llama-style dense stack `*-*-*-*-` (4 attention + 4 SwiGLU MLP
+blocks), hidden 128, 4 query heads sharing 2 KV heads of 32, FFN 384, RMSNorm, rotary positions,
+untied output head; vocabulary of the tokenizer nemo-dag trains for the run (about 640 tokens).
+Batch: global 16 sequences of 128 tokens as 2 micro-batches of 8 (gradient accumulation), AdamW,
+gradient clipping at 1.0: every step processes 2,048 tokens.
+
+- nemo-dag: `nemo-dag run` of a manifest generate → train_tokenizer → tokenize → pretrain with
+  RAYON_NUM_THREADS=N; the figure is the op's own `tokens_per_second` metric (training loop
+  only, including the final checkpoint write), read from `show --json`.
+- PyTorch: the same architecture written out in a few lines (manual softmax attention, the
+  graph candle runs; `--sdpa` uses F.scaled_dot_product_attention instead), random token ids,
+  torch.set_num_threads(N); tokens/s over the timed steps after 2 warm-up steps.
+
+A hybrid `ME*-/*E` model (Mamba-2, MoE, attention, MLP, one MTP depth) is also timed in
+nemo-dag alone: PyTorch has no Mamba-2 reference to compare with on CPU.
+Printed: tokens/s for each and the ratio nemo-dag / PyTorch.
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+BIN = ROOT / "target" / "release" / "nemo-dag"
+
+DENSE = dict(pattern="*-*-*-*-", hidden=128, heads=4, kv_heads=2, head_dim=32, ffn=384)
+HYBRID = dict(
+    pattern="ME*-/*E",
+    hidden=128,
+    heads=4,
+    kv_heads=2,
+    head_dim=32,
+    ffn=384,
+    activation="relu2",
+    position="none",
+    mamba=dict(heads=4, head_dim=32, state=32, groups=1, chunk=64),
+    moe=dict(experts=8, top_k=2, expert_ffn=192, shared_ffn=192, scaling=2.5),
+)
+SEQ, GLOBAL, MICRO = 128, 16, 8
+
+
+def manifest(model, steps):
+    return json.dumps(
+        {
+            "stages": {
+                "problems": {
+                    "op": "generate",
+                    "params": {"kind": "arithmetic", "count": 2000, "seed": 7},
+                },
+                "tokenizer": {
+                    "op": "train_tokenizer",
+                    "inputs": {"corpus": "problems:pretrain"},
+                    "params": {"vocab_size": 1024, "special_tokens": ["<|endoftext|>"]},
+                },
+                "data": {
+                    "op": "tokenize",
+                    "inputs": {"tokenizer": "tokenizer:tokenizer", "a": "problems:pretrain"},
+                    "params": {"num_shards": 2, "add_eos": True},
+                },
+                "train": {
+                    "op": "pretrain",
+                    "inputs": {"data": "data:data", "tokenizer": "tokenizer:tokenizer"},
+                    "params": {
+                        "model": model,
+                        "seq_length": SEQ,
+                        "steps": steps,
+                        "global_batch": GLOBAL,
+                        "micro_batch": MICRO,
+                        "lr": 1e-3,
+                        "log_interval": 1000,
+                    },
+                },
+            }
+        }
+    )
+
+
+def nemo_dag(model, steps, threads, work):
+    path = Path(work) / "bench.yaml"
+    path.write_text(manifest(model, steps))  # JSON is YAML
+    env = dict(os.environ, RAYON_NUM_THREADS=str(threads))
+    subprocess.run(
+        [str(BIN), "run", str(path), "--force", "train"],
+        check=True,
+        env=env,
+        capture_output=True,
+    )
+    show = subprocess.run(
+        [str(BIN), "show", "train", "--manifest", str(path), "--json"],
+        check=True,
+        capture_output=True,
+        text=True,
+    )
+    art = json.loads(show.stdout)
+    vocab = json.loads((Path(art["outputs"]["model"]["path"]) / "config.json").read_text())["vocab"]
+    return art["metrics"]["tokens_per_second"], vocab
+
+
+def torch_tokens_per_s(vocab, steps, threads, sdpa):
+    import torch
+    import torch.nn.functional as F
+
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    c = DENSE
+    h, nh, nkv, d, ffn = c["hidden"], c["heads"], c["kv_heads"], c["head_dim"], c["ffn"]
+
+    class Block(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.n1 = torch.nn.Parameter(torch.ones(h))
+            self.qkv = torch.nn.Linear(h, (nh + 2 * nkv) * d, bias=False)
+            self.proj = torch.nn.Linear(nh * d, h, bias=False)
+            self.n2 = torch.nn.Parameter(torch.ones(h))
+            self.fc1 = torch.nn.Linear(h, 2 * ffn, bias=False)
+            self.fc2 = torch.nn.Linear(ffn, h, bias=False)
+
+        def forward(self, x, cos, sin, mask):
+            b, t, _ = x.shape
+            y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * self.n1
+            q, k, v = self.qkv(y).split([nh * d, nkv * d, nkv * d], -1)
+            q = q.view(b, t, nh, d).transpose(1, 2)
+            k = k.view(b, t, nkv, d).transpose(1, 2)
+            v = v.view(b, t, nkv, d).transpose(1, 2)
+
+            def rope(z):
+                z1, z2 = z[..., : d // 2], z[..., d // 2 :]
+                return z * cos + torch.cat([-z2, z1], -1) * sin
+
+            q, k = rope(q), rope(k)
+            k = k.repeat_interleave(nh // nkv, 1)
+            v = v.repeat_interleave(nh // nkv, 1)
+            if sdpa:
+                a = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+            else:
+                s = (q @ k.transpose(-1, -2)) / d**0.5 + mask
+                a = torch.softmax(s, -1) @ v
+            x = x + self.proj(a.transpose(1, 2).reshape(b, t, nh * d))
+            y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * self.n2
+            g, u = self.fc1(y).chunk(2, -1)
+            return x + self.fc2(F.silu(g) * u)
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.emb = torch.nn.Embedding(vocab, h)
+            self.blocks = torch.nn.ModuleList([Block() for _ in range(4)])
+            self.norm = torch.nn.Parameter(torch.ones(h))
+            self.out = torch.nn.Linear(h, vocab, bias=False)
+
+        def forward(self, ids, cos, sin, mask):
+            x = self.emb(ids)
+            for blk in self.blocks:
+                x = blk(x, cos, sin, mask)
+            x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * self.norm
+            return self.out(x)
+
+    net = Net()
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    inv = 1.0 / 10000 ** (torch.arange(0, d, 2) / d)
+    ang = torch.outer(torch.arange(SEQ).float(), inv)
+    cos, sin = torch.cat([ang, ang], -1).cos(), torch.cat([ang, ang], -1).sin()
+    mask = torch.full((SEQ, SEQ), float("-inf")).triu(1)
+    gen = torch.Generator().manual_seed(0)
+
+    def step():
+        opt.zero_grad()
+        for _ in range(GLOBAL // MICRO):
+            ids = torch.randint(0, vocab, (MICRO, SEQ + 1), generator=gen)
+            logits = net(ids[:, :-1], cos, sin, mask)
+            loss = F.cross_entropy(logits.reshape(-1, vocab), ids[:, 1:].reshape(-1), reduction="sum")
+            (loss / (GLOBAL * SEQ)).backward()
+        torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+        opt.step()
+
+    for _ in range(2):
+        step()
+    start = time.perf_counter()
+    for _ in range(steps):
+        step()
+    return steps * GLOBAL * SEQ / (time.perf_counter() - start)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=20)
+    ap.add_argument("--threads", default="1,2")
+    args = ap.parse_args()
+    if not BIN.exists():
+        sys.exit(f"{BIN} is missing: run `cargo build --release` first")
+    threads = [int(t) for t in args.threads.split(",")]
+    with tempfile.TemporaryDirectory() as work:
+        print(f"{'model':<8} {'threads':>7} {'nemo-dag tok/s':>15} {'torch tok/s':>12} {'ratio':>6} {'torch sdpa':>11} {'ratio':>6}")
+        for n in threads:
+            ours, vocab = nemo_dag(DENSE, args.steps, n, work)
+            same = torch_tokens_per_s(vocab, args.steps, n, sdpa=False)
+            sdpa = torch_tokens_per_s(vocab, args.steps, n, sdpa=True)
+            print(f"{'dense':<8} {n:>7} {ours:>15.0f} {same:>12.0f} {ours / same:>6.2f} {sdpa:>11.0f} {ours / sdpa:>6.2f}", flush=True)
+        for n in threads:
+            ours, _ = nemo_dag(HYBRID, args.steps, n, work)
+            print(f"{'hybrid':<8} {n:>7} {ours:>15.0f} {'—':>12} {'':>6}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

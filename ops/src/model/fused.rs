@@ -1,0 +1,290 @@
+//! Fused CPU kernels for the two hottest element-wise paths of training, each with its backward
+//! and each tested against the plain composition of candle ops it replaces
+//! ([`super::layers::softmax`], [`super::layers::token_losses`]).
+//!
+//! Written out of candle primitives, `softmax(scale·s + mask)` over the `(B, H, T, T)` attention
+//! scores costs seven passes forward and more backward, each allocating a tensor; the
+//! cross-entropy over the vocabulary likewise. Here each is one pass per row forward and one
+//! backward (rows in parallel with rayon; every row is computed the same way whatever the
+//! thread count, so results are deterministic).
+//!
+//! - [`masked_softmax`]: `p = softmax(scale·s + mask)` row-wise; backward
+//!   `ds = scale · p ⊙ (g − Σ_j g_j p_j)`.
+//! - [`cross_entropy`]: per row `lse(x) − x[label]`; backward `dx = g · (softmax(x) − onehot)`.
+
+use candle_core::{CpuStorage, CustomOp2, D, Layout, Result, Shape, Tensor, bail};
+use rayon::prelude::*;
+
+fn slice<'a>(s: &'a CpuStorage, l: &Layout) -> Result<&'a [f32]> {
+    let Some((start, end)) = l.contiguous_offsets() else {
+        bail!("fused op: input is not contiguous")
+    };
+    Ok(&s.as_slice::<f32>()?[start..end])
+}
+
+/// Rows are processed in parallel only when there is enough work to pay for it.
+const PAR_MIN: usize = 1 << 15;
+
+struct MaskedSoftmax {
+    scale: f32,
+}
+
+impl CustomOp2 for MaskedSoftmax {
+    fn name(&self) -> &'static str {
+        "masked-softmax"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (b, h, t, t2) = l1.shape().dims4()?;
+        if l2.shape().dims4()? != (b, 1, t, t2) {
+            bail!(
+                "masked-softmax: mask shape {:?} for scores {:?}",
+                l2.shape(),
+                l1.shape()
+            )
+        }
+        let (s, m) = (slice(s1, l1)?, slice(s2, l2)?);
+        let mut out = vec![0f32; s.len()];
+        let row = |(r, y): (usize, &mut [f32])| {
+            let (bi, i) = (r / (h * t), r % t);
+            let x = &s[r * t2..(r + 1) * t2];
+            let mask = &m[(bi * t + i) * t2..(bi * t + i + 1) * t2];
+            let mut max = f32::NEG_INFINITY;
+            for j in 0..t2 {
+                y[j] = self.scale * x[j] + mask[j];
+                max = max.max(y[j]);
+            }
+            let mut sum = 0f32;
+            for v in y.iter_mut() {
+                *v = (*v - max).exp();
+                sum += *v;
+            }
+            let inv = 1.0 / sum;
+            for v in y.iter_mut() {
+                *v *= inv;
+            }
+        };
+        if s.len() >= PAR_MIN {
+            out.par_chunks_mut(t2).enumerate().for_each(row);
+        } else {
+            out.chunks_mut(t2).enumerate().for_each(row);
+        }
+        Ok((CpuStorage::F32(out), l1.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        _scores: &Tensor,
+        _mask: &Tensor,
+        p: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let t2 = p.dim(D::Minus1)?;
+        let pv = p.flatten_all()?.to_vec1::<f32>()?;
+        let gv = grad.contiguous()?.flatten_all()?.to_vec1::<f32>()?;
+        let mut out = vec![0f32; pv.len()];
+        let scale = self.scale;
+        let row = |(r, d): (usize, &mut [f32])| {
+            let (p, g) = (&pv[r * t2..(r + 1) * t2], &gv[r * t2..(r + 1) * t2]);
+            let dot: f32 = p.iter().zip(g).map(|(a, b)| a * b).sum();
+            for j in 0..t2 {
+                d[j] = scale * p[j] * (g[j] - dot);
+            }
+        };
+        if pv.len() >= PAR_MIN {
+            out.par_chunks_mut(t2).enumerate().for_each(row);
+        } else {
+            out.chunks_mut(t2).enumerate().for_each(row);
+        }
+        Ok((Some(Tensor::from_vec(out, p.shape(), p.device())?), None))
+    }
+}
+
+/// `softmax(scale·scores + mask)` over the last dimension; `scores` is `(B, H, T, T)`, `mask`
+/// `(B, 1, T, T)` (additive, 0 or −∞, not differentiated).
+pub fn masked_softmax(scores: &Tensor, mask: &Tensor, scale: f64) -> Result<Tensor> {
+    scores.contiguous()?.apply_op2(
+        &mask.contiguous()?,
+        MaskedSoftmax {
+            scale: scale as f32,
+        },
+    )
+}
+
+struct CrossEntropy;
+
+/// Log-sum-exp of a row, max-shifted.
+fn lse(x: &[f32]) -> f32 {
+    let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
+    max + x.iter().map(|v| (v - max).exp()).sum::<f32>().ln()
+}
+
+impl CustomOp2 for CrossEntropy {
+    fn name(&self) -> &'static str {
+        "cross-entropy"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (n, v) = l1.shape().dims2()?;
+        let x = slice(s1, l1)?;
+        let Some((start, end)) = l2.contiguous_offsets() else {
+            bail!("cross-entropy: labels are not contiguous")
+        };
+        let labels = &s2.as_slice::<u32>()?[start..end];
+        if labels.len() != n {
+            bail!("cross-entropy: {} labels for {n} rows", labels.len())
+        }
+        if let Some(l) = labels.iter().find(|l| **l as usize >= v) {
+            bail!("cross-entropy: label {l} outside the vocabulary of {v}")
+        }
+        let loss = |r: usize| {
+            let row = &x[r * v..(r + 1) * v];
+            lse(row) - row[labels[r] as usize]
+        };
+        let out: Vec<f32> = if x.len() >= PAR_MIN {
+            (0..n).into_par_iter().map(loss).collect()
+        } else {
+            (0..n).map(loss).collect()
+        };
+        Ok((CpuStorage::F32(out), Shape::from(n)))
+    }
+
+    fn bwd(
+        &self,
+        logits: &Tensor,
+        labels: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let (n, v) = logits.dims2()?;
+        let x = logits.contiguous()?.flatten_all()?.to_vec1::<f32>()?;
+        let labels = labels.to_vec1::<u32>()?;
+        let g = grad.to_vec1::<f32>()?;
+        let mut out = vec![0f32; n * v];
+        let row = |(r, d): (usize, &mut [f32])| {
+            let xs = &x[r * v..(r + 1) * v];
+            let l = lse(xs);
+            for j in 0..v {
+                d[j] = g[r] * (xs[j] - l).exp();
+            }
+            d[labels[r] as usize] -= g[r];
+        };
+        if out.len() >= PAR_MIN {
+            out.par_chunks_mut(v).enumerate().for_each(row);
+        } else {
+            out.chunks_mut(v).enumerate().for_each(row);
+        }
+        Ok((Some(Tensor::from_vec(out, (n, v), logits.device())?), None))
+    }
+}
+
+/// Per-row cross-entropy `−log softmax(logits)[label]`: `logits` `(N, V)`, `labels` `(N,)` u32.
+pub fn cross_entropy(logits: &Tensor, labels: &Tensor) -> Result<Tensor> {
+    logits
+        .contiguous()?
+        .apply_op2(&labels.contiguous()?, CrossEntropy)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::layers::{softmax, token_losses};
+    use super::super::params::Rng;
+    use super::*;
+    use candle_core::{Device, Var};
+
+    fn randn(rng: &mut Rng, shape: &[usize], std: f64) -> Tensor {
+        let n = shape.iter().product();
+        let v: Vec<f32> = (0..n).map(|_| (rng.normal() * std) as f32).collect();
+        Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
+    }
+
+    fn max_diff(a: &Tensor, b: &Tensor) -> f32 {
+        (a - b)
+            .unwrap()
+            .abs()
+            .unwrap()
+            .flatten_all()
+            .unwrap()
+            .max(0)
+            .unwrap()
+            .to_scalar::<f32>()
+            .unwrap()
+    }
+
+    /// A causal mask with a packed boundary, (b, 1, t, t).
+    fn mask(b: usize, t: usize) -> Tensor {
+        let mut m = vec![f32::NEG_INFINITY; b * t * t];
+        for r in 0..b {
+            for i in 0..t {
+                for j in 0..=i {
+                    if (i < t / 2) == (j < t / 2) {
+                        m[(r * t + i) * t + j] = 0.0;
+                    }
+                }
+            }
+        }
+        Tensor::from_vec(m, (b, 1, t, t), &Device::Cpu).unwrap()
+    }
+
+    #[test]
+    fn masked_softmax_matches_the_plain_ops_forward_and_backward() {
+        // Big enough to take the parallel path too.
+        for (b, h, t) in [(2, 3, 7), (2, 4, 96)] {
+            let mut rng = Rng::new(t as u64);
+            let s = Var::from_tensor(&randn(&mut rng, &[b, h, t, t], 2.0)).unwrap();
+            let m = mask(b, t);
+            let w = randn(&mut rng, &[b, h, t, t], 1.0);
+            let scale = 0.35;
+            let fused = masked_softmax(s.as_tensor(), &m, scale).unwrap();
+            let plain =
+                softmax(&(s.as_tensor() * scale).unwrap().broadcast_add(&m).unwrap()).unwrap();
+            assert!(max_diff(&fused, &plain) < 1e-6);
+            let gf = (fused * &w).unwrap().sum_all().unwrap().backward().unwrap();
+            let gp = (plain * &w).unwrap().sum_all().unwrap().backward().unwrap();
+            let (gf, gp) = (
+                gf.get(s.as_tensor()).unwrap(),
+                gp.get(s.as_tensor()).unwrap(),
+            );
+            assert!(max_diff(gf, gp) < 1e-5, "{}", max_diff(gf, gp));
+        }
+    }
+
+    #[test]
+    fn cross_entropy_matches_the_plain_ops_forward_and_backward() {
+        for (n, v) in [(5, 11), (300, 257)] {
+            let mut rng = Rng::new(n as u64);
+            let x = Var::from_tensor(&randn(&mut rng, &[n, v], 3.0)).unwrap();
+            let labels: Vec<u32> = (0..n).map(|i| ((i * 7919) % v) as u32).collect();
+            let labels = Tensor::from_vec(labels, n, &Device::Cpu).unwrap();
+            let w = randn(&mut rng, &[n], 1.0);
+            let fused = cross_entropy(x.as_tensor(), &labels).unwrap();
+            let plain = token_losses(x.as_tensor(), &labels).unwrap();
+            assert!(max_diff(&fused, &plain) < 1e-5);
+            let gf = (fused * &w).unwrap().sum_all().unwrap().backward().unwrap();
+            let gp = (plain * &w).unwrap().sum_all().unwrap().backward().unwrap();
+            let (gf, gp) = (
+                gf.get(x.as_tensor()).unwrap(),
+                gp.get(x.as_tensor()).unwrap(),
+            );
+            assert!(max_diff(gf, gp) < 1e-5, "{}", max_diff(gf, gp));
+        }
+        let x = Tensor::zeros((1, 3), candle_core::DType::F32, &Device::Cpu).unwrap();
+        let bad = Tensor::new(&[3u32], &Device::Cpu).unwrap();
+        assert!(
+            cross_entropy(&x, &bad).is_err(),
+            "a label outside the vocabulary"
+        );
+    }
+}
