@@ -84,8 +84,7 @@ impl Op for Export {
         std::fs::copy(dir.join("tokenizer.json"), out.join("tokenizer.json"))?;
         writeln!(
             ctx.log,
-            "exported {layers} Llama layers to {}",
-            out.display()
+            "exported {layers} Llama layers to hf/ (config.json, model.safetensors, tokenizer.json)"
         )?;
         let mut m = Metrics::new();
         m.insert("layers".into(), Value::from(layers));
