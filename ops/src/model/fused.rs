@@ -11,9 +11,14 @@
 //! - [`masked_softmax`]: `p = softmax(scale·s + mask)` row-wise; backward
 //!   `ds = scale · p ⊙ (g − Σ_j g_j p_j)`.
 //! - [`cross_entropy`]: per row `lse(x) − x[label]`; backward `dx = g · (softmax(x) − onehot)`.
+//! - [`rope`]: `y = x·cos + R(x)·sin` with `R([a, b]) = [−b, a]`; backward
+//!   `dx = g·cos + Rᵀ(g·sin)` with `Rᵀ([a, b]) = [b, −a]`.
+//! - [`rms_norm`]: per row `y = x · r · w` with `r = 1/sqrt(mean(x²) + eps)`; backward
+//!   `dw = Σ_rows g ⊙ x · r` and `dx = r · (g ⊙ w) − x · r³/D · Σ_j g_j w_j x_j`.
 
-use candle_core::{CpuStorage, CustomOp2, D, Layout, Result, Shape, Tensor, bail};
+use candle_core::{CpuStorage, CustomOp1, CustomOp2, D, Layout, Result, Shape, Tensor, bail};
 use rayon::prelude::*;
+use std::sync::Arc;
 
 fn slice<'a>(s: &'a CpuStorage, l: &Layout) -> Result<&'a [f32]> {
     let Some((start, end)) = l.contiguous_offsets() else {
@@ -197,6 +202,161 @@ pub fn cross_entropy(logits: &Tensor, labels: &Tensor) -> Result<Tensor> {
         .apply_op2(&labels.contiguous()?, CrossEntropy)
 }
 
+/// Rotary tables for one forward pass: `cos` and `sin` per (row, position, dim), row-major
+/// `(batch, len, head_dim)`, shared by every attention block.
+#[derive(Clone)]
+pub struct RopeTables {
+    pub cos: Arc<Vec<f32>>,
+    pub sin: Arc<Vec<f32>>,
+    pub batch: usize,
+    pub len: usize,
+    pub dim: usize,
+}
+
+struct RopeOp {
+    t: RopeTables,
+    /// The backward map `g·cos + Rᵀ(g·sin)` instead of the forward one.
+    transpose: bool,
+}
+
+impl CustomOp1 for RopeOp {
+    fn name(&self) -> &'static str {
+        "rope"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let (b, h, t, d) = l.shape().dims4()?;
+        let tb = &self.t;
+        if (b, t, d) != (tb.batch, tb.len, tb.dim) || d % 2 != 0 {
+            bail!(
+                "rope: input {:?} for tables of {}x{}x{}",
+                l.shape(),
+                tb.batch,
+                tb.len,
+                tb.dim
+            )
+        }
+        let x = slice(s, l)?;
+        let half = d / 2;
+        let mut out = vec![0f32; x.len()];
+        let row = |(r, y): (usize, &mut [f32])| {
+            let (bi, ti) = (r / (h * t), r % t);
+            let at = (bi * t + ti) * d;
+            let (cos, sin) = (&tb.cos[at..at + d], &tb.sin[at..at + d]);
+            let xs = &x[r * d..(r + 1) * d];
+            for j in 0..half {
+                if self.transpose {
+                    y[j] = xs[j] * cos[j] + xs[j + half] * sin[j + half];
+                    y[j + half] = xs[j + half] * cos[j + half] - xs[j] * sin[j];
+                } else {
+                    y[j] = xs[j] * cos[j] - xs[j + half] * sin[j];
+                    y[j + half] = xs[j + half] * cos[j + half] + xs[j] * sin[j + half];
+                }
+            }
+        };
+        if x.len() >= PAR_MIN {
+            out.par_chunks_mut(d).enumerate().for_each(row);
+        } else {
+            out.chunks_mut(d).enumerate().for_each(row);
+        }
+        Ok((CpuStorage::F32(out), l.shape().clone()))
+    }
+
+    fn bwd(&self, _x: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+        let op = RopeOp {
+            t: self.t.clone(),
+            transpose: !self.transpose,
+        };
+        Ok(Some(grad.contiguous()?.apply_op1_no_bwd(&op)?))
+    }
+}
+
+/// Rotary embedding of `x` `(B, H, T, D)` in the `rotate_half` convention, in one pass.
+pub fn rope(x: &Tensor, tables: &RopeTables) -> Result<Tensor> {
+    x.contiguous()?.apply_op1(RopeOp {
+        t: tables.clone(),
+        transpose: false,
+    })
+}
+
+struct RmsNorm {
+    eps: f32,
+}
+
+impl CustomOp2 for RmsNorm {
+    fn name(&self) -> &'static str {
+        "rms-norm"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let d = l1.shape().dims().last().copied().unwrap_or(0);
+        let (x, w) = (slice(s1, l1)?, slice(s2, l2)?);
+        if w.len() != d || d == 0 {
+            bail!("rms-norm: weight of {} for rows of {d}", w.len())
+        }
+        let mut out = vec![0f32; x.len()];
+        let row = |(r, y): (usize, &mut [f32])| {
+            let xs = &x[r * d..(r + 1) * d];
+            let ms = xs.iter().map(|v| v * v).sum::<f32>() / d as f32;
+            let inv = 1.0 / (ms + self.eps).sqrt();
+            for j in 0..d {
+                y[j] = xs[j] * inv * w[j];
+            }
+        };
+        if x.len() >= PAR_MIN {
+            out.par_chunks_mut(d).enumerate().for_each(row);
+        } else {
+            out.chunks_mut(d).enumerate().for_each(row);
+        }
+        Ok((CpuStorage::F32(out), l1.shape().clone()))
+    }
+
+    fn bwd(
+        &self,
+        x: &Tensor,
+        w: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let d = w.elem_count();
+        let xv = x.contiguous()?.flatten_all()?.to_vec1::<f32>()?;
+        let wv = w.to_vec1::<f32>()?;
+        let gv = grad.contiguous()?.flatten_all()?.to_vec1::<f32>()?;
+        let rows = xv.len() / d;
+        let mut dx = vec![0f32; xv.len()];
+        // dw sums over rows in row order: the same bytes whatever the thread count.
+        let mut dw = vec![0f32; d];
+        for r in 0..rows {
+            let (xs, g) = (&xv[r * d..(r + 1) * d], &gv[r * d..(r + 1) * d]);
+            let ms = xs.iter().map(|v| v * v).sum::<f32>() / d as f32;
+            let inv = 1.0 / (ms + self.eps).sqrt();
+            let dot: f32 = (0..d).map(|j| g[j] * wv[j] * xs[j]).sum();
+            let k = inv * inv * inv * dot / d as f32;
+            let out = &mut dx[r * d..(r + 1) * d];
+            for j in 0..d {
+                dw[j] += g[j] * xs[j] * inv;
+                out[j] = inv * g[j] * wv[j] - k * xs[j];
+            }
+        }
+        Ok((
+            Some(Tensor::from_vec(dx, x.shape(), x.device())?),
+            Some(Tensor::from_vec(dw, w.shape(), w.device())?),
+        ))
+    }
+}
+
+/// RMSNorm over the last dimension, `x / sqrt(mean(x²) + eps) * weight`, in one pass.
+pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
+    x.contiguous()?
+        .apply_op2(&weight.contiguous()?, RmsNorm { eps: eps as f32 })
+}
+
 #[cfg(test)]
 mod tests {
     use super::super::layers::{softmax, token_losses};
@@ -286,5 +446,55 @@ mod tests {
             cross_entropy(&x, &bad).is_err(),
             "a label outside the vocabulary"
         );
+    }
+
+    #[test]
+    fn rms_norm_matches_the_plain_ops_forward_and_backward() {
+        for (rows, d) in [(3, 5), (300, 128)] {
+            let mut rng = Rng::new(d as u64);
+            let x = Var::from_tensor(&randn(&mut rng, &[rows, d], 2.0)).unwrap();
+            let w = Var::from_tensor(&randn(&mut rng, &[d], 1.0)).unwrap();
+            let g = randn(&mut rng, &[rows, d], 1.0);
+            let fused = rms_norm(x.as_tensor(), w.as_tensor(), 1e-5).unwrap();
+            let plain =
+                super::super::layers::rms_norm_plain(x.as_tensor(), w.as_tensor(), 1e-5).unwrap();
+            assert!(max_diff(&fused, &plain) < 1e-5);
+            let gf = (fused * &g).unwrap().sum_all().unwrap().backward().unwrap();
+            let gp = (plain * &g).unwrap().sum_all().unwrap().backward().unwrap();
+            for v in [&x, &w] {
+                let (a, b) = (
+                    gf.get(v.as_tensor()).unwrap(),
+                    gp.get(v.as_tensor()).unwrap(),
+                );
+                assert!(max_diff(a, b) < 1e-4, "{}", max_diff(a, b));
+            }
+        }
+    }
+
+    #[test]
+    fn rope_matches_the_plain_ops_forward_and_backward() {
+        let (b, h, t, d) = (2, 3, 5, 8);
+        let rope = super::super::layers::Rope::new(d, 16, 10000.0).unwrap();
+        let layout = super::super::layers::Layout {
+            batch: b,
+            len: t,
+            positions: vec![0, 1, 2, 0, 1, 3, 4, 5, 6, 7],
+            segments: vec![0, 0, 0, 1, 1, 0, 0, 0, 0, 0],
+        };
+        let (cos, sin) = rope.tables(&layout).unwrap();
+        let tables = rope.fused_tables(&layout).unwrap();
+        let mut rng = Rng::new(4);
+        let x = Var::from_tensor(&randn(&mut rng, &[b, h, t, d], 1.0)).unwrap();
+        let g = randn(&mut rng, &[b, h, t, d], 1.0);
+        let fused = super::rope(x.as_tensor(), &tables).unwrap();
+        let plain = super::super::layers::apply_rope(x.as_tensor(), &cos, &sin).unwrap();
+        assert!(max_diff(&fused, &plain) < 1e-6);
+        let gf = (fused * &g).unwrap().sum_all().unwrap().backward().unwrap();
+        let gp = (plain * &g).unwrap().sum_all().unwrap().backward().unwrap();
+        let (a, c) = (
+            gf.get(x.as_tensor()).unwrap(),
+            gp.get(x.as_tensor()).unwrap(),
+        );
+        assert!(max_diff(a, c) < 1e-6, "{}", max_diff(a, c));
     }
 }

@@ -23,8 +23,13 @@ pub fn linear(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     y.reshape(out)
 }
 
-/// RMSNorm over the last dimension: `x / sqrt(mean(x²) + eps) * weight`.
+/// RMSNorm over the last dimension: `x / sqrt(mean(x²) + eps) * weight` (the fused op).
 pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
+    super::fused::rms_norm(x, weight, eps)
+}
+
+/// RMSNorm from candle primitives: the reference the fused op is tested against.
+pub fn rms_norm_plain(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
     let ms = x.sqr()?.mean_keepdim(D::Minus1)?;
     let inv = (ms + eps)?.sqrt()?.recip()?;
     x.broadcast_mul(&inv)?.broadcast_mul(weight)
@@ -125,7 +130,21 @@ impl Rope {
     }
 }
 
-/// `x·cos + rotate_half(x)·sin` with `rotate_half([a, b]) = [−b, a]`; `x` is `(B, H, T, D)`.
+impl Rope {
+    /// The same tables as [`Rope::tables`], as the fused [`super::fused::rope`] op takes them.
+    pub fn fused_tables(&self, layout: &Layout) -> Result<super::fused::RopeTables> {
+        let (cos, sin) = self.tables(layout)?;
+        Ok(super::fused::RopeTables {
+            cos: std::sync::Arc::new(cos.flatten_all()?.to_vec1::<f32>()?),
+            sin: std::sync::Arc::new(sin.flatten_all()?.to_vec1::<f32>()?),
+            batch: layout.batch,
+            len: layout.len,
+            dim: cos.dim(D::Minus1)?,
+        })
+    }
+}
+
+/// `x·cos + rotate_half(x)·sin` (the plain reference of [`super::fused::rope`]) with `rotate_half([a, b]) = [−b, a]`; `x` is `(B, H, T, D)`.
 pub fn apply_rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
     let d = x.dim(D::Minus1)?;
     let a = x.narrow(D::Minus1, 0, d / 2)?;
@@ -138,7 +157,7 @@ pub fn apply_rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
 pub struct Context<'a> {
     pub layout: &'a Layout,
     pub mask: Option<Tensor>,
-    pub rope: Option<(Tensor, Tensor)>,
+    pub rope: Option<super::fused::RopeTables>,
     /// A training forward: MoE routers count tokens for load balancing.
     pub training: bool,
     /// Per token: false for padding (MoE routers do not count it).
@@ -179,9 +198,9 @@ impl Attention {
                 .contiguous()
         };
         let (mut q, mut kk, v) = (split(0, h)?, split(h, k)?, split(h + k, k)?);
-        if let Some((cos, sin)) = &ctx.rope {
-            q = apply_rope(&q, cos, sin)?;
-            kk = apply_rope(&kk, cos, sin)?;
+        if let Some(tables) = &ctx.rope {
+            q = super::fused::rope(&q, tables)?;
+            kk = super::fused::rope(&kk, tables)?;
         }
         // Each key/value head serves heads/kv_heads query heads.
         let repeat = |x: Tensor| -> Result<Tensor> {
@@ -309,7 +328,10 @@ mod tests {
     fn rms_norm_and_softmax_match_their_formulas() {
         let x = Tensor::new(&[[3.0f32, 4.0], [1.0, -1.0]], &Device::Cpu).unwrap();
         let w = Tensor::new(&[1.0f32, 2.0], &Device::Cpu).unwrap();
-        let y = rms_norm(&x, &w, 0.0).unwrap().to_vec2::<f32>().unwrap();
+        let y = rms_norm_plain(&x, &w, 0.0)
+            .unwrap()
+            .to_vec2::<f32>()
+            .unwrap();
         let r = (12.5f32).sqrt();
         assert!((y[0][0] - 3.0 / r).abs() < 1e-6 && (y[0][1] - 8.0 / r).abs() < 1e-6);
         let p = softmax(&x).unwrap().to_vec2::<f32>().unwrap();
@@ -349,7 +371,7 @@ mod tests {
             let ctx = Context {
                 layout,
                 mask: Some(layout.attention_mask().unwrap()),
-                rope: Some(rope.tables(layout).unwrap()),
+                rope: Some(rope.fused_tables(layout).unwrap()),
                 training: false,
                 valid: None,
             };
@@ -438,7 +460,7 @@ mod tests {
         let ctx = Context {
             layout: &layout,
             mask: Some(layout.attention_mask().unwrap()),
-            rope: Some(rope.tables(&layout).unwrap()),
+            rope: Some(rope.fused_tables(&layout).unwrap()),
             training: true,
             valid: None,
         };

@@ -240,7 +240,7 @@ impl Model {
                 None
             },
             rope: match &self.rope {
-                Some(r) => Some(r.tables(layout)?),
+                Some(r) => Some(r.fused_tables(layout)?),
                 None => None,
             },
             training,
