@@ -58,6 +58,12 @@ stages:
   export:
     op: export
     inputs: {model: "sft:model"}
+  eval_sft:
+    op: eval
+    inputs: {model: "sft:model", data: "pretrain_data:data", tasks: "problems:prompts"}
+    params:
+      perplexity: {split: train, seq_length: 32, max_windows: 4}
+      generation: {split: test, limit: 6, max_tokens: 8, batch: 4}
 "#;
 
 /// A hybrid Mamba-2 / attention / MoE model with two shared MTP depths on the same data.
@@ -116,6 +122,7 @@ fn a_recipe_pretrains_fine_tunes_and_exports_a_model_transformers_reads() {
         "sft_data",
         "sft",
         "export",
+        "eval_sft",
         "hybrid",
     ];
     let s = states(&p.json(&["status", "recipe.yaml", "--json"]));
@@ -136,6 +143,24 @@ fn a_recipe_pretrains_fine_tunes_and_exports_a_model_transformers_reads() {
     for f in ["config.json", "model.safetensors", "tokenizer.json"] {
         assert!(model_dir.join(f).is_file(), "model/{f}");
     }
+
+    // eval: perplexity below uniform guessing, an accuracy, a results file.
+    let e = show(&p, "eval_sft")["metrics"].clone();
+    let ppl = e["perplexity"]["perplexity"].as_f64().unwrap();
+    assert!(
+        ppl > 1.0 && ppl < 300.0 * 0.5,
+        "perplexity {ppl} vs vocabulary 300"
+    );
+    let acc = e["generation"]["accuracy"].as_f64().unwrap();
+    assert!(
+        (0.0..=1.0).contains(&acc) && e["generation"]["samples"] == 6,
+        "{e}"
+    );
+    assert!(
+        output_path(&p, "eval_sft", "results")
+            .join("results.json")
+            .is_file()
+    );
 
     // A second run reruns nothing.
     let again = p.ok(&["run", "recipe.yaml", "--json"]).json();

@@ -17,6 +17,7 @@
 //!   the networks and the training loop.
 //! - [`sft`]: fine-tune an upstream model on packed chat data.
 //! - [`export`]: a dense model as a Hugging Face Llama checkpoint.
+//! - [`eval`]: perplexity and verifiable generation accuracy of a model ([`reward`] scores).
 //!
 //! Shared pieces: [`text`] reads documents from dataset files; [`megatron`] writes and reads
 //! Megatron's `.bin`/`.idx` token datasets; [`packing`] and [`pyrandom`] are SFT packing and
@@ -24,6 +25,7 @@
 
 pub mod chat;
 pub mod cmd;
+pub mod eval;
 pub mod export;
 pub mod generate;
 pub mod gpt_dataset;
@@ -34,6 +36,7 @@ pub mod packed_parquet;
 pub mod packing;
 pub mod pretrain;
 pub mod pyrandom;
+pub mod reward;
 pub mod rl_data;
 pub mod sft;
 pub mod text;
@@ -141,7 +144,7 @@ pub trait Op: Sync {
 
 /// Every built-in op, in the order `nemo-dag` lists them.
 pub fn registry() -> &'static [&'static dyn Op] {
-    static OPS: [&dyn Op; 9] = [
+    static OPS: [&dyn Op; 10] = [
         &cmd::Cmd,
         &generate::Generate,
         &train_tokenizer::TrainTokenizer,
@@ -151,6 +154,7 @@ pub fn registry() -> &'static [&'static dyn Op] {
         &pretrain::Pretrain,
         &sft::Sft,
         &export::Export,
+        &eval::Eval,
     ];
     &OPS
 }

@@ -1,0 +1,491 @@
+//! `eval`: score a model artifact — perplexity on held-out tokens, and accuracy on generation
+//! tasks checked by a verifier.
+//!
+//! ```yaml
+//! eval_sft:
+//!   op: eval
+//!   inputs: {model: "sft:model", data: "pretrain_data:data", tasks: "rl_data:data"}
+//!   params:
+//!     perplexity: {split: valid, seq_length: 128, max_windows: 64}
+//!     generation: {split: test, limit: 100, max_tokens: 32, chat_template: nano3}
+//! ```
+//!
+//! **Perplexity** (`data`: a `tokenize` artifact): the documents of one split of its
+//! `blend.json`, in order, as one token stream cut into windows of `seq_length + 1` tokens (stride
+//! `seq_length`); `exp(Σ cross-entropy / tokens)` over at most `max_windows` windows.
+//!
+//! **Generation** (`tasks`: an `rl_data` artifact, whose `<split>.jsonl` is read, or any JSONL
+//! file): each row's `question` becomes a user turn rendered with the chat template and a
+//! generation prompt; the model decodes greedily until `<|im_end|>`/`<|endoftext|>` or
+//! `max_tokens`; the response is scored against `expected_answer` by the row's `env` (default
+//! `env` param, `math`) with [`crate::reward`]. Accuracy is the mean score. Decoding recomputes the
+//! whole forward each token (no KV cache yet), which is fine for tiny models.
+//!
+//! Output `results/results.json`; the same numbers are the artifact's metrics, and the log ends
+//! with a small table.
+
+use crate::chat::{ChatTemplate, Message, RenderFlags, Role, TemplateSource};
+use crate::megatron::IndexedReader;
+use crate::model::layers::Layout;
+use crate::model::net::{Batch, Model};
+use crate::pretrain::input;
+use crate::train::{self, checkpoint};
+use crate::{DeclError, Metrics, Op, RunContext, RunError, StageDecl, typed_params};
+use serde::Deserialize;
+use serde_json::{Value, json};
+use std::collections::BTreeMap;
+use std::path::Path;
+
+pub struct Eval;
+
+fn d_valid() -> String {
+    "valid".into()
+}
+fn d_test() -> String {
+    "test".into()
+}
+fn d_seq() -> usize {
+    128
+}
+fn d_windows() -> usize {
+    64
+}
+fn d_limit() -> usize {
+    100
+}
+fn d_max_tokens() -> usize {
+    32
+}
+fn d_template() -> String {
+    "nano3".into()
+}
+fn d_env() -> String {
+    "math".into()
+}
+fn d_batch() -> usize {
+    16
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Perplexity {
+    #[serde(default = "d_valid")]
+    split: String,
+    #[serde(default = "d_seq")]
+    seq_length: usize,
+    #[serde(default = "d_windows")]
+    max_windows: usize,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Generation {
+    #[serde(default = "d_test")]
+    split: String,
+    /// At most this many rows (the first ones).
+    #[serde(default = "d_limit")]
+    limit: usize,
+    #[serde(default = "d_max_tokens")]
+    max_tokens: usize,
+    #[serde(default = "d_template")]
+    chat_template: String,
+    #[serde(default = "d_env")]
+    env: String,
+    /// Prompts decoded together.
+    #[serde(default = "d_batch")]
+    batch: usize,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct Params {
+    #[serde(default)]
+    perplexity: Option<Perplexity>,
+    #[serde(default)]
+    generation: Option<Generation>,
+}
+
+impl Op for Eval {
+    fn name(&self) -> &'static str {
+        "eval"
+    }
+
+    fn version(&self) -> u32 {
+        1
+    }
+
+    fn summary(&self) -> &'static str {
+        "score a model: perplexity on held-out tokens, accuracy on verifiable generation tasks"
+    }
+
+    fn check(&self, stage: &StageDecl) -> Result<(), DeclError> {
+        let p: Params = typed_params(stage.params)?;
+        let need = |name: &str, why: &str| -> Result<(), DeclError> {
+            if stage.inputs.contains(&name) {
+                Ok(())
+            } else {
+                Err(DeclError::new(
+                    &["inputs"],
+                    format!("eval needs an input named `{name}` {why}"),
+                ))
+            }
+        };
+        need("model", "(a pretrain or sft artifact's model)")?;
+        if p.perplexity.is_none() && p.generation.is_none() {
+            return Err(DeclError::new(
+                &["params"],
+                "eval needs `perplexity:` and/or `generation:` in params",
+            ));
+        }
+        if let Some(ppl) = &p.perplexity {
+            need("data", "(a tokenize artifact) for perplexity")?;
+            if ppl.seq_length == 0 || ppl.max_windows == 0 {
+                return Err(DeclError::new(
+                    &["params", "perplexity"],
+                    "seq_length and max_windows must be > 0",
+                ));
+            }
+        }
+        if let Some(g) = &p.generation {
+            need(
+                "tasks",
+                "(an rl_data artifact or a JSONL file) for generation",
+            )?;
+            if g.batch == 0 || g.max_tokens == 0 {
+                return Err(DeclError::new(
+                    &["params", "generation"],
+                    "batch and max_tokens must be > 0",
+                ));
+            }
+            crate::reward::score(&g.env, "", "")
+                .map_err(|e| DeclError::new(&["params", "generation", "env"], e))?;
+        }
+        if !stage.outputs.is_empty() {
+            return Err(DeclError::new(
+                &["outputs"],
+                "eval names its own output (`results`)",
+            ));
+        }
+        Ok(())
+    }
+
+    fn outputs(&self, _stage: &StageDecl) -> BTreeMap<String, String> {
+        BTreeMap::from([("results".to_string(), "results".to_string())])
+    }
+
+    fn run(&self, ctx: &mut RunContext) -> Result<Metrics, RunError> {
+        let p: Params = typed_params(ctx.stage.params).map_err(|e| RunError(e.message))?;
+        let model_dir = input(ctx, "model")?;
+        let model = checkpoint::load_model(&model_dir)
+            .map_err(|e| RunError(format!("cannot load the model: {e}")))?;
+        let mut results = serde_json::Map::new();
+        let mut table = Vec::new();
+        if let Some(ppl) = &p.perplexity {
+            let r = perplexity(&model, &input(ctx, "data")?, ppl)?;
+            table.push(format!(
+                "perplexity   {:<10} {:>10.3}   ({} tokens; uniform guessing: {})",
+                ppl.split,
+                r["perplexity"].as_f64().unwrap_or(f64::NAN),
+                r["tokens"],
+                model.vocab
+            ));
+            results.insert("perplexity".into(), r);
+        }
+        if let Some(g) = &p.generation {
+            let tok_path = model_dir.join("tokenizer.json");
+            let tokenizer = tokenizers::Tokenizer::from_file(&tok_path)
+                .map_err(|e| RunError(format!("cannot load {}: {e}", tok_path.display())))?;
+            let r = generation(&model, &tokenizer, &input(ctx, "tasks")?, g)?;
+            table.push(format!(
+                "{:<12} {:<10} {:>10.3}   ({} prompts)",
+                g.env,
+                "accuracy",
+                r["accuracy"].as_f64().unwrap_or(f64::NAN),
+                r["samples"]
+            ));
+            results.insert("generation".into(), r);
+        }
+        let out = ctx.out_dir.join("results");
+        std::fs::create_dir_all(&out)?;
+        let text = serde_json::to_string_pretty(&Value::Object(results.clone()))
+            .map_err(|e| RunError(e.to_string()))?;
+        std::fs::write(out.join("results.json"), text + "\n")?;
+        writeln!(ctx.log, "task         split           value")?;
+        for line in table {
+            writeln!(ctx.log, "{line}")?;
+        }
+        Ok(results)
+    }
+}
+
+fn perplexity(model: &Model, data: &Path, p: &Perplexity) -> Result<Value, RunError> {
+    let blend_path = data.join("blend.json");
+    let text = std::fs::read_to_string(&blend_path).map_err(|e| {
+        RunError(format!(
+            "{}: {e} (`data` must be a tokenize artifact)",
+            blend_path.display()
+        ))
+    })?;
+    let blend: Value = serde_json::from_str(&text)
+        .map_err(|e| RunError(format!("{}: {e}", blend_path.display())))?;
+    let list = blend[&p.split].as_array().cloned().unwrap_or_default();
+    let mut stream: Vec<u32> = Vec::new();
+    let want = p.max_windows * p.seq_length + 1;
+    for prefix in list.iter().skip(1).step_by(2).filter_map(Value::as_str) {
+        let reader = IndexedReader::open(&data.join(prefix))
+            .map_err(|e| RunError(format!("{prefix}: {e}")))?;
+        for i in 0..reader.len() {
+            if stream.len() >= want {
+                break;
+            }
+            stream.extend(reader.sequence(i).map_err(|e| RunError(e.to_string()))?);
+        }
+    }
+    if stream.len() < p.seq_length + 1 {
+        return Err(RunError(format!(
+            "split `{}` of {} has {} tokens, fewer than one window of {}",
+            p.split,
+            blend_path.display(),
+            stream.len(),
+            p.seq_length + 1
+        )));
+    }
+    if let Some(t) = stream.iter().find(|t| **t as usize >= model.vocab) {
+        return Err(RunError(format!(
+            "token id {t} is outside the model's vocabulary ({})",
+            model.vocab
+        )));
+    }
+    let windows = ((stream.len() - 1) / p.seq_length).min(p.max_windows);
+    let (mut sum, mut tokens) = (0.0, 0.0);
+    for chunk in (0..windows).collect::<Vec<_>>().chunks(8) {
+        let t = p.seq_length;
+        let mut batch = Batch {
+            ids: Vec::new(),
+            labels: Vec::new(),
+            loss_mask: vec![1.0; chunk.len() * t],
+            layout: Layout::plain(chunk.len(), t),
+            valid: None,
+        };
+        for w in chunk {
+            batch.ids.extend_from_slice(&stream[w * t..w * t + t]);
+            batch
+                .labels
+                .extend_from_slice(&stream[w * t + 1..w * t + t + 1]);
+        }
+        let loss = model.loss(&batch, 1.0, false).map_err(train::err)?;
+        sum += loss.main_sum;
+        tokens += loss.tokens;
+    }
+    let mean = sum / tokens.max(1.0);
+    // A model that knows nothing scores about its vocabulary size: the reference point.
+    Ok(json!({
+        "split": p.split,
+        "tokens": tokens as u64,
+        "loss": mean,
+        "perplexity": mean.exp(),
+        "uniform_perplexity": model.vocab,
+    }))
+}
+
+/// Rows `{question, expected_answer, env?}` of a task file (or an rl_data artifact's split).
+fn read_tasks(
+    path: &Path,
+    split: &str,
+    limit: usize,
+) -> Result<Vec<(String, String, Option<String>)>, RunError> {
+    let file = if path.is_dir() {
+        let name = if split == "valid" { "val" } else { split };
+        path.join(format!("{name}.jsonl"))
+    } else {
+        path.to_path_buf()
+    };
+    let text =
+        std::fs::read_to_string(&file).map_err(|e| RunError(format!("{}: {e}", file.display())))?;
+    let mut rows = Vec::new();
+    for (i, line) in text
+        .lines()
+        .enumerate()
+        .filter(|(_, l)| !l.trim().is_empty())
+    {
+        if rows.len() >= limit {
+            break;
+        }
+        let v: Value = serde_json::from_str(line)
+            .map_err(|e| RunError(format!("{}:{}: {e}", file.display(), i + 1)))?;
+        let field = |k: &str| {
+            v[k].as_str()
+                .map(str::to_string)
+                .or_else(|| v[k].as_i64().map(|n| n.to_string()))
+        };
+        let (Some(q), Some(a)) = (field("question"), field("expected_answer")) else {
+            return Err(RunError(format!(
+                "{}:{}: a task row needs `question` and `expected_answer`",
+                file.display(),
+                i + 1
+            )));
+        };
+        rows.push((q, a, field("env")));
+    }
+    if rows.is_empty() {
+        return Err(RunError(format!("{} has no task rows", file.display())));
+    }
+    Ok(rows)
+}
+
+fn generation(
+    model: &Model,
+    tokenizer: &tokenizers::Tokenizer,
+    tasks: &Path,
+    g: &Generation,
+) -> Result<Value, RunError> {
+    let rows = read_tasks(tasks, &g.split, g.limit)?;
+    let template =
+        ChatTemplate::load(&TemplateSource::from_param(&g.chat_template)).map_err(RunError)?;
+    let stops: Vec<u32> = ["<|im_end|>", "<|endoftext|>"]
+        .iter()
+        .filter_map(|t| tokenizer.token_to_id(t))
+        .collect();
+    let mut prompts = Vec::new();
+    for (q, _, _) in &rows {
+        let text = template
+            .render(
+                &[Message::new(Role::User, q.clone())],
+                None,
+                true,
+                RenderFlags::default(),
+            )
+            .map_err(RunError)?;
+        let enc = tokenizer
+            .encode(text, false)
+            .map_err(|e| RunError(format!("cannot tokenize a prompt: {e}")))?;
+        prompts.push(enc.get_ids().to_vec());
+    }
+    let mut total = 0.0;
+    let mut examples = Vec::new();
+    for (start, chunk) in prompts
+        .chunks(g.batch)
+        .enumerate()
+        .map(|(i, c)| (i * g.batch, c))
+    {
+        let outputs = greedy(model, chunk, g.max_tokens, &stops)?;
+        for (k, out) in outputs.iter().enumerate() {
+            let (q, expected, env) = &rows[start + k];
+            let response = tokenizer
+                .decode(out, true)
+                .map_err(|e| RunError(format!("cannot decode: {e}")))?;
+            let reward =
+                crate::reward::score(env.as_deref().unwrap_or(&g.env), &response, expected)
+                    .map_err(RunError)?;
+            total += reward;
+            if examples.len() < 5 {
+                examples.push(json!({"question": q, "response": response, "expected_answer": expected, "reward": reward}));
+            }
+        }
+    }
+    Ok(json!({
+        "split": g.split,
+        "samples": rows.len(),
+        "accuracy": total / rows.len() as f64,
+        "examples": examples,
+    }))
+}
+
+/// Greedy decoding of a batch of prompts (left-padded into their own segment, so padding is
+/// invisible to attention and Mamba state). Returns each row's generated ids, stop excluded.
+pub fn greedy(
+    model: &Model,
+    prompts: &[Vec<u32>],
+    max_tokens: usize,
+    stops: &[u32],
+) -> Result<Vec<Vec<u32>>, RunError> {
+    let b = prompts.len();
+    let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
+    if longest + max_tokens > model.cfg.max_seq {
+        return Err(RunError(format!(
+            "a prompt of {longest} tokens + {max_tokens} new ones exceeds the model's max_seq {}",
+            model.cfg.max_seq
+        )));
+    }
+    // Row r: [pad…, prompt…, generated…]; pads are segment 0, the rest segment 1.
+    let mut rows: Vec<Vec<u32>> = prompts
+        .iter()
+        .map(|p| {
+            std::iter::repeat_n(0, longest - p.len())
+                .chain(p.iter().copied())
+                .collect()
+        })
+        .collect();
+    let mut out: Vec<Vec<u32>> = vec![Vec::new(); b];
+    let mut done = vec![false; b];
+    for _ in 0..max_tokens {
+        let t = rows[0].len();
+        let mut layout = Layout::plain(b, t);
+        for (r, p) in prompts.iter().enumerate() {
+            let pad = longest - p.len();
+            for i in 0..t {
+                let at = r * t + i;
+                layout.segments[at] = u32::from(i >= pad);
+                layout.positions[at] = if i >= pad { (i - pad) as u32 } else { i as u32 };
+            }
+        }
+        let ids: Vec<u32> = rows.iter().flatten().copied().collect();
+        let logits = model
+            .logits(&ids, &layout)
+            .and_then(|l| l.narrow(1, t - 1, 1)?.squeeze(1)?.to_vec2::<f32>())
+            .map_err(train::err)?;
+        for r in 0..b {
+            let next = argmax(&logits[r]);
+            rows[r].push(next);
+            if !done[r] {
+                if stops.contains(&next) {
+                    done[r] = true;
+                } else {
+                    out[r].push(next);
+                }
+            }
+        }
+        if done.iter().all(|d| *d) {
+            break;
+        }
+    }
+    Ok(out)
+}
+
+/// Index of the largest value; the first one on ties.
+fn argmax(v: &[f32]) -> u32 {
+    let mut best = 0;
+    for (i, x) in v.iter().enumerate() {
+        if *x > v[best] {
+            best = i;
+        }
+    }
+    best as u32
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::config::ModelConfig;
+
+    #[test]
+    fn batched_left_padded_greedy_equals_one_prompt_at_a_time() {
+        let cfg: ModelConfig = serde_json::from_value(json!({
+            "pattern": "M*-", "hidden": 16, "heads": 2, "head_dim": 8, "ffn": 32,
+            "mamba": {"heads": 2, "head_dim": 8, "state": 4, "chunk": 4}, "max_seq": 64
+        }))
+        .unwrap();
+        let model = Model::new(&cfg, 40, 3).unwrap();
+        let prompts = vec![vec![5, 6, 7, 8, 9], vec![11, 12], vec![1, 2, 3]];
+        let together = greedy(&model, &prompts, 6, &[]).unwrap();
+        for (p, got) in prompts.iter().zip(&together) {
+            let alone = greedy(&model, std::slice::from_ref(p), 6, &[]).unwrap();
+            assert_eq!(&alone[0], got, "prompt {p:?}");
+            assert_eq!(got.len(), 6);
+        }
+        // A stop token ends a row and is not part of its output.
+        let first = together[0][0];
+        let stopped = greedy(&model, &prompts[..1], 6, &[first]).unwrap();
+        assert!(stopped[0].is_empty());
+    }
+}
