@@ -28,7 +28,7 @@ use crate::chat::{ChatTemplate, Message, RenderFlags, Role, TemplateSource};
 use crate::megatron::IndexedReader;
 use crate::model::layers::Layout;
 use crate::model::net::{Batch, Model};
-use crate::pretrain::input;
+use crate::pretrain::{blend_split, input};
 use crate::train::{self, checkpoint};
 use crate::{DeclError, Metrics, Op, RunContext, RunError, StageDecl, typed_params};
 use serde::Deserialize;
@@ -219,21 +219,11 @@ impl Op for Eval {
 }
 
 fn perplexity(model: &Model, data: &Path, p: &Perplexity) -> Result<Value, RunError> {
-    let blend_path = data.join("blend.json");
-    let text = std::fs::read_to_string(&blend_path).map_err(|e| {
-        RunError(format!(
-            "{}: {e} (`data` must be a tokenize artifact)",
-            blend_path.display()
-        ))
-    })?;
-    let blend: Value = serde_json::from_str(&text)
-        .map_err(|e| RunError(format!("{}: {e}", blend_path.display())))?;
-    let list = blend[&p.split].as_array().cloned().unwrap_or_default();
     let mut stream: Vec<u32> = Vec::new();
     let want = p.max_windows * p.seq_length + 1;
-    for prefix in list.iter().skip(1).step_by(2).filter_map(Value::as_str) {
-        let reader = IndexedReader::open(&data.join(prefix))
-            .map_err(|e| RunError(format!("{prefix}: {e}")))?;
+    for (_, prefix) in blend_split(data, &p.split, "tokenize", false)? {
+        let reader = IndexedReader::open(&prefix)
+            .map_err(|e| RunError(format!("{}: {e}", prefix.display())))?;
         for i in 0..reader.len() {
             if stream.len() >= want {
                 break;
@@ -245,7 +235,7 @@ fn perplexity(model: &Model, data: &Path, p: &Perplexity) -> Result<Value, RunEr
         return Err(RunError(format!(
             "split `{}` of {} has {} tokens, fewer than one window of {}",
             p.split,
-            blend_path.display(),
+            data.join("blend.json").display(),
             stream.len(),
             p.seq_length + 1
         )));

@@ -224,6 +224,50 @@ pub(crate) fn train_and_publish(
     }
 }
 
+/// The `(weight, path)` entries of one split of an artifact's `blend.json` (a `tokenize` or
+/// `pack` artifact, named by `kind` in errors). Weights must be positive numbers (written as
+/// strings, as Megatron's blend files hold them); an empty or missing split is an error when
+/// `required`.
+pub(crate) fn blend_split(
+    dir: &Path,
+    split: &str,
+    kind: &str,
+    required: bool,
+) -> Result<Vec<(f64, PathBuf)>, RunError> {
+    let path = dir.join("blend.json");
+    let text = std::fs::read_to_string(&path).map_err(|e| {
+        RunError(format!(
+            "{}: {e} (the input must be a {kind} artifact)",
+            path.display()
+        ))
+    })?;
+    let blend: Value =
+        serde_json::from_str(&text).map_err(|e| RunError(format!("{}: {e}", path.display())))?;
+    let list = blend[split].as_array().cloned().unwrap_or_default();
+    if list.len() % 2 != 0 || (required && list.is_empty()) {
+        return Err(RunError(format!(
+            "{}: `{split}` must be a non-empty [weight, path, …] list",
+            path.display()
+        )));
+    }
+    list.chunks(2)
+        .map(|pair| {
+            let w = pair[0]
+                .as_str()
+                .and_then(|s| s.parse::<f64>().ok())
+                .or_else(|| pair[0].as_f64())
+                .filter(|w| *w > 0.0 && w.is_finite());
+            match (w, pair[1].as_str()) {
+                (Some(w), Some(rel)) => Ok((w, dir.join(rel))),
+                _ => Err(RunError(format!(
+                    "{}: bad `{split}` entry {pair:?}",
+                    path.display()
+                ))),
+            }
+        })
+        .collect()
+}
+
 /// The train split of a `tokenize` artifact as Megatron's blended GPT datasets.
 struct Dataset {
     reader: IndexedReader,
@@ -250,41 +294,10 @@ impl PretrainData {
         micro_batch: usize,
         global_batch: usize,
     ) -> Result<PretrainData, RunError> {
-        let blend_path = dir.join("blend.json");
-        let text = std::fs::read_to_string(&blend_path).map_err(|e| {
-            RunError(format!(
-                "{}: {e} (the `data` input must be a tokenize artifact)",
-                blend_path.display()
-            ))
-        })?;
-        let blend: Value = serde_json::from_str(&text)
-            .map_err(|e| RunError(format!("{}: {e}", blend_path.display())))?;
-        let train = blend["train"]
-            .as_array()
-            .filter(|a| !a.is_empty() && a.len() % 2 == 0)
-            .ok_or_else(|| {
-                RunError(format!(
-                    "{}: `train` must be a non-empty [weight, prefix, …] list",
-                    blend_path.display()
-                ))
-            })?;
-        let mut weights = Vec::new();
-        let mut prefixes = Vec::new();
-        for pair in train.chunks(2) {
-            let w = pair[0]
-                .as_str()
-                .and_then(|s| s.parse::<f64>().ok())
-                .or_else(|| pair[0].as_f64())
-                .filter(|w| *w > 0.0 && w.is_finite());
-            let (Some(w), Some(prefix)) = (w, pair[1].as_str()) else {
-                return Err(RunError(format!(
-                    "{}: bad train entry {pair:?}",
-                    blend_path.display()
-                )));
-            };
-            weights.push(w);
-            prefixes.push(dir.join(prefix));
-        }
+        let (weights, prefixes): (Vec<f64>, Vec<PathBuf>) =
+            blend_split(dir, "train", "tokenize", true)?
+                .into_iter()
+                .unzip();
         let total: f64 = weights.iter().sum();
         let weights: Vec<f64> = weights.iter().map(|w| w / total).collect();
         let mut datasets = Vec::new();

@@ -24,11 +24,10 @@ use crate::model::layers::Layout;
 use crate::model::net::Batch;
 use crate::packed_parquet;
 use crate::packing::PackedRow;
-use crate::pretrain::{check_training, input, model_outputs, train_and_publish};
+use crate::pretrain::{blend_split, check_training, input, model_outputs, train_and_publish};
 use crate::train::{BatchSource, Schedule, Trainer, checkpoint};
 use crate::{DeclError, Metrics, Op, RunContext, RunError, StageDecl, typed_params};
 use serde::Deserialize;
-use serde_json::Value;
 use std::collections::BTreeMap;
 use std::path::Path;
 
@@ -154,40 +153,15 @@ impl Op for Sft {
 
 /// Every row of the train split of a `pack` artifact, in `blend.json` order.
 fn read_train_rows(dir: &Path, log: &mut dyn std::io::Write) -> Result<Vec<PackedRow>, RunError> {
-    let blend_path = dir.join("blend.json");
-    let text = std::fs::read_to_string(&blend_path).map_err(|e| {
-        RunError(format!(
-            "{}: {e} (the `data` input must be a pack artifact)",
-            blend_path.display()
-        ))
-    })?;
-    let blend: Value = serde_json::from_str(&text)
-        .map_err(|e| RunError(format!("{}: {e}", blend_path.display())))?;
-    let train = blend["train"]
-        .as_array()
-        .filter(|a| !a.is_empty() && a.len() % 2 == 0)
-        .ok_or_else(|| {
-            RunError(format!(
-                "{}: `train` must be a non-empty [weight, path, …] list",
-                blend_path.display()
-            ))
-        })?;
     let mut rows = Vec::new();
-    for pair in train.chunks(2) {
-        let Some(rel) = pair[1].as_str() else {
-            return Err(RunError(format!(
-                "{}: bad train entry {pair:?}",
-                blend_path.display()
-            )));
-        };
-        if pair[0].as_str().is_some_and(|w| w != "1.0") {
+    for (weight, path) in blend_split(dir, "train", "pack", true)? {
+        if weight != 1.0 {
             writeln!(
                 log,
-                "note: sft reads every train row once per epoch; the blend weight {} of {rel} is not applied",
-                pair[0]
+                "note: sft reads every train row once per epoch; the blend weight {weight} of {} is not applied",
+                path.display()
             )?;
         }
-        let path = dir.join(rel);
         rows.extend(packed_parquet::read(&path).map_err(|e| RunError(e.to_string()))?);
     }
     if rows.is_empty() {

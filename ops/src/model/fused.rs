@@ -30,6 +30,15 @@ fn slice<'a>(s: &'a CpuStorage, l: &Layout) -> Result<&'a [f32]> {
 /// Rows are processed in parallel only when there is enough work to pay for it.
 const PAR_MIN: usize = 1 << 15;
 
+/// `f(index, row)` over `out` cut in rows of `width`, in parallel when `out` is large.
+fn for_rows(out: &mut [f32], width: usize, f: impl Fn((usize, &mut [f32])) + Send + Sync) {
+    if out.len() >= PAR_MIN {
+        out.par_chunks_mut(width).enumerate().for_each(f);
+    } else {
+        out.chunks_mut(width).enumerate().for_each(f);
+    }
+}
+
 struct MaskedSoftmax {
     scale: f32,
 }
@@ -75,11 +84,7 @@ impl CustomOp2 for MaskedSoftmax {
                 *v *= inv;
             }
         };
-        if s.len() >= PAR_MIN {
-            out.par_chunks_mut(t2).enumerate().for_each(row);
-        } else {
-            out.chunks_mut(t2).enumerate().for_each(row);
-        }
+        for_rows(&mut out, t2, row);
         Ok((CpuStorage::F32(out), l1.shape().clone()))
     }
 
@@ -102,11 +107,7 @@ impl CustomOp2 for MaskedSoftmax {
                 d[j] = scale * p[j] * (g[j] - dot);
             }
         };
-        if pv.len() >= PAR_MIN {
-            out.par_chunks_mut(t2).enumerate().for_each(row);
-        } else {
-            out.chunks_mut(t2).enumerate().for_each(row);
-        }
+        for_rows(&mut out, t2, row);
         Ok((Some(Tensor::from_vec(out, p.shape(), p.device())?), None))
     }
 }
@@ -186,11 +187,7 @@ impl CustomOp2 for CrossEntropy {
             }
             d[labels[r] as usize] -= g[r];
         };
-        if out.len() >= PAR_MIN {
-            out.par_chunks_mut(v).enumerate().for_each(row);
-        } else {
-            out.chunks_mut(v).enumerate().for_each(row);
-        }
+        for_rows(&mut out, v, row);
         Ok((Some(Tensor::from_vec(out, (n, v), logits.device())?), None))
     }
 }
@@ -254,11 +251,7 @@ impl CustomOp1 for RopeOp {
                 }
             }
         };
-        if x.len() >= PAR_MIN {
-            out.par_chunks_mut(d).enumerate().for_each(row);
-        } else {
-            out.chunks_mut(d).enumerate().for_each(row);
-        }
+        for_rows(&mut out, d, row);
         Ok((CpuStorage::F32(out), l.shape().clone()))
     }
 
@@ -309,11 +302,7 @@ impl CustomOp2 for RmsNorm {
                 y[j] = xs[j] * inv * w[j];
             }
         };
-        if x.len() >= PAR_MIN {
-            out.par_chunks_mut(d).enumerate().for_each(row);
-        } else {
-            out.chunks_mut(d).enumerate().for_each(row);
-        }
+        for_rows(&mut out, d, row);
         Ok((CpuStorage::F32(out), l1.shape().clone()))
     }
 

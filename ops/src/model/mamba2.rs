@@ -40,20 +40,9 @@
 //! window rolls left, newest last) and the `(H, P, N)` state, and advances both by one token.
 
 use super::config::MambaConfig;
+use super::layers::linear;
 use super::params::{Init, constant_f32};
 use candle_core::{D, DType, Result, Tensor};
-
-/// `x @ wᵀ` for `x` of any rank ≥ 2 and a weight stored `(out, in)` as in PyTorch.
-fn linear(x: &Tensor, w: &Tensor) -> Result<Tensor> {
-    let dims = x.dims();
-    let last = dims[dims.len() - 1];
-    let rows = x.elem_count() / last;
-    let y = x.reshape((rows, last))?.matmul(&w.t()?)?;
-    let mut out = dims.to_vec();
-    let n = out.len();
-    out[n - 1] = w.dim(0)?;
-    y.reshape(out)
-}
 
 /// Batched matmul over any number of leading dimensions (candle's own matmul wants ≤ 4 dims
 /// and contiguous batches): `(…, m, k) @ (…, k, n) → (…, m, n)`.

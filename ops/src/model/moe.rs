@@ -29,14 +29,10 @@
 //! `Send + Sync` and a forward can take `&self`.
 
 use super::config::{Activation, MoeConfig};
+use super::layers::{Mlp, linear};
 use super::params::Init;
 use candle_core::{D, DType, Result, Tensor};
 use std::sync::{Mutex, MutexGuard};
-
-/// `x @ wᵀ` for a 2-D `x` and a weight stored `(out, in)` as in PyTorch.
-fn linear(x: &Tensor, w: &Tensor) -> Result<Tensor> {
-    x.matmul(&w.t()?)
-}
 
 /// `1 / (1 + e^{−v})`, from differentiable primitives.
 fn sigmoid(v: &Tensor) -> Result<Tensor> {
@@ -46,47 +42,6 @@ fn sigmoid(v: &Tensor) -> Result<Tensor> {
 /// A poisoned lock (a panic elsewhere while holding it) still holds valid numbers.
 fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|e| e.into_inner())
-}
-
-/// One feed-forward expert: `fc2 · act(fc1 · x)`.
-struct Expert {
-    fc1: Tensor,
-    fc2: Tensor,
-    activation: Activation,
-}
-
-impl Expert {
-    fn new(
-        init: &mut Init,
-        hidden: usize,
-        ffn: usize,
-        activation: Activation,
-        std: f64,
-        out_std: f64,
-    ) -> Result<Expert> {
-        let rows = match activation {
-            Activation::Relu2 => ffn,
-            Activation::Swiglu => 2 * ffn,
-        };
-        Ok(Expert {
-            fc1: init.normal("fc1", &[rows, hidden], std)?,
-            fc2: init.normal("fc2", &[hidden, ffn], out_std)?,
-            activation,
-        })
-    }
-
-    /// `x (rows, hidden) → (rows, hidden)`.
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let h = linear(x, &self.fc1)?;
-        let h = match self.activation {
-            Activation::Relu2 => h.relu()?.sqr()?,
-            Activation::Swiglu => {
-                let ffn = h.dim(1)? / 2;
-                h.narrow(1, 0, ffn)?.silu()?.mul(&h.narrow(1, ffn, ffn)?)?
-            }
-        };
-        linear(&h, &self.fc2)
-    }
 }
 
 /// Which experts each token goes to, and with what weight.
@@ -100,8 +55,8 @@ pub struct Routing {
 /// A mixture-of-experts layer.
 pub struct Moe {
     router: Tensor,
-    experts: Vec<Expert>,
-    shared: Option<Expert>,
+    experts: Vec<Mlp>,
+    shared: Option<Mlp>,
     top_k: usize,
     scaling: f64,
     rate: f64,
@@ -134,12 +89,12 @@ impl Moe {
         let experts = (0..e)
             .map(|i| {
                 let mut sub = init.sub(&format!("experts.{i}"));
-                Expert::new(&mut sub, hidden, cfg.expert_ffn, activation, std, out_std)
+                Mlp::new(&mut sub, hidden, cfg.expert_ffn, activation, std, out_std)
             })
             .collect::<Result<Vec<_>>>()?;
         let shared = if cfg.shared_ffn > 0 {
             let mut sub = init.sub("shared");
-            Some(Expert::new(
+            Some(Mlp::new(
                 &mut sub,
                 hidden,
                 cfg.shared_ffn,
