@@ -889,8 +889,10 @@ fn cmd_pin(a: PinArgs) -> Result<()> {
 }
 
 fn cmd_ops() -> Result<()> {
-    for op in nemo_dag_ops::registry() {
-        println!("{:<12} v{}  {}", op.name(), op.version(), op.summary());
+    let ops = nemo_dag_ops::registry();
+    let width = ops.iter().map(|op| op.name().len()).max().unwrap_or(0);
+    for op in ops {
+        println!("{:<width$}  v{}  {}", op.name(), op.version(), op.summary());
     }
     Ok(())
 }
