@@ -549,6 +549,14 @@ impl IndexedReader {
     /// The token ids of sequence `i`. Errors if `i` is out of range, the `.bin` changed
     /// since `open`, or a stored value is not a valid id (negative, fractional, > u32::MAX).
     pub fn sequence(&self, i: usize) -> io::Result<Vec<u32>> {
+        let len = self.lengths.get(i).map_or(0, |n| *n as usize);
+        self.tokens(i, 0, len)
+    }
+
+    /// Tokens `offset .. offset + len` of sequence `i`, reading only those bytes (a training
+    /// sample is a slice of a document). Errors as [`IndexedReader::sequence`], and if the
+    /// range is not inside the sequence.
+    pub fn tokens(&self, i: usize, offset: usize, len: usize) -> io::Result<Vec<u32>> {
         if i >= self.len() {
             return Err(io::Error::new(
                 io::ErrorKind::InvalidInput,
@@ -559,12 +567,22 @@ impl IndexedReader {
                 ),
             ));
         }
-        let item = self.dtype.size();
         // Validated at open: non-negative, and pointer + len·item ≤ the .bin size.
-        let len = self.lengths[i] as usize;
+        let size = self.lengths[i] as usize;
+        if offset + len > size {
+            return Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!(
+                    "{}: tokens {offset}..{} of sequence {i}, which has {size}",
+                    self.bin_path.display(),
+                    offset + len
+                ),
+            ));
+        }
+        let item = self.dtype.size();
         let mut raw = vec![0u8; len * item];
         self.bin
-            .read_exact_at(&mut raw, self.pointers[i] as u64)
+            .read_exact_at(&mut raw, (self.pointers[i] as usize + offset * item) as u64)
             .map_err(|e| with_path(&self.bin_path, e))?;
         raw.chunks_exact(item)
             .enumerate()
@@ -573,7 +591,8 @@ impl IndexedReader {
                     invalid_data(
                         &self.bin_path,
                         format!(
-                            "sequence {i}, token {j}: bytes {b:02x?} are not a valid {} token id",
+                            "sequence {i}, token {}: bytes {b:02x?} are not a valid {} token id",
+                            offset + j,
                             self.dtype.name()
                         ),
                     )
@@ -812,6 +831,12 @@ mod tests {
         assert_eq!(r.sequence_lengths(), lengths);
         assert_eq!(r.sequence(1).unwrap(), (9..15).collect::<Vec<u32>>());
         assert_eq!(r.sequence(4).unwrap(), (36..52).collect::<Vec<u32>>());
+        assert_eq!(r.tokens(4, 3, 5).unwrap(), (39..44).collect::<Vec<u32>>());
+        assert_eq!(r.tokens(4, 16, 0).unwrap(), Vec::<u32>::new());
+        assert!(
+            r.tokens(4, 12, 5).is_err(),
+            "a range past the end of the sequence"
+        );
     }
 
     #[test]

@@ -355,11 +355,8 @@ impl PretrainData {
             self.seq_length,
             true,
             0,
-            |doc, offset, len| match ds.reader.sequence(doc as usize) {
-                Ok(seq) => seq
-                    .get(offset..offset + len)
-                    .map(<[u32]>::to_vec)
-                    .unwrap_or_default(),
+            |doc, offset, len| match ds.reader.tokens(doc as usize, offset, len) {
+                Ok(tokens) => tokens,
                 Err(e) => {
                     failed = Some(e);
                     Vec::new()
