@@ -31,7 +31,7 @@ use crate::megatron::IndexedReader;
 use crate::model::config::ModelConfig;
 use crate::model::layers::Layout;
 use crate::model::net::{Batch, Model};
-use crate::train::{self, BatchSource, Schedule, Trainer, checkpoint};
+use crate::train::{self, BatchSource, NextToken, Objective, Schedule, Trainer, checkpoint};
 use crate::{DeclError, Metrics, Op, RunContext, RunError, StageDecl, typed_params};
 use serde::Deserialize;
 use serde_json::Value;
@@ -111,7 +111,7 @@ impl Op for Pretrain {
         train_and_publish(
             ctx,
             Trainer::new(model, p.schedule),
-            &mut source,
+            &mut NextToken::new(&mut source),
             tok_path,
             |_| seq * g,
         )
@@ -192,7 +192,7 @@ pub(crate) fn input(ctx: &RunContext, name: &str) -> Result<PathBuf, RunError> {
 pub(crate) fn train_and_publish(
     ctx: &mut RunContext,
     mut trainer: Trainer,
-    source: &mut dyn BatchSource,
+    objective: &mut dyn Objective,
     tokenizer: &Path,
     tokens_per_step: impl Fn(u64) -> u64,
 ) -> Result<Metrics, RunError> {
@@ -207,7 +207,7 @@ pub(crate) fn train_and_publish(
         )?;
     }
     let summary = trainer.run(
-        source,
+        objective,
         &ckpt,
         tokens_per_step,
         ctx.log,

@@ -25,7 +25,7 @@ use crate::model::net::Batch;
 use crate::packed_parquet;
 use crate::packing::PackedRow;
 use crate::pretrain::{blend_split, check_training, input, model_outputs, train_and_publish};
-use crate::train::{BatchSource, Schedule, Trainer, checkpoint};
+use crate::train::{BatchSource, NextToken, Schedule, Trainer, checkpoint};
 use crate::{DeclError, Metrics, Op, RunContext, RunError, StageDecl, typed_params};
 use serde::Deserialize;
 use std::collections::BTreeMap;
@@ -144,7 +144,7 @@ impl Op for Sft {
         train_and_publish(
             ctx,
             Trainer::new(model, p.schedule),
-            &mut source,
+            &mut NextToken::new(&mut source),
             &tok_path,
             move |s| tokens.get(s as usize).copied().unwrap_or(0),
         )

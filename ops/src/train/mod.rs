@@ -1,13 +1,16 @@
-//! The training loop shared by `pretrain` and `sft`, and its checkpoints.
+//! The training loop shared by every training op (`pretrain`, `sft`, `dpo`, `grpo`), and its
+//! checkpoints.
 //!
-//! One optimizer step, top to bottom ([`Trainer::step`]):
+//! What is minimised is an [`Objective`]; `pretrain` and `sft` use [`NextToken`], the per-token
+//! cross-entropy of a [`BatchSource`]. One optimizer step, top to bottom ([`Trainer::step`]):
 //!
-//! 1. Ask the data source for the global batch of this step: a list of micro-batches. The
-//!    source is a pure function of the step number, so resuming at step N reads exactly the
-//!    batches an uninterrupted run would have read.
-//! 2. Count the loss tokens of the whole global batch; every micro-batch's loss is its
-//!    summed cross-entropy divided by that count (per-token loss), so the gradients summed
-//!    over micro-batches are the global batch's.
+//! 1. The objective prepares global step N: it reads that step's micro-batches (an RL
+//!    objective also generates its rollouts here). Everything it does is a pure function of
+//!    the step number and the weights, so resuming at step N sees exactly what an
+//!    uninterrupted run would have seen.
+//! 2. For [`NextToken`]: count the loss tokens of the whole global batch; every micro-batch's
+//!    loss is its summed cross-entropy divided by that count (per-token loss), so the
+//!    gradients summed over micro-batches are the global batch's.
 //! 3. Backward each micro-batch and add its gradients up.
 //! 4. Clip to the global norm, take the learning rate from the schedule, AdamW.
 //! 5. Move the MoE routers' expert biases (aux-loss-free balancing).
@@ -25,6 +28,7 @@ use candle_core::Tensor;
 use optim::{AdamW, AdamWConfig, Decay};
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
+use std::collections::BTreeMap;
 use std::io::Write;
 use std::time::Instant;
 
@@ -129,6 +133,71 @@ pub trait BatchSource {
     fn global_batch(&mut self, step: u64) -> Result<Vec<Batch>, RunError>;
 }
 
+/// What one optimizer step minimises.
+pub trait Objective {
+    /// Get ready for global step `step` (0-based) with the weights as they are now; returns
+    /// how many micro-batches the step has.
+    fn prepare(&mut self, model: &Model, step: u64) -> Result<usize, RunError>;
+    /// The loss of micro-batch `i` of the prepared step. The losses of all micro-batches add
+    /// up to the global batch's loss (each divides by a global count, not its own).
+    fn loss(&mut self, model: &Model, i: usize) -> Result<MicroLoss, RunError>;
+    /// Figures of the prepared step beyond the loss (rewards, accuracy, KL…), logged and
+    /// kept in the curve.
+    fn metrics(&mut self) -> BTreeMap<String, f64> {
+        BTreeMap::new()
+    }
+}
+
+/// One micro-batch's loss: `total` to differentiate, and `sum / count` added into the logged
+/// loss of the step (Σ sum / Σ count over the micro-batches).
+pub struct MicroLoss {
+    pub total: Tensor,
+    pub sum: f64,
+    pub count: f64,
+}
+
+/// The language-model objective of `pretrain` and `sft`: per-token cross-entropy over the
+/// loss tokens of a [`BatchSource`]'s global batch (plus the MTP heads' scaled losses).
+pub struct NextToken<'a> {
+    source: &'a mut dyn BatchSource,
+    micro: Vec<Batch>,
+    normaliser: f64,
+}
+
+impl<'a> NextToken<'a> {
+    pub fn new(source: &'a mut dyn BatchSource) -> NextToken<'a> {
+        NextToken {
+            source,
+            micro: Vec::new(),
+            normaliser: 1.0,
+        }
+    }
+}
+
+impl Objective for NextToken<'_> {
+    fn prepare(&mut self, _model: &Model, step: u64) -> Result<usize, RunError> {
+        self.micro = self.source.global_batch(step)?;
+        self.normaliser = self
+            .micro
+            .iter()
+            .map(|b| b.loss_mask.iter().map(|m| *m as f64).sum::<f64>())
+            .sum::<f64>()
+            .max(1.0);
+        Ok(self.micro.len())
+    }
+
+    fn loss(&mut self, model: &Model, i: usize) -> Result<MicroLoss, RunError> {
+        let loss = model
+            .loss(&self.micro[i], self.normaliser, true)
+            .map_err(err)?;
+        Ok(MicroLoss {
+            total: loss.total,
+            sum: loss.main_sum,
+            count: loss.tokens,
+        })
+    }
+}
+
 /// One logged point of the training curve.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Point {
@@ -136,6 +205,9 @@ pub struct Point {
     pub loss: f64,
     pub lr: f64,
     pub grad_norm: f64,
+    /// The objective's own figures (see [`Objective::metrics`]); absent for `pretrain`/`sft`.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub metrics: BTreeMap<String, f64>,
 }
 
 /// A model, its optimizer state and its progress.
@@ -146,6 +218,8 @@ pub struct Trainer {
     /// Optimizer steps done.
     pub step: u64,
     pub curve: Vec<Point>,
+    /// The objective's figures for the last step.
+    pub last_metrics: BTreeMap<String, f64>,
     decay: Vec<bool>,
 }
 
@@ -163,24 +237,21 @@ impl Trainer {
             schedule,
             step: 0,
             curve: Vec::new(),
+            last_metrics: BTreeMap::new(),
             decay,
         }
     }
 
-    /// One optimizer step on the global batch `step`; returns (mean loss, grad norm before clipping).
-    pub fn step(&mut self, source: &mut dyn BatchSource) -> Result<(f64, f64), RunError> {
-        let micro = source.global_batch(self.step)?;
-        let normaliser: f64 = micro
-            .iter()
-            .map(|b| b.loss_mask.iter().map(|m| *m as f64).sum::<f64>())
-            .sum::<f64>()
-            .max(1.0);
+    /// One optimizer step on global step `self.step` of the objective; returns (mean loss,
+    /// grad norm before clipping).
+    pub fn step(&mut self, objective: &mut dyn Objective) -> Result<(f64, f64), RunError> {
+        let micro = objective.prepare(&self.model, self.step)?;
         let mut sums: Vec<Option<Tensor>> = vec![None; self.model.params.len()];
         let (mut loss_sum, mut tokens) = (0.0, 0.0);
-        for batch in &micro {
-            let loss = self.model.loss(batch, normaliser, true).map_err(err)?;
-            loss_sum += loss.main_sum;
-            tokens += loss.tokens;
+        for i in 0..micro {
+            let loss = objective.loss(&self.model, i)?;
+            loss_sum += loss.sum;
+            tokens += loss.count;
             let grads = loss.total.backward().map_err(err)?;
             for (i, (_, var)) in self.model.params.iter().enumerate() {
                 if let Some(g) = grads.get(var.as_tensor()) {
@@ -220,6 +291,7 @@ impl Trainer {
         self.model.update_moe_biases();
         self.step += 1;
         let loss = loss_sum / tokens.max(1.0);
+        self.last_metrics = objective.metrics();
         if self.step.is_multiple_of(s.log_interval.max(1)) || self.step == s.steps || self.step == 1
         {
             self.curve.push(Point {
@@ -227,6 +299,7 @@ impl Trainer {
                 loss,
                 lr,
                 grad_norm: norm,
+                metrics: self.last_metrics.clone(),
             });
         }
         Ok((loss, norm))
@@ -237,7 +310,7 @@ impl Trainer {
     /// preempted job would.
     pub fn run(
         &mut self,
-        source: &mut dyn BatchSource,
+        objective: &mut dyn Objective,
         ckpt_dir: &std::path::Path,
         tokens_per_step: impl Fn(u64) -> u64,
         log: &mut dyn Write,
@@ -249,13 +322,18 @@ impl Trainer {
         let mut window = (Instant::now(), 0u64);
         let mut last = (f64::NAN, f64::NAN);
         while self.step < s.steps {
-            last = self.step(source)?;
+            last = self.step(objective)?;
             window.1 += tokens_per_step(self.step - 1);
             if self.step.is_multiple_of(s.log_interval.max(1)) || self.step == s.steps {
                 let secs = window.0.elapsed().as_secs_f64();
+                let extra: String = self
+                    .last_metrics
+                    .iter()
+                    .map(|(k, v)| format!(" | {k} {v:.4}"))
+                    .collect();
                 writeln!(
                     log,
-                    "step {:>6}/{} | loss {:.4} | lr {:.3e} | grad norm {:.3} | {:.0} tokens/s",
+                    "step {:>6}/{} | loss {:.4} | lr {:.3e} | grad norm {:.3} | {:.0} tokens/s{extra}",
                     self.step,
                     s.steps,
                     last.0,
@@ -367,7 +445,7 @@ mod tests {
         let dir = tempdir("falls");
         let summary = t
             .run(
-                &mut Counting,
+                &mut NextToken::new(&mut Counting),
                 &dir.join("ckpt"),
                 |_| 48,
                 &mut Vec::new(),
@@ -386,12 +464,18 @@ mod tests {
         // 2N straight.
         let mut straight = trainer(8, 0);
         straight
-            .run(&mut Counting, &dir.join("a"), |_| 48, &mut Vec::new(), None)
+            .run(
+                &mut NextToken::new(&mut Counting),
+                &dir.join("a"),
+                |_| 48,
+                &mut Vec::new(),
+                None,
+            )
             .unwrap();
         // N, stop (as a preemption after the step-4 checkpoint), then resume in a fresh trainer.
         let mut first = trainer(8, 4);
         let stopped = first.run(
-            &mut Counting,
+            &mut NextToken::new(&mut Counting),
             &dir.join("b"),
             |_| 48,
             &mut Vec::new(),
@@ -402,7 +486,13 @@ mod tests {
         checkpoint::restore(&mut resumed, &checkpoint::latest(&dir.join("b")).unwrap()).unwrap();
         assert_eq!(resumed.step, 4);
         resumed
-            .run(&mut Counting, &dir.join("b"), |_| 48, &mut Vec::new(), None)
+            .run(
+                &mut NextToken::new(&mut Counting),
+                &dir.join("b"),
+                |_| 48,
+                &mut Vec::new(),
+                None,
+            )
             .unwrap();
         assert_eq!(
             weights(&straight),
