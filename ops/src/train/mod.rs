@@ -198,6 +198,23 @@ impl Objective for NextToken<'_> {
     }
 }
 
+/// Per-token log-probabilities `(B, T)` of `labels` under the model: `out[b, t] =
+/// log softmax(logits[b, t])[labels[b, t]]`, differentiable (the preference and RL objectives'
+/// building block).
+pub fn token_logprobs(
+    model: &Model,
+    ids: &[u32],
+    labels: &[u32],
+    layout: &crate::model::layers::Layout,
+) -> candle_core::Result<Tensor> {
+    let n = layout.batch * layout.len;
+    let logits = model.logits(ids, layout)?.reshape((n, model.vocab))?;
+    let labels = Tensor::from_vec(labels.to_vec(), n, logits.device())?;
+    crate::model::fused::cross_entropy(&logits, &labels)?
+        .neg()?
+        .reshape((layout.batch, layout.len))
+}
+
 /// One logged point of the training curve.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct Point {
