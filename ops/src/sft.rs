@@ -175,14 +175,17 @@ fn read_train_rows(dir: &Path, log: &mut dyn std::io::Write) -> Result<Vec<Packe
 
 /// A seeded order over `n` rows, reshuffled every epoch: global sample `i` is row
 /// `perm(epoch)[i mod n]`, with `perm(e)` a numpy `RandomState(seed + e)` permutation.
-struct RowOrder {
+/// Row `i` of an endless stream of epochs, each a seeded permutation of `0..n` (numpy
+/// `RandomState(seed + epoch).permutation(n)`): a pure function of `i`, so a resumed run reads
+/// the rows an uninterrupted one would. Shared by the ops that visit rows epoch after epoch.
+pub(crate) struct RowOrder {
     n: usize,
     seed: u32,
     cached: Option<(u64, Vec<usize>)>,
 }
 
 impl RowOrder {
-    fn new(n: usize, seed: u32) -> RowOrder {
+    pub(crate) fn new(n: usize, seed: u32) -> RowOrder {
         RowOrder {
             n,
             seed,
@@ -190,7 +193,7 @@ impl RowOrder {
         }
     }
 
-    fn row(&mut self, i: u64) -> usize {
+    pub(crate) fn row(&mut self, i: u64) -> usize {
         let epoch = i / self.n as u64;
         if self.cached.as_ref().is_none_or(|(e, _)| *e != epoch) {
             let mut rng = NumpyRandomState::new(self.seed.wrapping_add(epoch as u32));
