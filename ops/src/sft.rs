@@ -174,10 +174,9 @@ fn read_train_rows(dir: &Path, log: &mut dyn std::io::Write) -> Result<Vec<Packe
 }
 
 /// A seeded order over `n` rows, reshuffled every epoch: global sample `i` is row
-/// `perm(epoch)[i mod n]`, with `perm(e)` a numpy `RandomState(seed + e)` permutation.
-/// Row `i` of an endless stream of epochs, each a seeded permutation of `0..n` (numpy
-/// `RandomState(seed + epoch).permutation(n)`): a pure function of `i`, so a resumed run reads
-/// the rows an uninterrupted one would. Shared by the ops that visit rows epoch after epoch.
+/// `perm(epoch)[i mod n]`, with `perm(e)` a numpy `RandomState(seed + e)` permutation — a pure
+/// function of `i`, so a resumed run reads the rows an uninterrupted one would. Shared by the
+/// ops that visit rows epoch after epoch.
 pub(crate) struct RowOrder {
     n: usize,
     seed: u32,
