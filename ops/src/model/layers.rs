@@ -225,6 +225,78 @@ impl Attention {
     }
 }
 
+/// What one attention block keeps while decoding: the keys (after RoPE) and values of every
+/// token fed so far, `(B, kv_heads, T, head_dim)`; `None` before the first token.
+#[derive(Default)]
+pub struct KvCache {
+    pub keys: Option<Tensor>,
+    pub values: Option<Tensor>,
+}
+
+impl KvCache {
+    /// Tokens held per row.
+    pub fn len(&self) -> usize {
+        self.keys.as_ref().map_or(0, |k| k.dims()[2])
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+}
+
+impl Attention {
+    /// One token per row while decoding: `x (B, 1, hidden) → (B, 1, hidden)`. The token's key
+    /// and value are appended to `cache`; the query then attends to every cached key the
+    /// additive `mask (B, 1, 1, T)` leaves at 0 (T counts the new token). `rope` holds each
+    /// row's position of this token, as a layout of `B` rows of length 1.
+    pub fn step(
+        &self,
+        x: &Tensor,
+        cache: &mut KvCache,
+        rope: Option<&super::fused::RopeTables>,
+        mask: &Tensor,
+    ) -> Result<Tensor> {
+        let (b, one, _) = x.dims3()?;
+        let (h, k, d) = (self.heads, self.kv_heads, self.head_dim);
+        let qkv = linear(x, &self.qkv)?;
+        let split = |start: usize, n: usize| -> Result<Tensor> {
+            qkv.narrow(D::Minus1, start * d, n * d)?
+                .reshape((b, one, n, d))?
+                .transpose(1, 2)?
+                .contiguous()
+        };
+        let (mut q, mut kk, v) = (split(0, h)?, split(h, k)?, split(h + k, k)?);
+        if let Some(tables) = rope {
+            q = super::fused::rope(&q, tables)?;
+            kk = super::fused::rope(&kk, tables)?;
+        }
+        let append = |past: &Option<Tensor>, new: Tensor| -> Result<Tensor> {
+            match past {
+                Some(p) => Tensor::cat(&[p, &new], 2),
+                None => Ok(new),
+            }
+        };
+        let keys = append(&cache.keys, kk)?;
+        let values = append(&cache.values, v)?;
+        let t = keys.dim(2)?;
+        let repeat = |x: &Tensor| -> Result<Tensor> {
+            if h == k {
+                return Ok(x.clone());
+            }
+            x.unsqueeze(2)?
+                .broadcast_as((b, k, h / k, t, d))?
+                .reshape((b, h, t, d))
+        };
+        let scale = 1.0 / (d as f64).sqrt();
+        let scores = (q.matmul(&repeat(&keys)?.t()?)? * scale)?.broadcast_add(mask)?;
+        let y = softmax(&scores)?.matmul(&repeat(&values)?)?; // (B, heads, 1, D)
+        cache.keys = Some(keys);
+        cache.values = Some(values);
+        let y = y.transpose(1, 2)?.reshape((b, one, h * d))?;
+        linear(&y, &self.proj)
+    }
+}
+
 /// The dense MLP: `fc2(act(fc1(x)))`. With SwiGLU, `fc1` holds the gate and the up
 /// projection stacked (`2·ffn` rows) and `act([g, u]) = SiLU(g) ⊙ u`; with squared ReLU it is
 /// `relu(x)²` on `ffn` rows.

@@ -7,11 +7,13 @@
 //! - [`mamba2`]: the Mamba-2 (SSD) mixer, with its sequential reference.
 //! - [`moe`]: the mixture of experts with a sigmoid router and aux-loss-free balancing.
 //! - [`net`]: the whole network (embedding, the pattern's blocks, MTP depths) and its loss.
+//! - [`decode`]: cached decoding, one token per row and step (KV caches, Mamba states).
 //!
 //! Everything is built from candle-core primitives so autograd reaches every parameter
 //! (candle-nn's fused norms and softmax silently train without a gradient).
 
 pub mod config;
+pub mod decode;
 pub mod fused;
 pub mod layers;
 pub mod mamba2;

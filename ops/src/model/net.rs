@@ -214,8 +214,14 @@ impl Model {
         })
     }
 
-    fn head(&self, h: &Tensor) -> Result<Tensor> {
+    /// The output head: `h (…, hidden) → (…, vocab)` (the embedding when tied).
+    pub fn head(&self, h: &Tensor) -> Result<Tensor> {
         linear(h, self.output.as_ref().unwrap_or(&self.embedding))
+    }
+
+    /// The rotary tables of attention blocks, when the model uses RoPE.
+    pub fn rope(&self) -> Option<&Rope> {
+        self.rope.as_ref()
     }
 
     fn embed(&self, ids: &[u32], layout: &Layout) -> Result<Tensor> {
