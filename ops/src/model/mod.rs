@@ -8,6 +8,7 @@
 //! - [`moe`]: the mixture of experts with a sigmoid router and aux-loss-free balancing.
 //! - [`net`]: the whole network (embedding, the pattern's blocks, MTP depths) and its loss.
 //! - [`decode`]: cached decoding, one token per row and step (KV caches, Mamba states).
+//! - [`sampling`]: temperature / top-k / top-p sampling, stop ids and strings, `generate`.
 //!
 //! Everything is built from candle-core primitives so autograd reaches every parameter
 //! (candle-nn's fused norms and softmax silently train without a gradient).
@@ -20,3 +21,4 @@ pub mod mamba2;
 pub mod moe;
 pub mod net;
 pub mod params;
+pub mod sampling;
