@@ -7,7 +7,8 @@
 //!   inputs: {model: "sft:model", data: "pretrain_data:data", tasks: "rl_data:data"}
 //!   params:
 //!     perplexity: {split: valid, seq_length: 128, max_windows: 64}
-//!     generation: {split: test, limit: 100, max_tokens: 32, chat_template: nano3}
+//!     generation: {split: test, limit: 100, max_tokens: 32, chat_template: nano3,
+//!                  temperature: 0.0, top_p: 1.0, seed: 0, stop: ["</answer>"]}
 //! ```
 //!
 //! **Perplexity** (`data`: a `tokenize` artifact): the documents of one split of its
@@ -16,10 +17,13 @@
 //!
 //! **Generation** (`tasks`: an `rl_data` artifact, whose `<split>.jsonl` is read, or any JSONL
 //! file): each row's `question` becomes a user turn rendered with the chat template and a
-//! generation prompt; the model decodes greedily until `<|im_end|>`/`<|endoftext|>` or
-//! `max_tokens`; the response is scored against `expected_answer` by the row's `env` (default
-//! `env` param, `math`) with [`crate::reward`]. Accuracy is the mean score. Decoding recomputes the
-//! whole forward each token (no KV cache yet), which is fine for tiny models.
+//! generation prompt; the model decodes (greedily by default; `temperature`, `top_p`, `top_k`
+//! sample, row `i` of the file from its own generator seeded by `seed` and `i`) until
+//! `<|im_end|>`/`<|endoftext|>`, a `stop` string, or `max_tokens`; the response (cut before a
+//! stop string) is scored against `expected_answer` by the row's `env` (default `env` param,
+//! `math`) with [`crate::reward`]. Accuracy is the mean score. Decoding is cached (KV caches for
+//! attention, conv/SSM states for Mamba: [`crate::model::decode`]), batched `batch` prompts at a
+//! time with left padding that no row can see.
 //!
 //! Output `results/results.json`; the same numbers are the artifact's metrics, and the log ends
 //! with a small table.
@@ -28,6 +32,8 @@ use crate::chat::{ChatTemplate, Message, RenderFlags, Role, TemplateSource};
 use crate::megatron::IndexedReader;
 use crate::model::layers::Layout;
 use crate::model::net::{Batch, Model};
+use crate::model::params::Rng;
+use crate::model::sampling::{Sampling, StopStrings, generate, generate_until};
 use crate::pretrain::{blend_split, input};
 use crate::train::{self, checkpoint};
 use crate::{DeclError, Metrics, Op, RunContext, RunError, StageDecl, typed_params};
@@ -65,6 +71,9 @@ fn d_env() -> String {
 fn d_batch() -> usize {
     16
 }
+fn d_top_p() -> f64 {
+    1.0
+}
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -94,6 +103,19 @@ struct Generation {
     /// Prompts decoded together.
     #[serde(default = "d_batch")]
     batch: usize,
+    /// 0: greedy (argmax).
+    #[serde(default)]
+    temperature: f64,
+    /// Nucleus sampling: the smallest most-likely set with this much probability.
+    #[serde(default = "d_top_p")]
+    top_p: f64,
+    #[serde(default)]
+    top_k: Option<usize>,
+    #[serde(default)]
+    seed: u64,
+    /// A response ends before the first of these strings.
+    #[serde(default)]
+    stop: Vec<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -111,7 +133,7 @@ impl Op for Eval {
     }
 
     fn version(&self) -> u32 {
-        1
+        2
     }
 
     fn summary(&self) -> &'static str {
@@ -156,6 +178,24 @@ impl Op for Eval {
                     &["params", "generation"],
                     "batch and max_tokens must be > 0",
                 ));
+            }
+            let field = |name: &str, message: &str| {
+                Err(DeclError::new(&["params", "generation", name], message))
+            };
+            if !(g.temperature >= 0.0 && g.temperature.is_finite()) {
+                return field("temperature", "temperature must be >= 0 (0: greedy)");
+            }
+            if !(g.top_p > 0.0 && g.top_p <= 1.0) {
+                return field("top_p", "top_p must be in (0, 1]");
+            }
+            if g.top_k == Some(0) {
+                return field(
+                    "top_k",
+                    "top_k must be > 0 (leave it out to keep every token)",
+                );
+            }
+            if g.stop.iter().any(String::is_empty) {
+                return field("stop", "stop strings must not be empty");
             }
             crate::reward::score(&g.env, "", "")
                 .map_err(|e| DeclError::new(&["params", "generation", "env"], e))?;
@@ -351,6 +391,16 @@ fn generation(
             .map_err(|e| RunError(format!("cannot tokenize a prompt: {e}")))?;
         prompts.push(enc.get_ids().to_vec());
     }
+    let sampling = Sampling {
+        temperature: g.temperature,
+        top_p: g.top_p,
+        top_k: g.top_k,
+        max_tokens: g.max_tokens,
+    };
+    let stop_strings = StopStrings {
+        tokenizer,
+        stops: &g.stop,
+    };
     let mut total = 0.0;
     let mut examples = Vec::new();
     for (start, chunk) in prompts
@@ -358,12 +408,16 @@ fn generation(
         .enumerate()
         .map(|(i, c)| (i * g.batch, c))
     {
-        let outputs = greedy(model, chunk, g.max_tokens, &stops)?;
+        let mut rngs: Vec<Rng> = (start..start + chunk.len())
+            .map(|i| row_rng(g.seed, i))
+            .collect();
+        let outputs = generate_until(model, chunk, &sampling, &stops, &mut rngs, |_, ids| {
+            stop_strings.hit(ids)
+        })
+        .map_err(train::err)?;
         for (k, out) in outputs.iter().enumerate() {
             let (q, expected, env) = &rows[start + k];
-            let response = tokenizer
-                .decode(out, true)
-                .map_err(|e| RunError(format!("cannot decode: {e}")))?;
+            let (response, _) = stop_strings.cut(&out.ids).map_err(RunError)?;
             let reward =
                 crate::reward::score(env.as_deref().unwrap_or(&g.env), &response, expected)
                     .map_err(RunError)?;
@@ -381,82 +435,37 @@ fn generation(
     }))
 }
 
-/// Greedy decoding of a batch of prompts (left-padded into their own segment, so padding is
-/// invisible to attention and Mamba state). Returns each row's generated ids, stop excluded.
+/// The generator of row `i` of a task file: its own SplitMix64 stream, so a row's sample
+/// depends on `seed` and `i` only (not on `batch` or the other rows).
+fn row_rng(seed: u64, i: usize) -> Rng {
+    Rng::new(seed ^ (i as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15))
+}
+
+/// Greedy decoding of a batch of prompts (left padded; the padding is invisible to every row),
+/// cached. Returns each row's generated ids, stop excluded.
 pub fn greedy(
     model: &Model,
     prompts: &[Vec<u32>],
     max_tokens: usize,
     stops: &[u32],
 ) -> Result<Vec<Vec<u32>>, RunError> {
-    let b = prompts.len();
-    let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
-    if longest + max_tokens > model.cfg.max_seq {
-        return Err(RunError(format!(
-            "a prompt of {longest} tokens + {max_tokens} new ones exceeds the model's max_seq {}",
-            model.cfg.max_seq
-        )));
-    }
-    // Row r: [pad…, prompt…, generated…]; pads are segment 0, the rest segment 1.
-    let mut rows: Vec<Vec<u32>> = prompts
-        .iter()
-        .map(|p| {
-            std::iter::repeat_n(0, longest - p.len())
-                .chain(p.iter().copied())
-                .collect()
-        })
-        .collect();
-    let mut out: Vec<Vec<u32>> = vec![Vec::new(); b];
-    let mut done = vec![false; b];
-    for _ in 0..max_tokens {
-        let t = rows[0].len();
-        let mut layout = Layout::plain(b, t);
-        for (r, p) in prompts.iter().enumerate() {
-            let pad = longest - p.len();
-            for i in 0..t {
-                let at = r * t + i;
-                layout.segments[at] = u32::from(i >= pad);
-                layout.positions[at] = if i >= pad { (i - pad) as u32 } else { i as u32 };
-            }
-        }
-        let ids: Vec<u32> = rows.iter().flatten().copied().collect();
-        let logits = model
-            .logits(&ids, &layout)
-            .and_then(|l| l.narrow(1, t - 1, 1)?.squeeze(1)?.to_vec2::<f32>())
-            .map_err(train::err)?;
-        for r in 0..b {
-            let next = argmax(&logits[r]);
-            rows[r].push(next);
-            if !done[r] {
-                if stops.contains(&next) {
-                    done[r] = true;
-                } else {
-                    out[r].push(next);
-                }
-            }
-        }
-        if done.iter().all(|d| *d) {
-            break;
-        }
-    }
-    Ok(out)
-}
-
-/// Index of the largest value; the first one on ties.
-fn argmax(v: &[f32]) -> u32 {
-    let mut best = 0;
-    for (i, x) in v.iter().enumerate() {
-        if *x > v[best] {
-            best = i;
-        }
-    }
-    best as u32
+    let mut rngs = vec![Rng::new(0); prompts.len()];
+    let out = generate(
+        model,
+        prompts,
+        &Sampling::greedy(max_tokens),
+        stops,
+        &mut rngs,
+    )
+    .map_err(train::err)?;
+    Ok(out.into_iter().map(|c| c.ids).collect())
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::model::config::ModelConfig;
+    use crate::{DeclError, Op, StageDecl};
 
     #[test]
     fn batched_left_padded_greedy_equals_one_prompt_at_a_time() {
@@ -477,5 +486,49 @@ mod tests {
         let first = together[0][0];
         let stopped = greedy(&model, &prompts[..1], 6, &[first]).unwrap();
         assert!(stopped[0].is_empty());
+    }
+
+    fn check(generation: Value) -> Result<(), DeclError> {
+        let params = json!({ "generation": generation });
+        let outputs = BTreeMap::new();
+        Eval.check(&StageDecl {
+            name: "eval",
+            params: &params,
+            inputs: vec!["model", "tasks"],
+            outputs: &outputs,
+            cmd: None,
+        })
+    }
+
+    #[test]
+    fn sampling_params_are_checked_by_name() {
+        assert!(check(json!({})).is_ok());
+        assert!(
+            check(
+                json!({"temperature": 0.7, "top_p": 0.9, "top_k": 5, "seed": 3,
+                         "stop": ["</answer>"]})
+            )
+            .is_ok()
+        );
+        for (bad, field) in [
+            (json!({"temperature": -0.1}), "temperature"),
+            (json!({"top_p": 0.0}), "top_p"),
+            (json!({"top_p": 1.5}), "top_p"),
+            (json!({"top_k": 0}), "top_k"),
+            (json!({"stop": [""]}), "stop"),
+        ] {
+            let err = check(bad.clone()).unwrap_err();
+            assert_eq!(err.path, ["params", "generation", field], "{bad}");
+            assert!(err.message.contains(field), "{}", err.message);
+        }
+    }
+
+    #[test]
+    fn a_row_draws_from_its_own_generator() {
+        // Row i's stream depends on (seed, i) only, and differs between rows and seeds.
+        let draw = |seed, i| row_rng(seed, i).next_u64();
+        assert_eq!(draw(0, 3), draw(0, 3));
+        assert_ne!(draw(0, 3), draw(0, 4));
+        assert_ne!(draw(0, 3), draw(1, 3));
     }
 }
