@@ -16,19 +16,23 @@
 //! - [`pretrain`]: train a model from scratch on tokenized data; [`model`] and [`train`] hold
 //!   the networks and the training loop.
 //! - [`sft`]: fine-tune an upstream model on packed chat data.
+//! - [`grpo`]: reinforcement learning (GRPO) on prompts with verifiable answers.
 //! - [`export`]: a dense model as a Hugging Face Llama checkpoint.
-//! - [`eval`]: perplexity and verifiable generation accuracy of a model ([`reward`] scores).
+//! - [`eval`]: perplexity, multiple-choice log-likelihood ([`choice`]) and verifiable
+//!   generation accuracy of a model ([`reward`] scores).
 //!
 //! Shared pieces: [`text`] reads documents from dataset files; [`megatron`] writes and reads
 //! Megatron's `.bin`/`.idx` token datasets; [`packing`] and [`pyrandom`] are SFT packing and
 //! the CPython-compatible shuffles Nemotron's splits use.
 
 pub mod chat;
+pub mod choice;
 pub mod cmd;
 pub mod eval;
 pub mod export;
 pub mod generate;
 pub mod gpt_dataset;
+pub mod grpo;
 pub mod megatron;
 pub mod model;
 pub mod pack;
@@ -144,7 +148,7 @@ pub trait Op: Sync {
 
 /// Every built-in op, in the order `nemo-dag` lists them.
 pub fn registry() -> &'static [&'static dyn Op] {
-    static OPS: [&dyn Op; 10] = [
+    static OPS: &[&dyn Op] = &[
         &cmd::Cmd,
         &generate::Generate,
         &train_tokenizer::TrainTokenizer,
@@ -153,10 +157,11 @@ pub fn registry() -> &'static [&'static dyn Op] {
         &rl_data::RlData,
         &pretrain::Pretrain,
         &sft::Sft,
+        &grpo::Grpo,
         &export::Export,
         &eval::Eval,
     ];
-    &OPS
+    OPS
 }
 
 /// Find a built-in op by its manifest name.
