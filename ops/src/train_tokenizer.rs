@@ -192,8 +192,14 @@ fn train(docs: &[String], p: &Params) -> Result<Tokenizer, RunError> {
 }
 
 #[cfg(test)]
-mod tests {
+pub(crate) mod tests {
     use super::*;
+
+    /// A small byte-level BPE trained on `docs`, for other modules' tests.
+    pub(crate) fn tokenizer(docs: &[&str]) -> Tokenizer {
+        let docs: Vec<String> = docs.iter().map(|d| d.to_string()).collect();
+        train(&docs, &params(300)).unwrap()
+    }
 
     fn params(vocab: usize) -> Params {
         serde_json::from_value(serde_json::json!({"vocab_size": vocab})).unwrap()
