@@ -1,12 +1,14 @@
-//! `eval`: score a model artifact — perplexity on held-out tokens, and accuracy on generation
-//! tasks checked by a verifier.
+//! `eval`: score a model artifact — perplexity on held-out tokens, multiple-choice accuracy by
+//! log-likelihood, and accuracy on generation tasks checked by a verifier.
 //!
 //! ```yaml
 //! eval_sft:
 //!   op: eval
-//!   inputs: {model: "sft:model", data: "pretrain_data:data", tasks: "rl_data:data"}
+//!   inputs: {model: "sft:model", data: "pretrain_data:data", tasks: "rl_data:data",
+//!            choices: "eval_problems:choices"}
 //!   params:
 //!     perplexity: {split: valid, seq_length: 128, max_windows: 64}
+//!     multiple_choice: {limit: 100, target_delimiter: " "}
 //!     generation: {split: test, limit: 100, max_tokens: 32, chat_template: nano3,
 //!                  temperature: 0.0, top_p: 1.0, seed: 0, stop: ["</answer>"]}
 //! ```
@@ -14,6 +16,10 @@
 //! **Perplexity** (`data`: a `tokenize` artifact): the documents of one split of its
 //! `blend.json`, in order, as one token stream cut into windows of `seq_length + 1` tokens (stride
 //! `seq_length`); `exp(Σ cross-entropy / tokens)` over at most `max_windows` windows.
+//!
+//! **Multiple choice** (`choices`: a JSONL file of `{context, choices, gold}` rows): each
+//! choice's log-likelihood after the context, `acc` and `acc_norm` as lm-evaluation-harness
+//! scores them ([`crate::choice`]), with the chance level for reference.
 //!
 //! **Generation** (`tasks`: an `rl_data` artifact, whose `<split>.jsonl` is read, or any JSONL
 //! file): each row's `question` becomes a user turn rendered with the chat template and a
@@ -124,7 +130,27 @@ struct Params {
     #[serde(default)]
     perplexity: Option<Perplexity>,
     #[serde(default)]
+    multiple_choice: Option<MultipleChoice>,
+    #[serde(default)]
     generation: Option<Generation>,
+}
+
+fn d_delimiter() -> String {
+    " ".into()
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct MultipleChoice {
+    /// At most this many rows (the first ones).
+    #[serde(default = "d_limit")]
+    limit: usize,
+    /// Put between the context and each choice (lm-eval's `target_delimiter`).
+    #[serde(default = "d_delimiter")]
+    target_delimiter: String,
+    /// Sequences scored together.
+    #[serde(default = "d_batch")]
+    batch: usize,
 }
 
 impl Op for Eval {
@@ -153,11 +179,23 @@ impl Op for Eval {
             }
         };
         need("model", "(a pretrain or sft artifact's model)")?;
-        if p.perplexity.is_none() && p.generation.is_none() {
+        if p.perplexity.is_none() && p.generation.is_none() && p.multiple_choice.is_none() {
             return Err(DeclError::new(
                 &["params"],
-                "eval needs `perplexity:` and/or `generation:` in params",
+                "eval needs at least one of `perplexity:`, `multiple_choice:`, `generation:` in params",
             ));
+        }
+        if let Some(mc) = &p.multiple_choice {
+            need(
+                "choices",
+                "(a JSONL file of {context, choices, gold} rows) for multiple_choice",
+            )?;
+            if mc.limit == 0 || mc.batch == 0 {
+                return Err(DeclError::new(
+                    &["params", "multiple_choice"],
+                    "limit and batch must be > 0",
+                ));
+            }
         }
         if let Some(ppl) = &p.perplexity {
             need("data", "(a tokenize artifact) for perplexity")?;
@@ -231,10 +269,34 @@ impl Op for Eval {
             ));
             results.insert("perplexity".into(), r);
         }
-        if let Some(g) = &p.generation {
+        let tokenizer = || {
             let tok_path = model_dir.join("tokenizer.json");
-            let tokenizer = tokenizers::Tokenizer::from_file(&tok_path)
-                .map_err(|e| RunError(format!("cannot load {}: {e}", tok_path.display())))?;
+            tokenizers::Tokenizer::from_file(&tok_path)
+                .map_err(|e| RunError(format!("cannot load {}: {e}", tok_path.display())))
+        };
+        if let Some(mc) = &p.multiple_choice {
+            let questions = crate::choice::read(&input(ctx, "choices")?, mc.limit)?;
+            let r = crate::choice::evaluate(
+                &model,
+                &tokenizer()?,
+                &questions,
+                &mc.target_delimiter,
+                mc.batch,
+            )?;
+            for metric in ["acc", "acc_norm"] {
+                table.push(format!(
+                    "{:<12} {:<10} {:>10.3}   ({} questions; chance {:.3})",
+                    "choice",
+                    metric,
+                    r[metric].as_f64().unwrap_or(f64::NAN),
+                    r["samples"],
+                    r["chance"].as_f64().unwrap_or(f64::NAN)
+                ));
+            }
+            results.insert("multiple_choice".into(), r);
+        }
+        if let Some(g) = &p.generation {
+            let tokenizer = tokenizer()?;
             let r = generation(&model, &tokenizer, &input(ctx, "tasks")?, g)?;
             table.push(format!(
                 "{:<12} {:<10} {:>10.3}   ({} prompts)",
@@ -530,5 +592,29 @@ mod tests {
         assert_eq!(draw(0, 3), draw(0, 3));
         assert_ne!(draw(0, 3), draw(0, 4));
         assert_ne!(draw(0, 3), draw(1, 3));
+    }
+
+    #[test]
+    fn multiple_choice_needs_its_choices_input() {
+        let params = json!({ "multiple_choice": {"limit": 10} });
+        let outputs = BTreeMap::new();
+        let decl = |inputs| StageDecl {
+            name: "eval",
+            params: &params,
+            inputs,
+            outputs: &outputs,
+            cmd: None,
+        };
+        assert!(Eval.check(&decl(vec!["model", "choices"])).is_ok());
+        let err = Eval.check(&decl(vec!["model"])).unwrap_err();
+        assert!(err.message.contains("`choices`"), "{}", err.message);
+        let empty = json!({});
+        let err = Eval
+            .check(&StageDecl {
+                params: &empty,
+                ..decl(vec!["model"])
+            })
+            .unwrap_err();
+        assert!(err.message.contains("multiple_choice"), "{}", err.message);
     }
 }
