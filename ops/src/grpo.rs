@@ -329,20 +329,23 @@ fn read_prompts(
         }
         let at = |msg: String| RunError(format!("{}:{}: {msg}", file.display(), i + 1));
         let row: Value = serde_json::from_str(line).map_err(|e| at(e.to_string()))?;
-        let messages: Vec<Message> = match &row["responses_create_params"]["input"] {
-            Value::Array(_) => {
-                serde_json::from_value(row["responses_create_params"]["input"].clone())
-                    .map_err(|e| at(format!("responses_create_params.input: {e}")))?
+        let input = &row["responses_create_params"]["input"];
+        let messages: Vec<Message> = match (p.prompt, row["question"].as_str()) {
+            (PromptField::Messages, _) if input.is_array() => serde_json::from_value(input.clone())
+                .map_err(|e| at(format!("responses_create_params.input: {e}")))?,
+            (PromptField::Question, Some(q)) => vec![Message::new(crate::chat::Role::User, q)],
+            (PromptField::Messages, _) => {
+                return Err(at(
+                    "a prompt row needs `responses_create_params.input` (messages): \
+                     is this an rl_data artifact? (`prompt: question` reads `question` instead)"
+                        .into(),
+                ));
             }
-            _ => match row["question"].as_str() {
-                Some(q) => vec![Message::new(crate::chat::Role::User, q)],
-                None => {
-                    return Err(at(
-                        "a prompt row needs `responses_create_params.input` (messages) or `question`"
-                            .into(),
-                    ));
-                }
-            },
+            (PromptField::Question, None) => {
+                return Err(at(
+                    "a prompt row needs a `question` (params.prompt is `question`)".into(),
+                ));
+            }
         };
         let expected = match &row["expected_answer"] {
             Value::String(s) => s.clone(),
