@@ -25,6 +25,7 @@
 //! Megatron's `.bin`/`.idx` token datasets; [`packing`] and [`pyrandom`] are SFT packing and
 //! the CPython-compatible shuffles Nemotron's splits use.
 
+pub mod bpe;
 pub mod chat;
 pub mod choice;
 pub mod cmd;
