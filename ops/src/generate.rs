@@ -15,6 +15,13 @@
 //! | `pretrain` (`pretrain.jsonl`) | `{"text": "What is 12 + 35? 12 + 35 = 47. The answer is \boxed{47}."}` | `train_tokenizer`, `tokenize` → `pretrain` |
 //! | `chat` (`chat.jsonl`) | `{"messages": [user "What is 12 + 35?", assistant "The answer is \boxed{47}."]}`, every third with `reasoning_content` | `pack` → `sft` |
 //! | `prompts` (`prompts.jsonl`) | `{"question": "What is 12 + 35?", "expected_answer": "47"}` | `rl_data` → `grpo`, `eval` |
+//! | `preferences` (`preferences.jsonl`) | NeMo-RL preference rows: `{"context": [user "What is 12 + 35?"], "completions": [{"rank": 0, "completion": [assistant "The answer is \boxed{47}."]}, {"rank": 1, "completion": [assistant "<tool_call>{…}</tool_call>\nThe answer is \boxed{47}."]}]}` | `dpo` |
+//!
+//! The preference pairs teach what nano3's DPO stage teaches (reference §4.6): not to call
+//! tools that were never offered. Both completions give the right answer; the rejected one
+//! first makes a hallucinated call, `<tool_call>{"name": "calculator", "arguments":
+//! {"expression": "12 + 35"}}</tool_call>`, although the context offers no tools. Neither
+//! carries reasoning, so the pair differs only in the call.
 //!
 //! The same seed gives byte-identical files (CPython's `random.Random(seed)` drives it, so a
 //! Python script can reproduce the data exactly).
@@ -57,11 +64,11 @@ impl Op for Generate {
     }
 
     fn version(&self) -> u32 {
-        1
+        2
     }
 
     fn summary(&self) -> &'static str {
-        "synthetic, exactly checkable data (arithmetic) as pretrain text, chat and RL prompts"
+        "synthetic, exactly checkable data (arithmetic) as pretrain text, chat, RL prompts and preference pairs"
     }
 
     fn check(&self, stage: &StageDecl) -> Result<(), DeclError> {
@@ -102,6 +109,7 @@ impl Op for Generate {
             ("pretrain", "pretrain.jsonl"),
             ("chat", "chat.jsonl"),
             ("prompts", "prompts.jsonl"),
+            ("preferences", "preferences.jsonl"),
         ]
         .into_iter()
         .map(|(k, v)| (k.to_string(), v.to_string()))
@@ -112,6 +120,7 @@ impl Op for Generate {
         let p: Params = typed_params(ctx.stage.params).map_err(|e| RunError(e.message))?;
         let mut rng = PyRandom::new(p.seed);
         let (mut pretrain, mut chat, mut prompts) = (String::new(), String::new(), String::new());
+        let mut preferences = String::new();
         for i in 0..p.count {
             let a = rng.randbelow(p.max_operand + 1);
             let b = rng.randbelow(p.max_operand + 1);
@@ -127,7 +136,8 @@ impl Op for Generate {
             pretrain.push_str(&line(json!({
                 "text": format!("{question} {expr} = {answer}. The answer is \\boxed{{{answer}}}.")
             })));
-            let mut assistant = json!({"role": "assistant", "content": format!("The answer is \\boxed{{{answer}}}.")});
+            let direct = format!("The answer is \\boxed{{{answer}}}.");
+            let mut assistant = json!({"role": "assistant", "content": direct});
             if i % 3 == 0 {
                 assistant["reasoning_content"] = json!(format!("{expr} = {answer}."));
             }
@@ -137,10 +147,24 @@ impl Op for Generate {
             prompts.push_str(&line(
                 json!({"question": question, "expected_answer": answer.to_string()}),
             ));
+            // Written by hand so the call's keys keep their natural order (name, arguments).
+            let call = format!(
+                r#"<tool_call>{{"name": "calculator", "arguments": {{"expression": "{expr}"}}}}</tool_call>"#
+            );
+            preferences.push_str(&line(json!({
+                "context": [{"role": "user", "content": question}],
+                "completions": [
+                    {"rank": 0, "completion": [{"role": "assistant", "content": direct}]},
+                    {"rank": 1, "completion": [
+                        {"role": "assistant", "content": format!("{call}\n{direct}")}
+                    ]},
+                ],
+            })));
         }
         std::fs::write(ctx.out_dir.join("pretrain.jsonl"), pretrain)?;
         std::fs::write(ctx.out_dir.join("chat.jsonl"), chat)?;
         std::fs::write(ctx.out_dir.join("prompts.jsonl"), prompts)?;
+        std::fs::write(ctx.out_dir.join("preferences.jsonl"), preferences)?;
         let mut summary = String::new();
         let _ = write!(
             summary,
@@ -208,6 +232,88 @@ mod tests {
                 _ => x * y,
             };
             assert_eq!(v["expected_answer"], want.to_string());
+        }
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn preference_pairs_prefer_the_direct_answer_to_a_hallucinated_tool_call() {
+        let dir = std::env::temp_dir().join(format!("nemo-dag-gen-pref-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let params = json!({"kind": "arithmetic", "count": 30, "seed": 3, "ops": ["+", "-", "*"]});
+        let outputs = Generate.outputs(&StageDecl {
+            name: "g",
+            params: &params,
+            inputs: vec![],
+            outputs: &BTreeMap::new(),
+            cmd: None,
+        });
+        assert_eq!(outputs["preferences"], "preferences.jsonl");
+        let inputs = BTreeMap::new();
+        let mut log = Vec::new();
+        let mut ctx = RunContext {
+            stage: StageDecl {
+                name: "g",
+                params: &params,
+                inputs: vec![],
+                outputs: &outputs,
+                cmd: None,
+            },
+            inputs: &inputs,
+            out_dir: &dir,
+            log: &mut log,
+        };
+        Generate.run(&mut ctx).unwrap();
+        let read = |f: &str| std::fs::read_to_string(dir.join(f)).unwrap();
+        // The existing outputs keep their bytes (first rows of seed 3, as before preferences).
+        let first = |f: &str| read(f).lines().next().unwrap().to_string();
+        assert_eq!(
+            first("pretrain.jsonl"),
+            r#"{"text":"What is 30 * 75? 30 * 75 = 2250. The answer is \\boxed{2250}."}"#
+        );
+        assert_eq!(
+            first("chat.jsonl"),
+            r#"{"messages":[{"content":"What is 30 * 75?","role":"user"},{"content":"The answer is \\boxed{2250}.","reasoning_content":"30 * 75 = 2250.","role":"assistant"}]}"#
+        );
+        assert_eq!(
+            first("prompts.jsonl"),
+            r#"{"expected_answer":"2250","question":"What is 30 * 75?"}"#
+        );
+        // One pair per problem: the chat's question, its answer chosen, and the same answer
+        // after a tool call (to tools that were never offered) rejected.
+        let chat: Vec<Value> = read("chat.jsonl")
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        let rows: Vec<Value> = read("preferences.jsonl")
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect();
+        assert_eq!(rows.len(), chat.len());
+        for (row, c) in rows.iter().zip(&chat) {
+            let question = &c["messages"][0]["content"];
+            let answer = c["messages"][1]["content"].as_str().unwrap();
+            assert_eq!(
+                row["context"],
+                json!([{"role": "user", "content": question}])
+            );
+            let expr = question
+                .as_str()
+                .unwrap()
+                .trim_start_matches("What is ")
+                .trim_end_matches('?');
+            let call = format!(
+                r#"<tool_call>{{"name": "calculator", "arguments": {{"expression": "{expr}"}}}}</tool_call>"#
+            );
+            assert_eq!(
+                row["completions"],
+                json!([
+                    {"rank": 0, "completion": [{"role": "assistant", "content": answer}]},
+                    {"rank": 1, "completion": [
+                        {"role": "assistant", "content": format!("{call}\n{answer}")}
+                    ]},
+                ])
+            );
         }
         std::fs::remove_dir_all(&dir).unwrap();
     }
