@@ -16,6 +16,7 @@
 //! - [`pretrain`]: train a model from scratch on tokenized data; [`model`] and [`train`] hold
 //!   the networks and the training loop.
 //! - [`sft`]: fine-tune an upstream model on packed chat data.
+//! - [`dpo`]: direct preference optimization of an upstream model on chosen/rejected pairs.
 //! - [`grpo`]: reinforcement learning (GRPO) on prompts with verifiable answers.
 //! - [`export`]: a dense model as a Hugging Face Llama checkpoint.
 //! - [`eval`]: perplexity, multiple-choice log-likelihood ([`choice`]) and verifiable
@@ -29,6 +30,7 @@ pub mod bpe;
 pub mod chat;
 pub mod choice;
 pub mod cmd;
+pub mod dpo;
 pub mod eval;
 pub mod export;
 pub mod generate;
@@ -158,6 +160,7 @@ pub fn registry() -> &'static [&'static dyn Op] {
         &rl_data::RlData,
         &pretrain::Pretrain,
         &sft::Sft,
+        &dpo::Dpo,
         &grpo::Grpo,
         &export::Export,
         &eval::Eval,
