@@ -75,33 +75,39 @@ pub fn check_names(manifest: &Manifest, names: &[String], flag: &str) -> Result<
     Ok(())
 }
 
-/// Prints progress for people on stderr: a live bar on a terminal, plain lines otherwise.
+/// Prints progress for people on stderr: on a terminal a live bar for the run and one for each
+/// training stage (from its `step N/M` log lines); plain lines otherwise.
 struct Reporter {
+    multi: Option<indicatif::MultiProgress>,
     bar: Option<indicatif::ProgressBar>,
     width: usize,
 }
 
 impl Reporter {
     fn new(total: usize, width: usize) -> Reporter {
-        let bar = (std::io::stderr().is_terminal() && total > 1).then(|| {
-            let bar = indicatif::ProgressBar::new(total as u64);
-            bar.set_style(
-                indicatif::ProgressStyle::with_template(
-                    "{spinner} [{pos}/{len}] {elapsed} {wide_msg}",
-                )
+        if !std::io::stderr().is_terminal() || total <= 1 {
+            return Reporter {
+                multi: None,
+                bar: None,
+                width,
+            };
+        }
+        let multi = indicatif::MultiProgress::new();
+        let bar = multi.add(indicatif::ProgressBar::new(total as u64));
+        bar.set_style(
+            indicatif::ProgressStyle::with_template("{spinner} [{pos}/{len}] {elapsed} {wide_msg}")
                 .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
-            );
-            bar.enable_steady_tick(std::time::Duration::from_millis(200));
-            bar
-        });
-        Reporter { bar, width }
+        );
+        bar.enable_steady_tick(std::time::Duration::from_millis(200));
+        Reporter {
+            multi: Some(multi),
+            bar: Some(bar),
+            width,
+        }
     }
 
     fn line(&self, text: String) {
-        match &self.bar {
-            Some(bar) => bar.println(text),
-            None => eprintln!("{text}"),
-        }
+        print_line(self.multi.as_ref(), text);
     }
 
     fn stage_line(&self, name: &str, text: &str) {
@@ -118,6 +124,69 @@ impl Reporter {
     fn finish(&self) {
         if let Some(bar) = &self.bar {
             bar.finish_and_clear();
+        }
+    }
+}
+
+/// A line on stderr that does not tear the live bars.
+fn print_line(multi: Option<&indicatif::MultiProgress>, text: String) {
+    match multi {
+        Some(m) => {
+            if m.println(&text).is_err() {
+                eprintln!("{text}");
+            }
+        }
+        None => eprintln!("{text}"),
+    }
+}
+
+/// `(N, M)` from a training log line `step N/M | loss …`, the trainers' progress lines.
+fn training_step(line: &str) -> Option<(u64, u64)> {
+    let rest = line.strip_prefix("step")?.trim_start();
+    let (done, rest) = rest.split_once('/')?;
+    let total: String = rest.chars().take_while(char::is_ascii_digit).collect();
+    Some((done.trim().parse().ok()?, total.parse().ok()?))
+}
+
+/// Shows one stage's stderr, prefixed with its name; its training steps drive a bar of its own.
+struct StageEcho {
+    multi: Option<indicatif::MultiProgress>,
+    bar: Option<indicatif::ProgressBar>,
+    name: String,
+    width: usize,
+}
+
+impl StageEcho {
+    fn line(&mut self, line: &str) {
+        if let (Some(multi), Some((done, total))) = (&self.multi, training_step(line)) {
+            let bar = self.bar.get_or_insert_with(|| {
+                let bar = multi.add(indicatif::ProgressBar::new(total));
+                bar.set_style(
+                    indicatif::ProgressStyle::with_template(
+                        "{prefix} {bar:30} {pos}/{len} steps · eta {eta} · {wide_msg}",
+                    )
+                    .unwrap_or_else(|_| indicatif::ProgressStyle::default_bar()),
+                );
+                bar.set_prefix(self.name.clone());
+                bar
+            });
+            bar.set_length(total);
+            bar.set_position(done);
+            let figures = line.split_once('|').map(|(_, f)| f.trim()).unwrap_or("");
+            bar.set_message(figures.to_string());
+        }
+        print_line(
+            self.multi.as_ref(),
+            format!("{:>w$} │ {line}", self.name, w = self.width),
+        );
+    }
+}
+
+impl Drop for StageEcho {
+    fn drop(&mut self) {
+        if let (Some(multi), Some(bar)) = (&self.multi, self.bar.take()) {
+            bar.finish_and_clear();
+            multi.remove(&bar);
         }
     }
 }
@@ -221,7 +290,13 @@ async fn schedule(
             ready.remove(&(pos, name));
             let spec = job_spec(manifest, store, name, &resolved, forced);
             reporter.stage_line(name, &format!("started {}", short(&resolved.key)));
-            let pid = start_job(&exe, &spec, &mut tasks, name, width)?;
+            let echo = StageEcho {
+                multi: reporter.multi.clone(),
+                bar: None,
+                name: name.to_string(),
+                width,
+            };
+            let pid = start_job(&exe, &spec, &mut tasks, echo)?;
             cpus_in_use += cpus;
             running.insert(name.to_string(), (pid, cpus, resolved.key.clone()));
         }
@@ -417,8 +492,7 @@ fn start_job(
     exe: &PathBuf,
     spec: &JobSpec,
     tasks: &mut JoinSet<JobOutput>,
-    name: &str,
-    width: usize,
+    mut stage_echo: StageEcho,
 ) -> Result<u32> {
     let mut command = tokio::process::Command::new(exe);
     command
@@ -441,7 +515,7 @@ fn start_job(
     let mut stdin = child.stdin.take();
     let mut stdout = child.stdout.take();
     let stderr = child.stderr.take();
-    let name = name.to_string();
+    let name = stage_echo.name.clone();
     let clock = Instant::now();
     tasks.spawn(async move {
         let result = async {
@@ -453,8 +527,9 @@ fn start_job(
                 if let Some(stderr) = stderr {
                     let mut lines = BufReader::new(stderr).lines();
                     while let Ok(Some(line)) = lines.next_line().await {
-                        eprintln!("{name:>width$} │ {line}");
+                        stage_echo.line(&line);
                     }
+                    drop(stage_echo);
                 }
             };
             let read_result = async {
@@ -529,5 +604,25 @@ pub fn record_run(manifest: &Manifest, store: &Store, argv: &[String], outcomes:
     record.finished_at = crate::store::timestamp();
     if let Ok(bytes) = serde_json::to_vec_pretty(&record) {
         let _ = crate::store::write_atomic(&path, &bytes, false);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::training_step;
+
+    #[test]
+    fn training_progress_comes_from_the_trainers_step_lines() {
+        assert_eq!(
+            training_step("step     20/300 | loss 2.1234 | lr 1.0e-3"),
+            Some((20, 300))
+        );
+        assert_eq!(training_step("step 3/3 | loss 1.0"), Some((3, 3)));
+        assert_eq!(training_step("stepping 3/4"), None);
+        assert_eq!(training_step("checkpoint: step 100 saved"), None);
+        assert_eq!(
+            training_step("resuming from the checkpoint at step 3"),
+            None
+        );
     }
 }
