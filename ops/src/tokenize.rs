@@ -28,7 +28,9 @@
 //! 2. **Tokenize** every shard (all shards in parallel, each with batch encoding): drop documents
 //!    shorter than `min_doc_chars` characters, encode without special tokens, prepend BOS if
 //!    `add_bos`, append EOS if `add_eos`, then truncate to `max_doc_tokens`; documents that end
-//!    up empty are never written.
+//!    up empty are never written. Encoding is [`crate::bpe::FastBpe`] when the tokenizer.json
+//!    is a byte-level BPE configuration it reproduces exactly (the same ids as the `tokenizers`
+//!    crate), else the `tokenizers` crate itself; the stage log says which (`encoder: …`).
 //! 3. **Write** `datasets/<name>/shard_<i:06d>.{bin,idx}` (MMIDIDX v1; see [`crate::megatron`]).
 //! 4. **Split and blend**: in single-blend mode all shards of all datasets are shuffled together
 //!    with Python's `random.Random(seed)` (seed 42 by default, as Nemotron); the first
@@ -380,9 +382,28 @@ impl Op for Tokenize {
             dtype,
         };
         let out_dir = ctx.out_dir.join("data");
+        // Our own byte-level BPE where it reproduces this tokenizer.json exactly, else the
+        // `tokenizers` crate (see `crate::bpe`).
+        let fast = match crate::bpe::FastBpe::from_json(&std::fs::read_to_string(tok_path)?) {
+            Ok(fast) => {
+                writeln!(ctx.log, "encoder: nemo-dag's byte-level BPE (fast path)")?;
+                Some(fast)
+            }
+            Err(why) => {
+                writeln!(
+                    ctx.log,
+                    "encoder: the tokenizers crate (fast path unsupported: {why})"
+                )?;
+                None
+            }
+        };
+        let encoder = Encoder {
+            tokenizer: &tokenizer,
+            fast: fast.as_ref(),
+        };
         let results: Vec<Result<ShardResult, RunError>> = jobs
             .par_iter()
-            .map(|job| tokenize_shard(&tokenizer, job, &settings, &out_dir))
+            .map(|job| tokenize_shard(&encoder, job, &settings, &out_dir))
             .collect();
         let mut shards = Vec::with_capacity(results.len());
         for r in results {
@@ -598,8 +619,51 @@ fn plan_shards(files: &[(PathBuf, u64)], n: usize) -> Vec<Vec<FileRead>> {
 
 const BATCH: usize = 1000;
 
+/// The tokenizer, and our fast encoder of it when it has one.
+struct Encoder<'a> {
+    tokenizer: &'a tokenizers::Tokenizer,
+    fast: Option<&'a crate::bpe::FastBpe>,
+}
+
+impl Encoder<'_> {
+    /// Each text's ids without special tokens, with `bos` before and `eos` after.
+    fn encode_batch(
+        &self,
+        texts: Vec<String>,
+        bos: Option<u32>,
+        eos: Option<u32>,
+    ) -> Result<Vec<Vec<u32>>, String> {
+        if let Some(fast) = self.fast {
+            return texts
+                .par_iter()
+                .map(|text| {
+                    let mut ids = Vec::with_capacity(text.len() / 3 + 2);
+                    ids.extend(bos);
+                    fast.encode_into(text, &mut ids)?;
+                    ids.extend(eos);
+                    Ok(ids)
+                })
+                .collect();
+        }
+        let encodings = self
+            .tokenizer
+            .encode_batch_fast(texts, false)
+            .map_err(|e| e.to_string())?;
+        Ok(encodings
+            .iter()
+            .map(|enc| {
+                let mut ids: Vec<u32> = Vec::with_capacity(enc.get_ids().len() + 2);
+                ids.extend(bos);
+                ids.extend_from_slice(enc.get_ids());
+                ids.extend(eos);
+                ids
+            })
+            .collect())
+    }
+}
+
 fn tokenize_shard(
-    tokenizer: &tokenizers::Tokenizer,
+    encoder: &Encoder,
     job: &ShardJob,
     s: &Settings,
     out_dir: &Path,
@@ -618,14 +682,10 @@ fn tokenize_shard(
         if batch.is_empty() {
             return Ok(());
         }
-        let encodings = tokenizer
-            .encode_batch_fast(std::mem::take(batch), false)
+        let documents_ids = encoder
+            .encode_batch(std::mem::take(batch), s.bos, s.eos)
             .map_err(|e| RunError(format!("{}: tokenizer failed: {e}", job.dataset)))?;
-        for enc in encodings {
-            let mut ids: Vec<u32> = Vec::with_capacity(enc.get_ids().len() + 2);
-            ids.extend(s.bos);
-            ids.extend_from_slice(enc.get_ids());
-            ids.extend(s.eos);
+        for mut ids in documents_ids {
             if let Some(max) = s.max_doc_tokens {
                 ids.truncate(max);
             }
