@@ -15,6 +15,7 @@
 //! | `pretrain` (`pretrain.jsonl`) | `{"text": "What is 12 + 35? 12 + 35 = 47. The answer is \boxed{47}."}` | `train_tokenizer`, `tokenize` → `pretrain` |
 //! | `chat` (`chat.jsonl`) | `{"messages": [user "What is 12 + 35?", assistant "The answer is \boxed{47}."]}`, every third with `reasoning_content` | `pack` → `sft` |
 //! | `prompts` (`prompts.jsonl`) | `{"question": "What is 12 + 35?", "expected_answer": "47"}` | `rl_data` → `grpo`, `eval` |
+//! | `choices` (`choices.jsonl`) | `{"context": "What is 12 + 35? 12 + 35 =", "choices": ["47", "48", "46", "57"], "gold": 0}`: the answer and three near misses (±1, +10), the answer at position `i mod 4` | `eval` (`multiple_choice`) |
 //! | `preferences` (`preferences.jsonl`) | NeMo-RL preference rows: `{"context": [user "What is 12 + 35?"], "completions": [{"rank": 0, "completion": [assistant "The answer is \boxed{47}."]}, {"rank": 1, "completion": [assistant "<tool_call>{…}</tool_call>\nThe answer is \boxed{47}."]}]}` | `dpo` |
 //!
 //! The preference pairs teach what nano3's DPO stage teaches (reference §4.6): not to call
@@ -110,6 +111,7 @@ impl Op for Generate {
             ("chat", "chat.jsonl"),
             ("prompts", "prompts.jsonl"),
             ("preferences", "preferences.jsonl"),
+            ("choices", "choices.jsonl"),
         ]
         .into_iter()
         .map(|(k, v)| (k.to_string(), v.to_string()))
@@ -121,6 +123,7 @@ impl Op for Generate {
         let mut rng = PyRandom::new(p.seed);
         let (mut pretrain, mut chat, mut prompts) = (String::new(), String::new(), String::new());
         let mut preferences = String::new();
+        let mut choices = String::new();
         for i in 0..p.count {
             let a = rng.randbelow(p.max_operand + 1);
             let b = rng.randbelow(p.max_operand + 1);
@@ -151,6 +154,7 @@ impl Op for Generate {
             let call = format!(
                 r#"<tool_call>{{"name": "calculator", "arguments": {{"expression": "{expr}"}}}}</tool_call>"#
             );
+            choices.push_str(&line(multiple_choice(i, &expr, answer)));
             preferences.push_str(&line(json!({
                 "context": [{"role": "user", "content": question}],
                 "completions": [
@@ -165,6 +169,7 @@ impl Op for Generate {
         std::fs::write(ctx.out_dir.join("chat.jsonl"), chat)?;
         std::fs::write(ctx.out_dir.join("prompts.jsonl"), prompts)?;
         std::fs::write(ctx.out_dir.join("preferences.jsonl"), preferences)?;
+        std::fs::write(ctx.out_dir.join("choices.jsonl"), choices)?;
         let mut summary = String::new();
         let _ = write!(
             summary,
@@ -178,6 +183,20 @@ impl Op for Generate {
         m.insert("rows".into(), Value::from(p.count));
         Ok(m)
     }
+}
+
+/// A multiple-choice row for problem `i`: the continuation of the pretraining text's
+/// `"… 12 + 35 ="`, with the answer among three near misses, at position `i mod 4`. No random
+/// draws, so the other outputs keep their bytes.
+fn multiple_choice(i: usize, expr: &str, answer: i64) -> Value {
+    let mut options = vec![answer + 1, answer - 1, answer + 10];
+    let gold = i % 4;
+    options.insert(gold, answer);
+    json!({
+        "context": format!("What is {expr}? {expr} ="),
+        "choices": options.iter().map(i64::to_string).collect::<Vec<_>>(),
+        "gold": gold,
+    })
 }
 
 #[cfg(test)]
@@ -316,5 +335,26 @@ mod tests {
             );
         }
         std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn multiple_choice_rows_hold_the_answer_once_among_near_misses() {
+        for i in 0..8 {
+            let row = multiple_choice(i, "12 + 35", 47);
+            assert_eq!(row["context"], "What is 12 + 35? 12 + 35 =");
+            let choices: Vec<&str> = row["choices"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|c| c.as_str().unwrap())
+                .collect();
+            let gold = row["gold"].as_u64().unwrap() as usize;
+            assert_eq!(gold, i % 4, "the answer's position cycles");
+            assert_eq!(choices[gold], "47");
+            let mut distinct = choices.clone();
+            distinct.sort();
+            distinct.dedup();
+            assert_eq!(distinct.len(), 4, "{choices:?}");
+        }
     }
 }
