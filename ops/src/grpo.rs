@@ -600,7 +600,8 @@ impl Objective for Rollouts<'_> {
             .map(|(prompt, c)| {
                 let mut seq = prompt.clone();
                 seq.extend_from_slice(&c.ids);
-                let kept = !(self.overlong_filtering && !c.stopped);
+                // Overlong filtering: a response cut at max_new_tokens carries no loss.
+                let kept = c.stopped || !self.overlong_filtering;
                 (seq, prompt.len(), kept)
             })
             .collect();
