@@ -306,3 +306,27 @@ fn an_error_after_a_successful_run_writes_nothing_either() {
         assert_eq!(snapshot(&p.dir), before, "{argv:?} wrote something\n{out}");
     }
 }
+
+#[test]
+fn a_reader_that_stops_early_is_not_a_crash() {
+    // `nemo-dag status | head`: the pipe closes under a printing command; it ends quietly.
+    // 2,000 stages print far more than a pipe buffers, so the writes after `head` left fail.
+    let p = with_manifest(
+        "closed-pipe",
+        "m.yaml",
+        "stages:\n{% for i in range(2000) %}\n  s{{ i }}: {op: cmd, outputs: {o: o.txt}, cmd: \"echo {{ i }} > {outputs.o}\"}\n{% endfor %}\n",
+    );
+    for cmd in ["status m.yaml --json", "graph m.yaml", "validate m.yaml"] {
+        let out = output({
+            let mut c = std::process::Command::new("sh");
+            c.current_dir(&p.dir)
+                .arg("-c")
+                .arg(format!("'{BIN}' {cmd} | head -c 1 >/dev/null; sleep 0.2"));
+            c
+        });
+        assert!(
+            !out.stderr.contains("panicked") && !out.stderr.contains("Broken pipe"),
+            "nemo-dag {cmd} | head:\n{out}"
+        );
+    }
+}

@@ -187,6 +187,21 @@ struct ExecArgs {
 pub fn main() -> i32 {
     let argv: Vec<String> = std::env::args().collect();
     let cli = Cli::parse();
+    if matches!(
+        cli.command,
+        Command::Status(_)
+            | Command::Graph(_)
+            | Command::Show(_)
+            | Command::Lineage(_)
+            | Command::Validate(_)
+            | Command::Ops
+    ) {
+        // Commands that only print end quietly when the reader goes away
+        // (`nemo-dag status --json | head`), as Unix tools do. Commands that drive child
+        // processes keep Rust's default (a write to a dead child is an error, not a kill).
+        // SAFETY: restores the default action of one signal before any thread starts.
+        unsafe { libc::signal(libc::SIGPIPE, libc::SIG_DFL) };
+    }
     let result = match cli.command {
         Command::Run(a) => cmd_run(a, argv),
         Command::Status(a) => cmd_status(a),
