@@ -1,0 +1,114 @@
+//! The shipped recipes: every manifest and variant validates as written (the real-scale default
+//! variants included, which this CPU never runs), and the TOML twin of nano3 is the same recipe
+//! as its YAML — the same stages, ops, parameters and inputs, so the same keys.
+
+use nemo_dag::manifest::{LoadArgs, Manifest};
+use std::path::{Path, PathBuf};
+
+mod common;
+
+use common::Project;
+
+fn manifests_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../manifests")
+}
+
+fn load(file: &str, variant: Option<&str>) -> Manifest {
+    Manifest::load(&LoadArgs {
+        path: manifests_dir().join(file),
+        variant: variant.map(str::to_string),
+        ..LoadArgs::default()
+    })
+    .unwrap_or_else(|e| panic!("{file} -c {variant:?}: {e:?}"))
+}
+
+#[test]
+fn every_shipped_recipe_and_variant_validates() {
+    let p = Project::new("recipes-validate");
+    for (file, variants) in [
+        ("demo.yaml", &[None, Some("tiny")][..]),
+        ("data-prep.yaml", &[None, Some("tiny")][..]),
+        ("llama.yaml", &[None, Some("tiny")][..]),
+        ("nano3.yaml", &[None, Some("tiny")][..]),
+        ("nano3.toml", &[None, Some("tiny")][..]),
+        ("super3.yaml", &[None, Some("tiny")][..]),
+    ] {
+        for variant in variants {
+            let path = manifests_dir().join(file);
+            let store = p.path("store");
+            let mut args = vec![
+                "validate",
+                path.to_str().unwrap(),
+                "--store",
+                store.to_str().unwrap(),
+            ];
+            if let Some(v) = variant {
+                args.extend(["-c", v]);
+            }
+            let out = p.run(&args);
+            assert_eq!(out.code, 0, "{file} -c {variant:?}\n{out}");
+        }
+    }
+}
+
+#[test]
+fn the_toml_twin_of_nano3_is_the_same_recipe() {
+    for variant in [None, Some("tiny")] {
+        let yaml = load("nano3.yaml", variant);
+        let toml = load("nano3.toml", variant);
+        assert_eq!(
+            yaml.stages.keys().collect::<Vec<_>>(),
+            toml.stages.keys().collect::<Vec<_>>(),
+            "-c {variant:?}"
+        );
+        for (name, y) in &yaml.stages {
+            let t = &toml.stages[name];
+            assert_eq!(y.op.name(), t.op.name(), "{name} -c {variant:?}");
+            assert_eq!(y.params, t.params, "{name} params -c {variant:?}");
+            assert_eq!(y.inputs, t.inputs, "{name} inputs -c {variant:?}");
+            assert_eq!(y.outputs, t.outputs, "{name} outputs -c {variant:?}");
+        }
+        assert_eq!(yaml.order.len(), 14);
+    }
+}
+
+#[test]
+fn the_default_variants_hold_the_real_architectures() {
+    // Reference §4.7: Nano3 is 52 layers (23 Mamba-2, 23 MoE, 6 attention), hidden 2688,
+    // 128 experts top-6; Super3 is 88 layers, hidden 4096, 512 experts top-22, 2 MTP depths.
+    let nano3 = load("nano3.yaml", None);
+    let model = &nano3.stages["pretrain"].params["model"];
+    let pattern = model["pattern"].as_str().unwrap();
+    let count = |c| pattern.chars().filter(|x| *x == c).count();
+    assert_eq!(
+        (pattern.len(), count('M'), count('E'), count('*')),
+        (52, 23, 23, 6)
+    );
+    assert_eq!(model["hidden"], 2688);
+    assert_eq!(
+        (
+            model["moe"]["experts"].as_u64(),
+            model["moe"]["top_k"].as_u64()
+        ),
+        (Some(128), Some(6))
+    );
+    let super3 = load("super3.yaml", None);
+    let model = &super3.stages["pretrain"].params["model"];
+    let pattern = model["pattern"].as_str().unwrap();
+    let main = pattern.split('/').next().unwrap();
+    assert_eq!((main.len(), pattern.split('/').count() - 1), (88, 2));
+    assert_eq!(model["hidden"], 4096);
+    assert_eq!(
+        (
+            model["moe"]["experts"].as_u64(),
+            model["moe"]["top_k"].as_u64()
+        ),
+        (Some(512), Some(22))
+    );
+    // The tiny Super3 of the reference: MEM*EME with two shared `*E` MTP depths.
+    let tiny = load("super3.yaml", Some("tiny"));
+    assert_eq!(
+        tiny.stages["pretrain"].params["model"]["pattern"],
+        "MEM*EME/*E/*E"
+    );
+}
