@@ -1,5 +1,6 @@
 //! Training ops end to end: generate → train_tokenizer → tokenize → pretrain (dense and hybrid)
-//! → pack → sft → export, through the CLI as a user runs them.
+//! → pack → sft → export, → rl_data → grpo → dpo, and eval (perplexity, multiple choice,
+//! generation), through the CLI as a user runs them.
 //!
 //! The exported Llama checkpoint is checked against our own logits by a numpy transcription of
 //! transformers' Llama forward (always, with `NEMO_DAG_PYTHON`), and by `transformers` itself
@@ -60,10 +61,33 @@ stages:
     inputs: {model: "sft:model"}
   eval_sft:
     op: eval
-    inputs: {model: "sft:model", data: "pretrain_data:data", tasks: "problems:prompts"}
+    inputs: {model: "sft:model", data: "pretrain_data:data", tasks: "problems:prompts", choices: "problems:choices"}
     params:
       perplexity: {split: train, seq_length: 32, max_windows: 4}
+      multiple_choice: {limit: 8, batch: 8}
       generation: {split: test, limit: 6, max_tokens: 8, batch: 4}
+  rl_data:
+    op: rl_data
+    inputs: {prompts: "problems:prompts"}
+    params: {valid_fraction: 0.1, test_fraction: 0.1}
+  grpo:
+    op: grpo
+    inputs: {model: "sft:model", prompts: "rl_data:data"}
+    params:
+      num_prompts_per_step: 2
+      num_generations_per_prompt: 4
+      max_new_tokens: 6
+      reference_policy_kl_penalty: 0.01
+      steps: 2
+      global_batch: 8
+      micro_batch: 4
+      lr: 1e-3
+      log_interval: 1
+      save_interval: 1
+  dpo:
+    op: dpo
+    inputs: {model: "grpo:model", data: "problems:preferences"}
+    params: {steps: 2, global_batch: 4, micro_batch: 2, lr: 1e-3, log_interval: 1}
 "#;
 
 /// A hybrid Mamba-2 / attention / MoE model with two shared MTP depths on the same data.
@@ -123,6 +147,9 @@ fn a_recipe_pretrains_fine_tunes_and_exports_a_model_transformers_reads() {
         "sft",
         "export",
         "eval_sft",
+        "rl_data",
+        "grpo",
+        "dpo",
         "hybrid",
     ];
     let s = states(&p.json(&["status", "recipe.yaml", "--json"]));
@@ -162,9 +189,56 @@ fn a_recipe_pretrains_fine_tunes_and_exports_a_model_transformers_reads() {
             .is_file()
     );
 
+    // Multiple choice by log-likelihood: a score per metric, the chance level beside it.
+    let mc = &e["multiple_choice"];
+    assert_eq!(mc["samples"], 8, "{e}");
+    assert_eq!(mc["chance"], 0.25);
+    for metric in ["acc", "acc_norm"] {
+        assert!((0.0..=1.0).contains(&mc[metric].as_f64().unwrap()), "{mc}");
+    }
+
+    // grpo and dpo: their figures per step, in the curve and the log.
+    let g = show(&p, "grpo")["metrics"].clone();
+    assert_eq!(g["step"], 2, "{g}");
+    for point in g["curve"].as_array().unwrap() {
+        for k in ["reward", "accuracy", "response_length", "truncated", "kl"] {
+            assert!(
+                point["metrics"][k].is_number(),
+                "grpo curve lacks {k}: {point}"
+            );
+        }
+    }
+    let d = show(&p, "dpo")["metrics"].clone();
+    let first = &d["curve"][0]["metrics"];
+    assert!(
+        (first["preference_loss"].as_f64().unwrap() - std::f64::consts::LN_2).abs() < 1e-5,
+        "at step 1 the policy is the reference: loss ln 2\n{d}"
+    );
+
     // A second run reruns nothing.
     let again = p.ok(&["run", "recipe.yaml", "--json"]).json();
     assert!(states(&again).values().all(|s| s == "cached"), "{again}");
+
+    // Changing one SFT parameter reruns sft and what depends on it, nothing else.
+    let changed = p
+        .ok(&["run", "recipe.yaml", "stages.sft.params.lr=2e-3", "--json"])
+        .json();
+    let ran: Vec<String> = states(&changed)
+        .into_iter()
+        .filter(|(_, s)| s != "cached")
+        .map(|(n, s)| format!("{n}:{s}"))
+        .collect();
+    assert_eq!(
+        ran,
+        [
+            "dpo:executed",
+            "eval_sft:executed",
+            "export:executed",
+            "grpo:executed",
+            "sft:executed"
+        ],
+        "{changed}"
+    );
 
     // The exported Llama gives our logits.
     check_export(&p);
