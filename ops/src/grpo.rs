@@ -940,6 +940,47 @@ mod tests {
     }
 
     #[test]
+    fn a_resumed_run_generates_the_same_rollouts_and_weights() {
+        let p = params(json!({"steps": 4, "reference_policy_kl_penalty": 0.01}));
+        let weights = |t: &Trainer| -> Vec<Vec<f32>> {
+            t.model
+                .params
+                .iter()
+                .map(|(_, v)| crate::model::params::to_f32_vec(v).unwrap())
+                .collect()
+        };
+        let reference = || Some(tiny_model());
+        let mut straight = Trainer::new(tiny_model(), p.schedule.clone());
+        let mut o = Rollouts::new(&p, prompts(), reference(), vec![0], &starts_with_3);
+        for _ in 0..4 {
+            straight.step(&mut o).unwrap();
+        }
+        // Two steps, a checkpoint, and a fresh process's trainer and objective for the rest.
+        let dir = std::env::temp_dir().join(format!("nemo-dag-grpo-resume-{}", std::process::id()));
+        let mut first = Trainer::new(tiny_model(), p.schedule.clone());
+        let mut o = Rollouts::new(&p, prompts(), reference(), vec![0], &starts_with_3);
+        for _ in 0..2 {
+            first.step(&mut o).unwrap();
+        }
+        checkpoint::save(&first, &dir).unwrap();
+        let mut resumed = Trainer::new(tiny_model(), p.schedule.clone());
+        checkpoint::restore(&mut resumed, &dir).unwrap();
+        let mut o = Rollouts::new(&p, prompts(), reference(), vec![0], &starts_with_3);
+        for _ in 0..2 {
+            resumed.step(&mut o).unwrap();
+        }
+        let untrained = Trainer::new(tiny_model(), p.schedule.clone());
+        assert_ne!(
+            weights(&straight),
+            weights(&untrained),
+            "the steps did learn something"
+        );
+        assert_eq!(weights(&straight), weights(&resumed));
+        assert_eq!(straight.curve, resumed.curve);
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
     fn loss_shares_cover_kept_response_tokens_and_overlong_rollouts_get_none() {
         let model = tiny_model();
         // Stop on token 0: some rollouts stop, most hit max_new_tokens.

@@ -7,7 +7,13 @@
 //! - `mcq` (`strict_single_letter_boxed`): the last `\boxed{…}` must hold exactly one letter, and
 //!   it must be the expected one.
 //!
-//! A response with no `\boxed{}` scores 0.
+//! - `format`: the response's form only, whatever its answer: 1.0 when it ends with a
+//!   non-empty `\boxed{…}` (nothing after it but a closing `.` and whitespace), as the math
+//!   prompt asks ("put the answer (and only answer) inside \boxed{}"). A shaping reward.
+//! - `exact`: the whole response, trimmed, equals the expected answer, trimmed
+//!   (lm-evaluation-harness's `exact_match` without filters).
+//!
+//! A response with no `\boxed{}` scores 0 in `math`, `mcq` and `format`.
 
 /// The content of the last `\boxed{…}` in `text`, if there is a complete one.
 pub fn last_boxed(text: &str) -> Option<&str> {
@@ -63,12 +69,39 @@ pub fn mcq(response: &str, expected: &str) -> f64 {
     }
 }
 
+/// 1.0 when the response ends with a non-empty boxed answer (then at most `.` and spaces).
+pub fn format(response: &str, _expected: &str) -> f64 {
+    let Some(start) = response.rfind("\\boxed{") else {
+        return 0.0;
+    };
+    let Some(inner) = last_boxed(response) else {
+        return 0.0;
+    };
+    let after = &response[start + "\\boxed{".len() + inner.len() + 1..];
+    let tail_ok = after.trim().trim_end_matches('.').trim().is_empty();
+    if !inner.trim().is_empty() && tail_ok {
+        1.0
+    } else {
+        0.0
+    }
+}
+
+/// 1.0 when the trimmed response is exactly the trimmed expected answer.
+pub fn exact(response: &str, expected: &str) -> f64 {
+    f64::from(response.trim() == expected.trim())
+}
+
+/// The environments [`score`] knows.
+pub const ENVIRONMENTS: &str = "math, mcq, format, exact";
+
 /// Score by environment name; an unknown environment is an error.
 pub fn score(env: &str, response: &str, expected: &str) -> Result<f64, String> {
     match env {
         "math" => Ok(math(response, expected)),
         "mcq" => Ok(mcq(response, expected)),
-        other => Err(format!("no reward environment `{other}` (math, mcq)")),
+        "format" => Ok(format(response, expected)),
+        "exact" => Ok(exact(response, expected)),
+        other => Err(format!("no reward environment `{other}` ({ENVIRONMENTS})")),
     }
 }
 
@@ -113,5 +146,26 @@ mod tests {
         assert_eq!(mcq(r"\boxed{B) 42}", "B"), 0.0);
         assert_eq!(mcq(r"\boxed{C}", "B"), 0.0);
         assert!(score("judge", "", "").is_err());
+    }
+
+    #[test]
+    fn format_rewards_a_final_boxed_answer_whatever_its_value() {
+        assert_eq!(
+            format(r"So the sum is 5. The answer is \boxed{7}.", "5"),
+            1.0
+        );
+        assert_eq!(format(r"\boxed{7}  ", ""), 1.0);
+        assert_eq!(format(r"\boxed{\frac{1}{2}}.", ""), 1.0);
+        assert_eq!(format(r"\boxed{7} and then more text", ""), 0.0);
+        assert_eq!(format(r"\boxed{ }", ""), 0.0);
+        assert_eq!(format(r"\boxed{7", ""), 0.0);
+        assert_eq!(format("no box at all", ""), 0.0);
+    }
+
+    #[test]
+    fn exact_compares_whole_trimmed_responses() {
+        assert_eq!(exact(" Paris\n", "Paris"), 1.0);
+        assert_eq!(exact("Paris.", "Paris"), 0.0);
+        assert!(score("chess", "", "").unwrap_err().contains("format"));
     }
 }
