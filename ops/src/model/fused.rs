@@ -15,6 +15,8 @@
 //!   `dx = g·cos + Rᵀ(g·sin)` with `Rᵀ([a, b]) = [b, −a]`.
 //! - [`rms_norm`]: per row `y = x · r · w` with `r = 1/sqrt(mean(x²) + eps)`; backward
 //!   `dw = Σ_rows g ⊙ x · r` and `dx = r · (g ⊙ w) − x · r³/D · Σ_j g_j w_j x_j`.
+//! - [`swiglu`]: `y = silu(g) ⊙ u` on the stacked `[g, u]`; backward
+//!   `dg = dy ⊙ u ⊙ σ(g)·(1 + g·(1 − σ(g)))`, `du = dy ⊙ silu(g)`.
 
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, D, Layout, Result, Shape, Tensor, bail};
 use rayon::prelude::*;
@@ -346,6 +348,73 @@ pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
         .apply_op2(&weight.contiguous()?, RmsNorm { eps: eps as f32 })
 }
 
+struct Swiglu;
+
+/// `σ(g) = 1 / (1 + e^−g)`.
+fn sigmoid(g: f32) -> f32 {
+    1.0 / (1.0 + (-g).exp())
+}
+
+impl CustomOp1 for Swiglu {
+    fn name(&self) -> &'static str {
+        "swiglu"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let mut dims = l.shape().dims().to_vec();
+        let Some(last) = dims.last_mut() else {
+            bail!("swiglu: a scalar input")
+        };
+        if *last % 2 != 0 {
+            bail!("swiglu: an odd last dimension {}", *last)
+        }
+        let f = *last / 2;
+        *last = f;
+        let h = slice(s, l)?;
+        let mut out = vec![0f32; h.len() / 2];
+        if f > 0 {
+            let row = |(r, y): (usize, &mut [f32])| {
+                let (g, u) = h[r * 2 * f..(r + 1) * 2 * f].split_at(f);
+                for j in 0..f {
+                    y[j] = g[j] * sigmoid(g[j]) * u[j];
+                }
+            };
+            for_rows(&mut out, f, row);
+        }
+        Ok((CpuStorage::F32(out), Shape::from(dims)))
+    }
+
+    fn bwd(&self, h: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+        let w = h.dim(D::Minus1)?;
+        let f = w / 2;
+        let hv = h.contiguous()?.flatten_all()?.to_vec1::<f32>()?;
+        let gv = grad.contiguous()?.flatten_all()?.to_vec1::<f32>()?;
+        let mut out = vec![0f32; hv.len()];
+        if f > 0 {
+            let row = |(r, d): (usize, &mut [f32])| {
+                let (g, u) = hv[r * w..(r + 1) * w].split_at(f);
+                let dy = &gv[r * f..(r + 1) * f];
+                let (dg, du) = d.split_at_mut(f);
+                for j in 0..f {
+                    let s = sigmoid(g[j]);
+                    du[j] = dy[j] * g[j] * s;
+                    dg[j] = dy[j] * u[j] * s * (1.0 + g[j] * (1.0 - s));
+                }
+            };
+            for_rows(&mut out, w, row);
+        }
+        Ok(Some(Tensor::from_vec(out, h.shape(), h.device())?))
+    }
+}
+
+/// SwiGLU on the stacked `fc1` output `h = [g, u]` (last dimension `2F`, gate half first):
+/// `silu(g) ⊙ u` with `silu(g) = g·σ(g)`, in one pass; backward
+/// `dg = dy ⊙ u ⊙ σ(g)·(1 + g·(1 − σ(g)))`, `du = dy ⊙ silu(g)`. Must match the plain
+/// composition `h.narrow(g).silu() * h.narrow(u)` of [`super::layers::activate_plain`].
+pub fn swiglu(h: &Tensor) -> Result<Tensor> {
+    h.contiguous()?.apply_op1(Swiglu)
+}
+
 #[cfg(test)]
 mod tests {
     use super::super::layers::{softmax, token_losses};
@@ -485,5 +554,33 @@ mod tests {
             gp.get(x.as_tensor()).unwrap(),
         );
         assert!(max_diff(a, c) < 1e-6, "{}", max_diff(a, c));
+    }
+
+    #[test]
+    fn swiglu_matches_the_plain_ops_forward_and_backward() {
+        use super::super::config::Activation;
+        // Big enough to take the parallel path too.
+        for (rows, f) in [(3, 5), (300, 192)] {
+            let mut rng = Rng::new(f as u64);
+            let h = Var::from_tensor(&randn(&mut rng, &[rows, 2 * f], 2.0)).unwrap();
+            let g = randn(&mut rng, &[rows, f], 1.0);
+            let fused = swiglu(h.as_tensor()).unwrap();
+            let plain =
+                super::super::layers::activate_plain(h.as_tensor(), Activation::Swiglu).unwrap();
+            assert!(
+                max_diff(&fused, &plain) < 1e-5,
+                "{}",
+                max_diff(&fused, &plain)
+            );
+            let gf = (fused * &g).unwrap().sum_all().unwrap().backward().unwrap();
+            let gp = (plain * &g).unwrap().sum_all().unwrap().backward().unwrap();
+            let (a, b) = (
+                gf.get(h.as_tensor()).unwrap(),
+                gp.get(h.as_tensor()).unwrap(),
+            );
+            assert!(max_diff(a, b) < 1e-5, "{}", max_diff(a, b));
+        }
+        let odd = Tensor::zeros((2, 3), candle_core::DType::F32, &Device::Cpu).unwrap();
+        assert!(swiglu(&odd).is_err(), "an odd width has no halves");
     }
 }

@@ -332,8 +332,18 @@ impl Mlp {
     }
 }
 
-/// The MLP activation on `fc1`'s output (for SwiGLU: gate half, then up half).
+/// The MLP activation on `fc1`'s output (for SwiGLU: gate half, then up half; the fused op).
 pub fn activate(h: &Tensor, activation: Activation) -> Result<Tensor> {
+    match activation {
+        Activation::Swiglu if h.dtype() == DType::F32 && h.device().is_cpu() => {
+            super::fused::swiglu(h)
+        }
+        _ => activate_plain(h, activation),
+    }
+}
+
+/// [`activate`] from candle primitives: the reference the fused SwiGLU is tested against.
+pub fn activate_plain(h: &Tensor, activation: Activation) -> Result<Tensor> {
     match activation {
         Activation::Swiglu => {
             let n = h.dim(D::Minus1)? / 2;
