@@ -263,28 +263,28 @@ impl Trainer {
     /// grad norm before clipping).
     pub fn step(&mut self, objective: &mut dyn Objective) -> Result<(f64, f64), RunError> {
         let micro = objective.prepare(&self.model, self.step)?;
-        let mut sums: Vec<Option<Tensor>> = vec![None; self.model.params.len()];
+        // Gradients summed over the micro-batches, per parameter, in plain buffers: the first
+        // micro-batch's gradient is copied out, later ones are added in place (in micro-batch
+        // order, so the sums are the same bytes as `acc + g` tensor by tensor).
+        let mut sums: Vec<Option<Vec<f32>>> = vec![None; self.model.params.len()];
         let (mut loss_sum, mut tokens) = (0.0, 0.0);
         for i in 0..micro {
             let loss = objective.loss(&self.model, i)?;
             loss_sum += loss.sum;
             tokens += loss.count;
             let grads = loss.total.backward().map_err(err)?;
-            for (i, (_, var)) in self.model.params.iter().enumerate() {
+            for (sum, (_, var)) in sums.iter_mut().zip(self.model.params.iter()) {
                 if let Some(g) = grads.get(var.as_tensor()) {
-                    sums[i] = Some(match sums[i].take() {
-                        Some(acc) => (acc + g).map_err(err)?,
-                        None => g.clone(),
-                    });
+                    match sum {
+                        Some(acc) => add_into(acc, g).map_err(err)?,
+                        None => *sum = Some(to_f32_vec(g).map_err(err)?),
+                    }
                 }
             }
         }
         let mut grads = Vec::with_capacity(sums.len());
         for (sum, (_, var)) in sums.into_iter().zip(self.model.params.iter()) {
-            grads.push(match sum {
-                Some(g) => to_f32_vec(&g).map_err(err)?,
-                None => vec![0.0; var.elem_count()],
-            });
+            grads.push(sum.unwrap_or_else(|| vec![0.0; var.elem_count()]));
         }
         let norm = optim::clip(&mut grads, self.schedule.clip_grad);
         if !norm.is_finite() {
@@ -389,6 +389,31 @@ impl Trainer {
             "curve": self.curve,
         }))
     }
+}
+
+/// `acc += g` element by element, reading `g`'s storage in place when it is a contiguous f32
+/// CPU tensor (a backward pass's gradients are), else through a copy.
+fn add_into(acc: &mut [f32], g: &Tensor) -> candle_core::Result<()> {
+    if g.elem_count() != acc.len() {
+        candle_core::bail!("gradient of {} values for {}", g.elem_count(), acc.len())
+    }
+    let add = |acc: &mut [f32], g: &[f32]| {
+        for (a, b) in acc.iter_mut().zip(g) {
+            *a += *b;
+        }
+    };
+    {
+        let (storage, layout) = g.storage_and_layout();
+        if let (candle_core::Storage::Cpu(cpu), Some((start, end))) =
+            (&*storage, layout.contiguous_offsets())
+            && let Ok(values) = cpu.as_slice::<f32>()
+        {
+            add(acc, &values[start..end]);
+            return Ok(());
+        }
+    }
+    add(acc, &to_f32_vec(g)?);
+    Ok(())
 }
 
 /// `NEMO_DAG_STOP_AFTER_STEP=N`: end a training stage after step N's checkpoint, as a
