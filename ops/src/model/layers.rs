@@ -11,8 +11,17 @@ use super::config::{Activation, ModelConfig, Position};
 use super::params::{Init, constant_f32};
 use candle_core::{D, DType, Result, Tensor};
 
-/// `x @ wᵀ` for `x` of any rank ≥ 2 and a weight stored `(out, in)` as in PyTorch.
+/// `x @ wᵀ` for `x` of any rank ≥ 2 and a weight stored `(out, in)` as in PyTorch: one fused
+/// graph node on the CPU ([`super::fused::linear`]), [`linear_plain`] elsewhere.
 pub fn linear(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+    if x.device().is_cpu() && w.device().is_cpu() {
+        return super::fused::linear(x, w);
+    }
+    linear_plain(x, w)
+}
+
+/// `x @ wᵀ` from candle ops: the reference [`super::fused::linear`] is tested against.
+pub fn linear_plain(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     let dims = x.dims();
     let last = dims[dims.len() - 1];
     let rows = x.elem_count() / last;
