@@ -79,10 +79,15 @@ impl CustomOp2 for MaskedSoftmax {
                 y[j] = self.scale * x[j] + mask[j];
                 max = max.max(y[j]);
             }
+            // Masked entries (−∞, half of a causal row) are exactly 0 after exp: skip the call.
             let mut sum = 0f32;
             for v in y.iter_mut() {
-                *v = (*v - max).exp();
-                sum += *v;
+                if *v == f32::NEG_INFINITY {
+                    *v = 0.0;
+                } else {
+                    *v = (*v - max).exp();
+                    sum += *v;
+                }
             }
             let inv = 1.0 / sum;
             for v in y.iter_mut() {
