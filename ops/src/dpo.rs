@@ -69,7 +69,7 @@
 use crate::chat::{ChatTemplate, Json, Message, RenderFlags, Role, TemplateSource};
 use crate::model::layers::Layout;
 use crate::model::net::Model;
-use crate::pretrain::{check_training, input, model_outputs, train_and_publish};
+use crate::pretrain::{check_training, input, model_outputs, model_tokenizer, train_and_publish};
 use crate::sft::RowOrder;
 use crate::train::{self, MicroLoss, Objective, Schedule, Trainer, checkpoint, token_logprobs};
 use crate::{DeclError, Metrics, Op, RunContext, RunError, StageDecl, typed_params};
@@ -174,9 +174,7 @@ impl Op for Dpo {
                 .map_err(|e| RunError(format!("cannot load the upstream model: {e}")))
         };
         let (model, reference) = (load()?, load()?);
-        let tok_path = model_dir.join("tokenizer.json");
-        let tokenizer = tokenizers::Tokenizer::from_file(&tok_path)
-            .map_err(|e| RunError(format!("cannot load {}: {e}", tok_path.display())))?;
+        let (tokenizer, tok_path) = model_tokenizer(&model_dir)?;
         let max_length = p.max_length.unwrap_or(model.cfg.max_seq);
         if max_length > model.cfg.max_seq {
             return Err(RunError(format!(

@@ -40,7 +40,7 @@ use crate::model::layers::Layout;
 use crate::model::net::{Batch, Model};
 use crate::model::params::Rng;
 use crate::model::sampling::{Sampling, StopStrings, generate, generate_until};
-use crate::pretrain::{blend_split, input};
+use crate::pretrain::{blend_split, input, model_tokenizer};
 use crate::train::{self, checkpoint};
 use crate::{DeclError, Metrics, Op, RunContext, RunError, StageDecl, typed_params};
 use serde::Deserialize;
@@ -269,11 +269,7 @@ impl Op for Eval {
             ));
             results.insert("perplexity".into(), r);
         }
-        let tokenizer = || {
-            let tok_path = model_dir.join("tokenizer.json");
-            tokenizers::Tokenizer::from_file(&tok_path)
-                .map_err(|e| RunError(format!("cannot load {}: {e}", tok_path.display())))
-        };
+        let tokenizer = || model_tokenizer(&model_dir).map(|(t, _)| t);
         if let Some(mc) = &p.multiple_choice {
             let questions = crate::choice::read(&input(ctx, "choices")?, mc.limit)?;
             let r = crate::choice::evaluate(

@@ -48,7 +48,7 @@ use crate::model::layers::Layout;
 use crate::model::net::Model;
 use crate::model::params::Rng;
 use crate::model::sampling::{Sampling, generate_until};
-use crate::pretrain::{check_training, input, model_outputs, train_and_publish};
+use crate::pretrain::{check_training, input, model_outputs, model_tokenizer, train_and_publish};
 use crate::sft::RowOrder;
 use crate::train::{self, MicroLoss, Objective, Schedule, Trainer, checkpoint, token_logprobs};
 use crate::{DeclError, Metrics, Op, RunContext, RunError, StageDecl, typed_params};
@@ -258,9 +258,7 @@ impl Op for Grpo {
         } else {
             None
         };
-        let tok_path = model_dir.join("tokenizer.json");
-        let tokenizer = tokenizers::Tokenizer::from_file(&tok_path)
-            .map_err(|e| RunError(format!("cannot load {}: {e}", tok_path.display())))?;
+        let (tokenizer, tok_path) = model_tokenizer(&model_dir)?;
         let prompts = read_prompts(&input(ctx, "prompts")?, &p, &tokenizer, model.cfg.max_seq)?;
         writeln!(
             ctx.log,

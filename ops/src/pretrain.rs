@@ -180,6 +180,16 @@ pub(crate) fn model_vocab(cfg: &ModelConfig, tokenizer_vocab: usize) -> Result<u
     Ok(cfg.vocab)
 }
 
+/// The tokenizer a model artifact carries (`model/tokenizer.json`), and its path.
+pub(crate) fn model_tokenizer(
+    model_dir: &Path,
+) -> Result<(tokenizers::Tokenizer, PathBuf), RunError> {
+    let path = model_dir.join("tokenizer.json");
+    let tokenizer = tokenizers::Tokenizer::from_file(&path)
+        .map_err(|e| RunError(format!("cannot load {}: {e}", path.display())))?;
+    Ok((tokenizer, path))
+}
+
 pub(crate) fn input(ctx: &RunContext, name: &str) -> Result<PathBuf, RunError> {
     ctx.inputs
         .get(name)

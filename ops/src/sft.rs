@@ -24,7 +24,9 @@ use crate::model::layers::Layout;
 use crate::model::net::Batch;
 use crate::packed_parquet;
 use crate::packing::PackedRow;
-use crate::pretrain::{blend_split, check_training, input, model_outputs, train_and_publish};
+use crate::pretrain::{
+    blend_split, check_training, input, model_outputs, model_tokenizer, train_and_publish,
+};
 use crate::train::{BatchSource, NextToken, Schedule, Trainer, checkpoint};
 use crate::{DeclError, Metrics, Op, RunContext, RunError, StageDecl, typed_params};
 use serde::Deserialize;
@@ -91,9 +93,7 @@ impl Op for Sft {
         let model_dir = input(ctx, "model")?;
         let model = checkpoint::load_model(&model_dir)
             .map_err(|e| RunError(format!("cannot load the upstream model: {e}")))?;
-        let tok_path = model_dir.join("tokenizer.json");
-        let tokenizer = tokenizers::Tokenizer::from_file(&tok_path)
-            .map_err(|e| RunError(format!("cannot load {}: {e}", tok_path.display())))?;
+        let (tokenizer, tok_path) = model_tokenizer(&model_dir)?;
         let pad = tokenizer.token_to_id(&p.pad_token).ok_or_else(|| {
             RunError(format!(
                 "the model's tokenizer has no pad token `{}`; set params.pad_token",
