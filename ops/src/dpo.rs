@@ -71,7 +71,9 @@ use crate::model::layers::Layout;
 use crate::model::net::Model;
 use crate::pretrain::{check_training, input, model_outputs, model_tokenizer, train_and_publish};
 use crate::sft::RowOrder;
-use crate::train::{self, MicroLoss, Objective, Schedule, Trainer, checkpoint, token_logprobs};
+use crate::train::{
+    self, MicroLoss, Objective, Schedule, Tally, Trainer, checkpoint, token_logprobs,
+};
 use crate::{DeclError, Metrics, Op, RunContext, RunError, StageDecl, typed_params};
 use candle_core::{DType, Tensor};
 use serde::Deserialize;
@@ -638,15 +640,6 @@ pub fn collate(pairs: &[&Pair]) -> Collated {
     c
 }
 
-#[derive(Default)]
-struct StepFigures {
-    pairs: f64,
-    correct: f64,
-    margin: f64,
-    preference: f64,
-    sft: f64,
-}
-
 /// The DPO objective over a fixed set of pairs (see the module docs).
 pub struct DpoObjective {
     reference: Model,
@@ -657,7 +650,6 @@ pub struct DpoObjective {
     micro_batch: usize,
     /// The prepared step's pair indices, in order.
     step_pairs: Vec<usize>,
-    figures: StepFigures,
 }
 
 impl DpoObjective {
@@ -676,7 +668,6 @@ impl DpoObjective {
             global_batch: schedule.global_batch,
             micro_batch: schedule.micro_batch.max(1),
             step_pairs: Vec::new(),
-            figures: StepFigures::default(),
         }
     }
 
@@ -702,11 +693,10 @@ impl Objective for DpoObjective {
             return Err(RunError("dpo: no preference pairs".into()));
         }
         self.step_pairs = self.pairs_of_step(step);
-        self.figures = StepFigures::default();
         Ok(self.global_batch.div_ceil(self.micro_batch))
     }
 
-    fn loss(&mut self, model: &Model, i: usize) -> Result<MicroLoss, RunError> {
+    fn loss(&self, model: &Model, i: usize) -> Result<MicroLoss, RunError> {
         let from = (i * self.micro_batch).min(self.step_pairs.len());
         let to = ((i + 1) * self.micro_batch).min(self.step_pairs.len());
         let pairs: Vec<&Pair> = self.step_pairs[from..to]
@@ -724,29 +714,30 @@ impl Objective for DpoObjective {
         let reference = sums(&self.reference).map_err(train::err)?.detach();
         let terms = preference_terms(&policy, &reference, &c.counts, &self.cfg, self.global_batch)
             .map_err(train::err)?;
-        let f = &mut self.figures;
-        f.pairs += pairs.len() as f64;
-        f.correct += terms.correct;
-        f.margin += terms.margin_sum;
-        f.preference += terms.preference_sum;
-        f.sft += terms.sft_sum;
         Ok(MicroLoss {
             total: terms.total,
             sum: terms.loss_sum,
             count: pairs.len() as f64,
+            tally: Tally::from([
+                ("pairs", pairs.len() as f64),
+                ("correct", terms.correct),
+                ("margin", terms.margin_sum),
+                ("preference", terms.preference_sum),
+                ("sft", terms.sft_sum),
+            ]),
         })
     }
 
-    fn metrics(&mut self) -> BTreeMap<String, f64> {
-        let f = &self.figures;
-        let n = f.pairs.max(1.0);
+    fn metrics(&mut self, tally: &Tally) -> BTreeMap<String, f64> {
+        let f = |k: &str| tally.get(k).copied().unwrap_or(0.0);
+        let n = f("pairs").max(1.0);
         let mut m = BTreeMap::from([
-            ("accuracy".to_string(), f.correct / n),
-            ("reward_margin".to_string(), f.margin / n),
-            ("preference_loss".to_string(), f.preference / n),
+            ("accuracy".to_string(), f("correct") / n),
+            ("reward_margin".to_string(), f("margin") / n),
+            ("preference_loss".to_string(), f("preference") / n),
         ]);
         if self.cfg.sft_weight > 0.0 {
-            m.insert("sft_loss".to_string(), f.sft / n);
+            m.insert("sft_loss".to_string(), f("sft") / n);
         }
         m
     }
@@ -1013,8 +1004,12 @@ mod tests {
             .iter()
             .map(|(_, v)| vec![0.0; v.elem_count()])
             .collect();
+        let mut tally = Tally::new();
         for i in 0..n {
             let l = objective.loss(&model, i).unwrap();
+            for (k, v) in &l.tally {
+                *tally.entry(k).or_insert(0.0) += v;
+            }
             let grads = l.total.backward().unwrap();
             for (k, (_, var)) in model.params.iter().enumerate() {
                 if let Some(g) = grads.get(var.as_tensor()) {
@@ -1024,7 +1019,7 @@ mod tests {
                 }
             }
         }
-        (sums, objective.metrics())
+        (sums, objective.metrics(&tally))
     }
 
     #[test]

@@ -461,20 +461,22 @@ fn generation(
     };
     let mut total = 0.0;
     let mut examples = Vec::new();
-    for (start, chunk) in prompts
-        .chunks(g.batch)
-        .enumerate()
-        .map(|(i, c)| (i * g.batch, c))
-    {
-        let mut rngs: Vec<Rng> = (start..start + chunk.len())
-            .map(|i| row_rng(g.seed, i))
+    // Batches of `g.batch` prompts, side by side on the workers; scored in order.
+    let batches: Vec<&[Vec<u32>]> = prompts.chunks(g.batch).collect();
+    let outputs = crate::workers::map(batches.len(), crate::workers::threads(), |i| {
+        let start = i * g.batch;
+        let mut rngs: Vec<Rng> = (start..start + batches[i].len())
+            .map(|r| row_rng(g.seed, r))
             .collect();
-        let outputs = generate_until(model, chunk, &sampling, &stops, &mut rngs, |_, ids| {
+        generate_until(model, batches[i], &sampling, &stops, &mut rngs, |_, ids| {
             stop_strings.hit(ids)
         })
-        .map_err(train::err)?;
-        for (k, out) in outputs.iter().enumerate() {
-            let (q, expected, env) = &rows[start + k];
+    })
+    .map_err(|e| RunError(format!("cannot start a generation thread: {e}")))?;
+    for (i, batch) in outputs.into_iter().enumerate() {
+        let batch = batch.map_err(train::err)?;
+        for (k, out) in batch.iter().enumerate() {
+            let (q, expected, env) = &rows[i * g.batch + k];
             let (response, _) = stop_strings.cut(&out.ids).map_err(RunError)?;
             let reward =
                 crate::reward::score(env.as_deref().unwrap_or(&g.env), &response, expected)

@@ -47,10 +47,12 @@ use crate::chat::{ChatTemplate, Message, RenderFlags, TemplateSource};
 use crate::model::layers::Layout;
 use crate::model::net::Model;
 use crate::model::params::Rng;
-use crate::model::sampling::{Sampling, generate_until};
+use crate::model::sampling::{Sampling, generate_split};
 use crate::pretrain::{check_training, input, model_outputs, model_tokenizer, train_and_publish};
 use crate::sft::RowOrder;
-use crate::train::{self, MicroLoss, Objective, Schedule, Trainer, checkpoint, token_logprobs};
+use crate::train::{
+    self, MicroLoss, Objective, Schedule, Tally, Trainer, checkpoint, token_logprobs,
+};
 use crate::{DeclError, Metrics, Op, RunContext, RunError, StageDecl, typed_params};
 use candle_core::{Device, Tensor};
 use serde::Deserialize;
@@ -290,7 +292,7 @@ impl Op for Grpo {
             Trainer::new(model, p.schedule.clone()),
             &mut objective,
             &tok_path,
-            move |_| tokens.get(),
+            move |_| tokens.load(std::sync::atomic::Ordering::Relaxed),
         )
     }
 }
@@ -453,7 +455,7 @@ pub fn kl_k3(logp: &Tensor, reference: &Tensor) -> candle_core::Result<Tensor> {
 }
 
 /// How a rollout is scored: its prompt and its response ids → reward.
-pub type Score<'a> = dyn Fn(&Prompt, &[u32]) -> f64 + 'a;
+pub type Score<'a> = dyn Fn(&Prompt, &[u32]) -> f64 + Sync + 'a;
 
 /// One micro-batch of rollouts, ready for the loss.
 struct Micro {
@@ -489,9 +491,8 @@ pub struct Rollouts<'a> {
     score: &'a Score<'a>,
     micro: Vec<Micro>,
     metrics: BTreeMap<String, f64>,
-    kl: (f64, f64),
     /// Tokens (prompt + response) trained on in the last prepared step, for tokens/s.
-    pub tokens: std::rc::Rc<std::cell::Cell<u64>>,
+    pub tokens: std::sync::Arc<std::sync::atomic::AtomicU64>,
 }
 
 impl<'a> Rollouts<'a> {
@@ -525,7 +526,6 @@ impl<'a> Rollouts<'a> {
             score,
             micro: Vec::new(),
             metrics: BTreeMap::new(),
-            kl: (0.0, 0.0),
             tokens: Default::default(),
         }
     }
@@ -552,12 +552,13 @@ impl Objective for Rollouts<'_> {
         let mut rngs: Vec<Rng> = (0..rollouts.len()).map(|r| self.rng(step, r)).collect();
         // A row ends on a stop id, which stays in its ids: the policy learns to emit it.
         let stops = &self.stops;
-        let completions = generate_until(
+        let completions = generate_split(
             model,
             &prompt_ids,
             &self.sampling,
             &[],
             &mut rngs,
+            crate::workers::threads(),
             |_, ids| ids.last().is_some_and(|t| stops.contains(t)),
         )
         .map_err(train::err)?;
@@ -664,8 +665,10 @@ impl Objective for Rollouts<'_> {
 
         let n = rewards.len() as f64;
         let lengths: f64 = completions.iter().map(|c| response(&c.ids) as f64).sum();
-        self.tokens
-            .set(rows.iter().map(|r| r.0.len() as u64 - 1).sum());
+        self.tokens.store(
+            rows.iter().map(|r| r.0.len() as u64 - 1).sum(),
+            std::sync::atomic::Ordering::Relaxed,
+        );
         self.metrics = BTreeMap::from([
             ("reward".to_string(), rewards.iter().sum::<f64>() / n),
             (
@@ -678,12 +681,12 @@ impl Objective for Rollouts<'_> {
                 completions.iter().filter(|c| !c.stopped).count() as f64 / n,
             ),
         ]);
-        self.kl = (0.0, 0.0);
         Ok(self.micro.len())
     }
 
-    fn loss(&mut self, model: &Model, i: usize) -> Result<MicroLoss, RunError> {
+    fn loss(&self, model: &Model, i: usize) -> Result<MicroLoss, RunError> {
         let m = &self.micro[i];
+        let mut tally = Tally::new();
         let logp = token_logprobs(model, &m.ids, &m.labels, &m.layout).map_err(train::err)?;
         // On-policy: π_old is these very weights, so the ratio is 1 in value.
         let old = logp.detach();
@@ -698,8 +701,8 @@ impl Objective for Rollouts<'_> {
                 .sum_all()
                 .and_then(|c| c.to_scalar::<f32>())
                 .map_err(train::err)?;
-            self.kl.0 += masked as f64;
-            self.kl.1 += count as f64;
+            tally.insert("kl_sum", masked as f64);
+            tally.insert("kl_tokens", count as f64);
             per_token =
                 (per_token + (kl * self.loss.reference_policy_kl_penalty)).map_err(train::err)?;
         }
@@ -711,13 +714,16 @@ impl Objective for Rollouts<'_> {
             total,
             sum: value,
             count: 1.0 / self.micro.len() as f64,
+            tally,
         })
     }
 
-    fn metrics(&mut self) -> BTreeMap<String, f64> {
+    fn metrics(&mut self, tally: &Tally) -> BTreeMap<String, f64> {
         let mut m = self.metrics.clone();
-        if self.kl.1 > 0.0 {
-            m.insert("kl".into(), self.kl.0 / self.kl.1);
+        if let (Some(sum), Some(&tokens)) = (tally.get("kl_sum"), tally.get("kl_tokens"))
+            && tokens > 0.0
+        {
+            m.insert("kl".into(), sum / tokens);
         }
         m
     }

@@ -24,7 +24,8 @@
 //!
 //! Shared pieces: [`text`] reads documents from dataset files; [`megatron`] writes and reads
 //! Megatron's `.bin`/`.idx` token datasets; [`packing`] and [`pyrandom`] are SFT packing and
-//! the CPython-compatible shuffles Nemotron's splits use.
+//! the CPython-compatible shuffles Nemotron's splits use; [`workers`] runs independent pieces
+//! of training and generation side by side, one thread each.
 
 pub mod bpe;
 pub mod chat;
@@ -50,6 +51,7 @@ pub mod text;
 pub mod tokenize;
 pub mod train;
 pub mod train_tokenizer;
+pub mod workers;
 
 use serde::de::DeserializeOwned;
 use serde_json::Value;

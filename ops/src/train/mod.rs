@@ -11,7 +11,10 @@
 //! 2. For [`NextToken`]: count the loss tokens of the whole global batch; every micro-batch's
 //!    loss is its summed cross-entropy divided by that count (per-token loss), so the
 //!    gradients summed over micro-batches are the global batch's.
-//! 3. Backward each micro-batch and add its gradients up.
+//! 3. Backward each micro-batch and add its gradients up, in micro-batch order. With more
+//!    than one thread the micro-batches run side by side, one per worker thread (data
+//!    parallelism inside the process; see [`Trainer::threads`]); the sums are still taken in
+//!    micro-batch order, so the thread count never changes which bytes come out.
 //! 4. Clip to the global norm, take the learning rate from the schedule, AdamW.
 //! 5. Move the MoE routers' expert biases (aux-loss-free balancing).
 //!
@@ -129,24 +132,32 @@ impl Schedule {
 }
 
 /// Where batches come from: the micro-batches of global step `step`.
-pub trait BatchSource {
+pub trait BatchSource: Send + Sync {
     fn global_batch(&mut self, step: u64) -> Result<Vec<Batch>, RunError>;
 }
 
 /// What one optimizer step minimises.
-pub trait Objective {
+///
+/// `loss` takes `&self`: the micro-batches of a step may be computed on several threads at
+/// once. Whatever a micro-batch adds to the step's figures goes in its [`MicroLoss::tally`];
+/// the trainer sums the tallies (in micro-batch order) and hands them to `metrics`.
+pub trait Objective: Sync {
     /// Get ready for global step `step` (0-based) with the weights as they are now; returns
     /// how many micro-batches the step has.
     fn prepare(&mut self, model: &Model, step: u64) -> Result<usize, RunError>;
     /// The loss of micro-batch `i` of the prepared step. The losses of all micro-batches add
     /// up to the global batch's loss (each divides by a global count, not its own).
-    fn loss(&mut self, model: &Model, i: usize) -> Result<MicroLoss, RunError>;
+    fn loss(&self, model: &Model, i: usize) -> Result<MicroLoss, RunError>;
     /// Figures of the prepared step beyond the loss (rewards, accuracy, KL…), logged and
-    /// kept in the curve.
-    fn metrics(&mut self) -> BTreeMap<String, f64> {
+    /// kept in the curve; `tally` is the sum of the micro-batches' tallies.
+    fn metrics(&mut self, tally: &Tally) -> BTreeMap<String, f64> {
+        let _ = tally;
         BTreeMap::new()
     }
 }
+
+/// Named sums a micro-batch contributes to its step's figures (see [`Objective::metrics`]).
+pub type Tally = BTreeMap<&'static str, f64>;
 
 /// One micro-batch's loss: `total` to differentiate, and `sum / count` added into the logged
 /// loss of the step (Σ sum / Σ count over the micro-batches).
@@ -154,6 +165,7 @@ pub struct MicroLoss {
     pub total: Tensor,
     pub sum: f64,
     pub count: f64,
+    pub tally: Tally,
 }
 
 /// The language-model objective of `pretrain` and `sft`: per-token cross-entropy over the
@@ -186,7 +198,7 @@ impl Objective for NextToken<'_> {
         Ok(self.micro.len())
     }
 
-    fn loss(&mut self, model: &Model, i: usize) -> Result<MicroLoss, RunError> {
+    fn loss(&self, model: &Model, i: usize) -> Result<MicroLoss, RunError> {
         let loss = model
             .loss(&self.micro[i], self.normaliser, true)
             .map_err(err)?;
@@ -194,6 +206,7 @@ impl Objective for NextToken<'_> {
             total: loss.total,
             sum: loss.main_sum,
             count: loss.tokens,
+            tally: Tally::new(),
         })
     }
 }
@@ -237,11 +250,40 @@ pub struct Trainer {
     pub curve: Vec<Point>,
     /// The objective's figures for the last step.
     pub last_metrics: BTreeMap<String, f64>,
+    /// Micro-batches computed at once, each on its own single-threaded worker
+    /// ([`crate::workers`]); starts at candle's thread count. With 1 (or a step of one
+    /// micro-batch) they run on the calling thread, with candle's own threads.
+    pub threads: usize,
     decay: Vec<bool>,
 }
 
 pub(crate) fn err(e: candle_core::Error) -> RunError {
     RunError(format!("training: {e}"))
+}
+
+/// What a micro-batch's backward leaves for the step: its loss figures and its gradient per
+/// parameter (`None` for a parameter it does not reach).
+struct MicroGrads {
+    sum: f64,
+    count: f64,
+    tally: Tally,
+    grads: Vec<Option<Tensor>>,
+}
+
+fn micro_grads(objective: &dyn Objective, model: &Model, i: usize) -> Result<MicroGrads, RunError> {
+    let loss = objective.loss(model, i)?;
+    let store = loss.total.backward().map_err(err)?;
+    let grads = model
+        .params
+        .iter()
+        .map(|(_, var)| store.get(var.as_tensor()).cloned())
+        .collect();
+    Ok(MicroGrads {
+        sum: loss.sum,
+        count: loss.count,
+        tally: loss.tally,
+        grads,
+    })
 }
 
 impl Trainer {
@@ -255,6 +297,7 @@ impl Trainer {
             step: 0,
             curve: Vec::new(),
             last_metrics: BTreeMap::new(),
+            threads: crate::workers::threads(),
             decay,
         }
     }
@@ -264,20 +307,32 @@ impl Trainer {
     pub fn step(&mut self, objective: &mut dyn Objective) -> Result<(f64, f64), RunError> {
         let micro = objective.prepare(&self.model, self.step)?;
         // Gradients summed over the micro-batches, per parameter, in plain buffers: the first
-        // micro-batch's gradient is copied out, later ones are added in place (in micro-batch
-        // order, so the sums are the same bytes as `acc + g` tensor by tensor).
+        // micro-batch's gradient is copied out, later ones are added in place, always in
+        // micro-batch order (so the sums are the same bytes as `acc + g` tensor by tensor,
+        // however many threads computed them).
         let mut sums: Vec<Option<Vec<f32>>> = vec![None; self.model.params.len()];
         let (mut loss_sum, mut tokens) = (0.0, 0.0);
-        for i in 0..micro {
-            let loss = objective.loss(&self.model, i)?;
-            loss_sum += loss.sum;
-            tokens += loss.count;
-            let grads = loss.total.backward().map_err(err)?;
-            for (sum, (_, var)) in sums.iter_mut().zip(self.model.params.iter()) {
-                if let Some(g) = grads.get(var.as_tensor()) {
-                    match sum {
-                        Some(acc) => add_into(acc, g).map_err(err)?,
-                        None => *sum = Some(to_f32_vec(g).map_err(err)?),
+        let mut tally = Tally::new();
+        let wave = self.threads.max(1);
+        for start in (0..micro).step_by(wave) {
+            let (model, objective) = (&self.model, &*objective);
+            let done = crate::workers::map(wave.min(micro - start), wave, |k| {
+                micro_grads(objective, model, start + k)
+            })
+            .map_err(|e| RunError(format!("cannot start a training thread: {e}")))?;
+            for m in done {
+                let m = m?;
+                loss_sum += m.sum;
+                tokens += m.count;
+                for (k, v) in m.tally {
+                    *tally.entry(k).or_insert(0.0) += v;
+                }
+                for (sum, g) in sums.iter_mut().zip(m.grads) {
+                    if let Some(g) = g {
+                        match sum {
+                            Some(acc) => add_into(acc, &g).map_err(err)?,
+                            None => *sum = Some(to_f32_vec(&g).map_err(err)?),
+                        }
                     }
                 }
             }
@@ -308,7 +363,7 @@ impl Trainer {
         self.model.update_moe_biases();
         self.step += 1;
         let loss = loss_sum / tokens.max(1.0);
-        self.last_metrics = objective.metrics();
+        self.last_metrics = objective.metrics(&tally);
         if self.step.is_multiple_of(s.log_interval.max(1)) || self.step == s.steps || self.step == 1
         {
             self.curve.push(Point {
@@ -430,13 +485,14 @@ mod tests {
     use crate::model::config::ModelConfig;
     use crate::model::layers::Layout;
 
-    /// Rows of a repeating arithmetic sequence: next token = (token + 3) mod 32, learnable.
-    struct Counting;
+    /// Rows of a repeating arithmetic sequence: next token = (token + 3) mod 32, learnable;
+    /// `Counting(n)` gives n micro-batches of 2 rows a step.
+    struct Counting(u64);
 
     impl BatchSource for Counting {
         fn global_batch(&mut self, step: u64) -> Result<Vec<Batch>, RunError> {
             let (b, t) = (2, 12);
-            (0..2u64)
+            (0..self.0)
                 .map(|m| {
                     let mut ids = Vec::new();
                     let mut labels = Vec::new();
@@ -487,7 +543,7 @@ mod tests {
         let dir = tempdir("falls");
         let summary = t
             .run(
-                &mut NextToken::new(&mut Counting),
+                &mut NextToken::new(&mut Counting(2)),
                 &dir.join("ckpt"),
                 |_| 48,
                 &mut Vec::new(),
@@ -507,7 +563,7 @@ mod tests {
         let mut straight = trainer(8, 0);
         straight
             .run(
-                &mut NextToken::new(&mut Counting),
+                &mut NextToken::new(&mut Counting(2)),
                 &dir.join("a"),
                 |_| 48,
                 &mut Vec::new(),
@@ -517,7 +573,7 @@ mod tests {
         // N, stop (as a preemption after the step-4 checkpoint), then resume in a fresh trainer.
         let mut first = trainer(8, 4);
         let stopped = first.run(
-            &mut NextToken::new(&mut Counting),
+            &mut NextToken::new(&mut Counting(2)),
             &dir.join("b"),
             |_| 48,
             &mut Vec::new(),
@@ -529,7 +585,7 @@ mod tests {
         assert_eq!(resumed.step, 4);
         resumed
             .run(
-                &mut NextToken::new(&mut Counting),
+                &mut NextToken::new(&mut Counting(2)),
                 &dir.join("b"),
                 |_| 48,
                 &mut Vec::new(),
@@ -553,6 +609,30 @@ mod tests {
             let a = std::fs::read(dir.join("a").join(f)).unwrap();
             let b = std::fs::read(dir.join("b").join(f)).unwrap();
             assert!(a == b, "{f} differs");
+        }
+    }
+
+    #[test]
+    fn micro_batches_on_worker_threads_give_the_same_bytes_as_one_thread() {
+        // Five micro-batches a step: two threads run waves of 2, 2, 1; three run 3, 2.
+        let run = |threads: usize| {
+            let mut t = trainer(6, 0);
+            t.threads = threads;
+            for _ in 0..6 {
+                t.step(&mut NextToken::new(&mut Counting(5))).unwrap();
+            }
+            (weights(&t), t.opt.clone(), t.curve.clone())
+        };
+        let one = run(1);
+        assert!(one.2.last().unwrap().loss < one.2[0].loss, "it trained");
+        for threads in [2, 3] {
+            let other = run(threads);
+            assert!(one.0 == other.0, "{threads} threads: weights differ");
+            assert!(
+                one.1 == other.1,
+                "{threads} threads: optimizer state differs"
+            );
+            assert_eq!(one.2, other.2, "{threads} threads: curve differs");
         }
     }
 
