@@ -65,7 +65,7 @@ stages:
     params:
       perplexity: {split: train, seq_length: 32, max_windows: 4}
       multiple_choice: {limit: 8, batch: 8}
-      generation: {split: test, limit: 6, max_tokens: 8, batch: 4}
+      generation: {split: test, limit: 6, max_tokens: 8, batch: 4, contains: ["<tool_call>"]}
   rl_data:
     op: rl_data
     inputs: {prompts: "problems:prompts"}
@@ -183,6 +183,8 @@ fn a_recipe_pretrains_fine_tunes_and_exports_a_model_transformers_reads() {
         (0.0..=1.0).contains(&acc) && e["generation"]["samples"] == 6,
         "{e}"
     );
+    let calls = e["generation"]["contains"]["<tool_call>"].as_f64();
+    assert!(calls.is_some_and(|c| (0.0..=1.0).contains(&c)), "{e}");
     assert!(
         output_path(&p, "eval_sft", "results")
             .join("results.json")

@@ -10,7 +10,8 @@
 //!     perplexity: {split: valid, seq_length: 128, max_windows: 64}
 //!     multiple_choice: {limit: 100, target_delimiter: " "}
 //!     generation: {split: test, limit: 100, max_tokens: 32, chat_template: nano3,
-//!                  temperature: 0.0, top_p: 1.0, seed: 0, stop: ["</answer>"]}
+//!                  temperature: 0.0, top_p: 1.0, seed: 0, stop: ["</answer>"],
+//!                  contains: ["<tool_call>"]}
 //! ```
 //!
 //! **Perplexity** (`data`: a `tokenize` artifact): the documents of one split of its
@@ -122,6 +123,10 @@ struct Generation {
     /// A response ends before the first of these strings.
     #[serde(default)]
     stop: Vec<String>,
+    /// Also report the fraction of responses that contain each of these strings (special
+    /// tokens such as `<tool_call>` included), e.g. how often a model calls a tool unasked.
+    #[serde(default)]
+    contains: Vec<String>,
 }
 
 #[derive(Debug, Deserialize)]
@@ -235,6 +240,12 @@ impl Op for Eval {
             if g.stop.iter().any(String::is_empty) {
                 return field("stop", "stop strings must not be empty");
             }
+            if g.contains.iter().any(String::is_empty) {
+                return field(
+                    "contains",
+                    "an empty string is in every response: name what to look for",
+                );
+            }
             crate::reward::score(&g.env, "", "")
                 .map_err(|e| DeclError::new(&["params", "generation", "env"], e))?;
         }
@@ -301,6 +312,14 @@ impl Op for Eval {
                 r["accuracy"].as_f64().unwrap_or(f64::NAN),
                 r["samples"]
             ));
+            for s in &g.contains {
+                table.push(format!(
+                    "{:<12} {:<10} {:>10.3}   (fraction of responses)",
+                    "contains",
+                    s,
+                    r["contains"][s].as_f64().unwrap_or(f64::NAN),
+                ));
+            }
             results.insert("generation".into(), r);
         }
         let out = ctx.out_dir.join("results");
@@ -460,6 +479,7 @@ fn generation(
         stops: &g.stop,
     };
     let mut total = 0.0;
+    let mut hits = vec![0usize; g.contains.len()];
     let mut examples = Vec::new();
     // Batches of `g.batch` prompts, side by side on the workers; scored in order.
     let batches: Vec<&[Vec<u32>]> = prompts.chunks(g.batch).collect();
@@ -482,17 +502,50 @@ fn generation(
                 crate::reward::score(env.as_deref().unwrap_or(&g.env), &response, expected)
                     .map_err(RunError)?;
             total += reward;
+            for (hit, holds) in hits.iter_mut().zip(holds(tokenizer, &out.ids, g)?) {
+                *hit += usize::from(holds);
+            }
             if examples.len() < 5 {
                 examples.push(json!({"question": q, "response": response, "expected_answer": expected, "reward": reward}));
             }
         }
     }
-    Ok(json!({
+    let contains: serde_json::Map<String, Value> = g
+        .contains
+        .iter()
+        .zip(&hits)
+        .map(|(s, h)| (s.clone(), json!(*h as f64 / rows.len() as f64)))
+        .collect();
+    let mut result = json!({
         "split": g.split,
         "samples": rows.len(),
         "accuracy": total / rows.len() as f64,
         "examples": examples,
-    }))
+    });
+    if !contains.is_empty() {
+        result["contains"] = Value::Object(contains);
+    }
+    Ok(result)
+}
+
+/// Whether a response holds each of `g.contains`: its ids decoded with special tokens kept
+/// (`<tool_call>` is one in the recipes' tokenizers), cut before the first stop string.
+fn holds(
+    tokenizer: &tokenizers::Tokenizer,
+    ids: &[u32],
+    g: &Generation,
+) -> Result<Vec<bool>, RunError> {
+    if g.contains.is_empty() {
+        return Ok(Vec::new());
+    }
+    let raw = tokenizer
+        .decode(ids, false)
+        .map_err(|e| RunError(format!("cannot decode a response: {e}")))?;
+    let (raw, _) = crate::model::sampling::cut_at_stop(&raw, &g.stop);
+    Ok(g.contains
+        .iter()
+        .map(|s| raw.contains(s.as_str()))
+        .collect())
 }
 
 /// The generator of row `i` of a task file: its own SplitMix64 stream, so a row's sample
@@ -581,6 +634,39 @@ mod tests {
             assert_eq!(err.path, ["params", "generation", field], "{bad}");
             assert!(err.message.contains(field), "{}", err.message);
         }
+    }
+
+    #[test]
+    fn contains_reads_special_tokens_and_stops_at_a_stop_string() {
+        let vocab: serde_json::Map<String, Value> = ["<unk>", "the", "answer", "STOP"]
+            .iter()
+            .enumerate()
+            .map(|(i, w)| (w.to_string(), json!(i)))
+            .collect();
+        let tokenizer: tokenizers::Tokenizer = json!({
+            "version": "1.0", "truncation": null, "padding": null,
+            "added_tokens": [{"id": 4, "content": "<tool_call>", "single_word": false,
+                "lstrip": false, "rstrip": false, "normalized": false, "special": true}],
+            "normalizer": null, "pre_tokenizer": {"type": "Whitespace"},
+            "post_processor": null, "decoder": null,
+            "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "<unk>"}
+        })
+        .to_string()
+        .parse()
+        .unwrap();
+        let g: Generation = serde_json::from_value(
+            json!({"contains": ["<tool_call>", "answer"], "stop": ["STOP"]}),
+        )
+        .unwrap();
+        // Decoding for the score skips special tokens; `contains` must still see the call.
+        assert_eq!(tokenizer.decode(&[4, 1], true).unwrap(), "the");
+        assert_eq!(holds(&tokenizer, &[4, 1], &g).unwrap(), [true, false]);
+        assert_eq!(holds(&tokenizer, &[1, 2, 4], &g).unwrap(), [true, true]);
+        // Nothing after the stop string counts.
+        assert_eq!(
+            holds(&tokenizer, &[1, 3, 4, 2], &g).unwrap(),
+            [false, false]
+        );
     }
 
     #[test]
