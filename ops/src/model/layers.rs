@@ -196,42 +196,69 @@ impl Attention {
     }
 
     pub fn forward(&self, x: &Tensor, ctx: &Context) -> Result<Tensor> {
-        let (b, t, _) = x.dims3()?;
-        let (h, k, d) = (self.heads, self.kv_heads, self.head_dim);
+        self.forward_plain(x, ctx)
+    }
+
+    /// [`Attention::forward`] with the attention written out of candle ops
+    /// ([`attention_plain`]).
+    pub fn forward_plain(&self, x: &Tensor, ctx: &Context) -> Result<Tensor> {
         let qkv = linear(x, &self.qkv)?;
-        // (B, T, heads, D) → (B, heads, T, D)
-        let split = |start: usize, n: usize| -> Result<Tensor> {
-            qkv.narrow(D::Minus1, start * d, n * d)?
-                .reshape((b, t, n, d))?
-                .transpose(1, 2)?
-                .contiguous()
-        };
-        let (mut q, mut kk, v) = (split(0, h)?, split(h, k)?, split(h + k, k)?);
-        if let Some(tables) = &ctx.rope {
-            q = super::fused::rope(&q, tables)?;
-            kk = super::fused::rope(&kk, tables)?;
-        }
-        // Each key/value head serves heads/kv_heads query heads.
-        let repeat = |x: Tensor| -> Result<Tensor> {
-            if h == k {
-                return Ok(x);
-            }
-            x.unsqueeze(2)?
-                .broadcast_as((b, k, h / k, t, d))?
-                .reshape((b, h, t, d))
-        };
-        let (kk, v) = (repeat(kk)?, repeat(v)?);
-        let scale = 1.0 / (d as f64).sqrt();
-        let scores = q.matmul(&kk.t()?)?;
-        let probs = match &ctx.mask {
-            // One fused pass for scale + mask + softmax (and one backward).
-            Some(mask) => super::fused::masked_softmax(&scores, mask, scale)?,
-            None => softmax(&(scores * scale)?)?,
-        };
-        let y = probs.matmul(&v)?; // (B, heads, T, D)
-        let y = y.transpose(1, 2)?.reshape((b, t, h * d))?;
+        let y = attention_plain(
+            &qkv,
+            ctx.mask.as_ref(),
+            ctx.rope.as_ref(),
+            self.heads,
+            self.kv_heads,
+            self.head_dim,
+        )?;
         linear(&y, &self.proj)
     }
+}
+
+/// Attention from the `qkv` projection's output `(B, T, (h + 2k)·d)` to the output
+/// projection's input `(B, T, h·d)` as a composition of candle ops (heads split and copied,
+/// fused RoPE, kv heads repeated, `q·kᵀ`, fused masked softmax, `p·v`): the reference
+/// [`super::fused::attention`] is tested against.
+pub fn attention_plain(
+    qkv: &Tensor,
+    mask: Option<&Tensor>,
+    rope: Option<&super::fused::RopeTables>,
+    h: usize,
+    k: usize,
+    d: usize,
+) -> Result<Tensor> {
+    let (b, t, _) = qkv.dims3()?;
+    // (B, T, heads, D) → (B, heads, T, D)
+    let split = |start: usize, n: usize| -> Result<Tensor> {
+        qkv.narrow(D::Minus1, start * d, n * d)?
+            .reshape((b, t, n, d))?
+            .transpose(1, 2)?
+            .contiguous()
+    };
+    let (mut q, mut kk, v) = (split(0, h)?, split(h, k)?, split(h + k, k)?);
+    if let Some(tables) = rope {
+        q = super::fused::rope(&q, tables)?;
+        kk = super::fused::rope(&kk, tables)?;
+    }
+    // Each key/value head serves heads/kv_heads query heads.
+    let repeat = |x: Tensor| -> Result<Tensor> {
+        if h == k {
+            return Ok(x);
+        }
+        x.unsqueeze(2)?
+            .broadcast_as((b, k, h / k, t, d))?
+            .reshape((b, h, t, d))
+    };
+    let (kk, v) = (repeat(kk)?, repeat(v)?);
+    let scale = 1.0 / (d as f64).sqrt();
+    let scores = q.matmul(&kk.t()?)?;
+    let probs = match mask {
+        // One fused pass for scale + mask + softmax (and one backward).
+        Some(mask) => super::fused::masked_softmax(&scores, mask, scale)?,
+        None => softmax(&(scores * scale)?)?,
+    };
+    let y = probs.matmul(&v)?; // (B, heads, T, D)
+    y.transpose(1, 2)?.reshape((b, t, h * d))
 }
 
 /// What one attention block keeps while decoding: the keys (after RoPE) and values of every
