@@ -195,8 +195,23 @@ impl Attention {
         })
     }
 
+    /// `x (B, T, hidden) → (B, T, hidden)`: the `qkv` projection, the fused
+    /// [`super::fused::attention`] (one graph node from `qkv` to the heads' outputs) and the
+    /// output projection; [`Attention::forward_plain`] off the CPU or in another dtype.
     pub fn forward(&self, x: &Tensor, ctx: &Context) -> Result<Tensor> {
-        self.forward_plain(x, ctx)
+        if !x.device().is_cpu() || x.dtype() != DType::F32 {
+            return self.forward_plain(x, ctx);
+        }
+        let qkv = linear(x, &self.qkv)?;
+        let y = super::fused::attention(
+            &qkv,
+            ctx.mask.as_ref(),
+            ctx.rope.as_ref(),
+            self.heads,
+            self.kv_heads,
+            self.head_dim,
+        )?;
+        linear(&y, &self.proj)
     }
 
     /// [`Attention::forward`] with the attention written out of candle ops
