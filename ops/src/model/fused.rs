@@ -1,6 +1,7 @@
-//! Fused CPU kernels for the two hottest element-wise paths of training, each with its backward
+//! Fused CPU kernels for the hot paths of training, each one graph node with its own backward
 //! and each tested against the plain composition of candle ops it replaces
-//! ([`super::layers::softmax`], [`super::layers::token_losses`]).
+//! ([`super::layers::softmax`], [`super::layers::token_losses`], `rms_norm_plain`,
+//! `activate_plain`, `linear_plain`, `attention_plain`).
 //!
 //! Written out of candle primitives, `softmax(scale·s + mask)` over the `(B, H, T, T)` attention
 //! scores costs seven passes forward and more backward, each allocating a tensor; the
