@@ -230,18 +230,15 @@ impl Attention {
     }
 }
 
-/// Attention from the `qkv` projection's output `(B, T, (h + 2k)·d)` to the output
-/// projection's input `(B, T, h·d)` as a composition of candle ops (heads split and copied,
-/// fused RoPE, kv heads repeated, `q·kᵀ`, fused masked softmax, `p·v`): the reference
-/// [`super::fused::attention`] is tested against.
-pub fn attention_plain(
+/// The `qkv` projection's output `(B, T, (h + 2k)·d)` as query, key and value heads
+/// `(B, heads, T, d)`, RoPE applied to the queries and keys.
+fn split_heads(
     qkv: &Tensor,
-    mask: Option<&Tensor>,
-    rope: Option<&super::fused::RopeTables>,
     h: usize,
     k: usize,
     d: usize,
-) -> Result<Tensor> {
+    rope: Option<&super::fused::RopeTables>,
+) -> Result<(Tensor, Tensor, Tensor)> {
     let (b, t, _) = qkv.dims3()?;
     // (B, T, heads, D) → (B, heads, T, D)
     let split = |start: usize, n: usize| -> Result<Tensor> {
@@ -255,6 +252,23 @@ pub fn attention_plain(
         q = super::fused::rope(&q, tables)?;
         kk = super::fused::rope(&kk, tables)?;
     }
+    Ok((q, kk, v))
+}
+
+/// Attention from the `qkv` projection's output `(B, T, (h + 2k)·d)` to the output
+/// projection's input `(B, T, h·d)` as a composition of candle ops (heads split and copied,
+/// fused RoPE, kv heads repeated, `q·kᵀ`, fused masked softmax, `p·v`): the reference
+/// [`super::fused::attention`] is tested against.
+pub fn attention_plain(
+    qkv: &Tensor,
+    mask: Option<&Tensor>,
+    rope: Option<&super::fused::RopeTables>,
+    h: usize,
+    k: usize,
+    d: usize,
+) -> Result<Tensor> {
+    let (b, t, _) = qkv.dims3()?;
+    let (q, kk, v) = split_heads(qkv, h, k, d, rope)?;
     // Each key/value head serves heads/kv_heads query heads.
     let repeat = |x: Tensor| -> Result<Tensor> {
         if h == k {
@@ -310,17 +324,7 @@ impl Attention {
         let (b, one, _) = x.dims3()?;
         let (h, k, d) = (self.heads, self.kv_heads, self.head_dim);
         let qkv = linear(x, &self.qkv)?;
-        let split = |start: usize, n: usize| -> Result<Tensor> {
-            qkv.narrow(D::Minus1, start * d, n * d)?
-                .reshape((b, one, n, d))?
-                .transpose(1, 2)?
-                .contiguous()
-        };
-        let (mut q, mut kk, v) = (split(0, h)?, split(h, k)?, split(h + k, k)?);
-        if let Some(tables) = rope {
-            q = super::fused::rope(&q, tables)?;
-            kk = super::fused::rope(&kk, tables)?;
-        }
+        let (q, kk, v) = split_heads(&qkv, h, k, d, rope)?;
         let append = |past: &Option<Tensor>, new: Tensor| -> Result<Tensor> {
             match past {
                 Some(p) => Tensor::cat(&[p, &new], 2),
