@@ -16,16 +16,13 @@
 //! | `chat` (`chat.jsonl`) | `{"messages": [user "What is 12 + 35?", assistant "The answer is \boxed{47}."]}`, every third with `reasoning_content` | `pack` → `sft` |
 //! | `prompts` (`prompts.jsonl`) | `{"question": "What is 12 + 35?", "expected_answer": "47"}` | `rl_data` → `grpo`, `eval` |
 //! | `choices` (`choices.jsonl`) | `{"context": "What is 12 + 35? 12 + 35 =", "choices": ["47", "48", "46", "57"], "gold": 0}`: the answer and three near misses (±1, +10), the answer at position `i mod 4` | `eval` (`multiple_choice`) |
-//! | `preferences` (`preferences.jsonl`) | NeMo-RL preference rows: `{"context": [user "What is 12 + 35?"], "completions": [{"rank": 0, "completion": [assistant "The answer is \boxed{47}."]}, {"rank": 1, "completion": [assistant "<tool_call>calculator(12 + 35)</tool_call>\nThe answer is \boxed{47}."]}]}` | `dpo` |
+//! | `preferences` (`preferences.jsonl`) | NeMo-RL preference rows: `{"context": [user "What is 12 + 35?"], "completions": [{"rank": 0, "completion": [assistant "The answer is \boxed{47}."]}, {"rank": 1, "completion": [assistant "<tool_call>{…}</tool_call>\nThe answer is \boxed{47}."]}]}` | `dpo` |
 //!
 //! The preference pairs teach what nano3's DPO stage teaches (reference §4.6): not to call
 //! tools that were never offered. Both completions give the right answer; the rejected one
-//! first makes a hallucinated call, `<tool_call>calculator(12 + 35)</tool_call>`, although the
-//! context offers no tools (a compact call: the JSON form real tool calls use runs to ~70
-//! tokens with a tiny recipe's tokenizer, past the tiny recipes' 32-token responses). Neither
-//! carries reasoning, so the pair differs only in the call. `tool_calls: 0.2` puts the same
-//! call before the answer in a fifth of the `chat` rows, spread evenly (default 0): SFT data
-//! with the flaw, so that the SFT model makes unasked calls for DPO to remove.
+//! first makes a hallucinated call, `<tool_call>{"name": "calculator", "arguments":
+//! {"expression": "12 + 35"}}</tool_call>`, although the context offers no tools. Neither
+//! carries reasoning, so the pair differs only in the call.
 //!
 //! The same seed gives byte-identical files (CPython's `random.Random(seed)` drives it, so a
 //! Python script can reproduce the data exactly).
@@ -60,10 +57,6 @@ struct Params {
     max_operand: u64,
     #[serde(default = "d_ops")]
     ops: Vec<String>,
-    /// The fraction of `chat` answers that first make the hallucinated tool call (SFT data
-    /// with the flaw nano3's DPO stage removes); spread evenly, no random draws.
-    #[serde(default)]
-    tool_calls: f64,
 }
 
 impl Op for Generate {
@@ -72,7 +65,7 @@ impl Op for Generate {
     }
 
     fn version(&self) -> u32 {
-        3
+        2
     }
 
     fn summary(&self) -> &'static str {
@@ -95,15 +88,6 @@ impl Op for Generate {
             return Err(DeclError::new(
                 &["params", "ops"],
                 format!("unknown operator `{op}`: use +, - or *"),
-            ));
-        }
-        if !(0.0..=1.0).contains(&p.tool_calls) {
-            return Err(DeclError::new(
-                &["params", "tool_calls"],
-                format!(
-                    "tool_calls is a fraction of the chat answers: {} is not in [0, 1]",
-                    p.tool_calls
-                ),
             ));
         }
         if p.ops.is_empty() || p.count == 0 || p.max_operand == 0 {
@@ -156,15 +140,7 @@ impl Op for Generate {
                 "text": format!("{question} {expr} = {answer}. The answer is \\boxed{{{answer}}}.")
             })));
             let direct = format!("The answer is \\boxed{{{answer}}}.");
-            let call = format!("<tool_call>calculator({expr})</tool_call>");
-            // Row i calls the tool when ⌊(i+1)·f⌋ > ⌊i·f⌋: a fraction f of the rows, evenly.
-            let calls = ((i + 1) as f64 * p.tool_calls).floor() > (i as f64 * p.tool_calls).floor();
-            let content = if calls {
-                format!("{call}\n{direct}")
-            } else {
-                direct.clone()
-            };
-            let mut assistant = json!({"role": "assistant", "content": content});
+            let mut assistant = json!({"role": "assistant", "content": direct});
             if i % 3 == 0 {
                 assistant["reasoning_content"] = json!(format!("{expr} = {answer}."));
             }
@@ -174,6 +150,10 @@ impl Op for Generate {
             prompts.push_str(&line(
                 json!({"question": question, "expected_answer": answer.to_string()}),
             ));
+            // Written by hand so the call's keys keep their natural order (name, arguments).
+            let call = format!(
+                r#"<tool_call>{{"name": "calculator", "arguments": {{"expression": "{expr}"}}}}</tool_call>"#
+            );
             choices.push_str(&line(multiple_choice(i, &expr, answer)));
             preferences.push_str(&line(json!({
                 "context": [{"role": "user", "content": question}],
@@ -341,7 +321,9 @@ mod tests {
                 .unwrap()
                 .trim_start_matches("What is ")
                 .trim_end_matches('?');
-            let call = format!("<tool_call>calculator({expr})</tool_call>");
+            let call = format!(
+                r#"<tool_call>{{"name": "calculator", "arguments": {{"expression": "{expr}"}}}}</tool_call>"#
+            );
             assert_eq!(
                 row["completions"],
                 json!([
@@ -374,82 +356,5 @@ mod tests {
             distinct.dedup();
             assert_eq!(distinct.len(), 4, "{choices:?}");
         }
-    }
-
-    /// Runs the op with `params` into a fresh directory; returns it.
-    fn run_into(name: &str, params: &Value) -> std::path::PathBuf {
-        let dir = std::env::temp_dir().join(format!("nemo-dag-gen-{name}-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
-        let none = BTreeMap::new();
-        let decl = |outputs| StageDecl {
-            name: "g",
-            params,
-            inputs: vec![],
-            outputs,
-            cmd: None,
-        };
-        let outputs = Generate.outputs(&decl(&none));
-        let inputs = BTreeMap::new();
-        let mut log = Vec::new();
-        let mut ctx = RunContext {
-            stage: decl(&outputs),
-            inputs: &inputs,
-            out_dir: &dir,
-            log: &mut log,
-        };
-        Generate.run(&mut ctx).unwrap();
-        dir
-    }
-
-    #[test]
-    fn a_fraction_of_chat_answers_make_the_hallucinated_call_first() {
-        let plain = run_into(
-            "calls0",
-            &json!({"kind": "arithmetic", "count": 30, "seed": 3}),
-        );
-        let with = run_into(
-            "calls",
-            &json!({"kind": "arithmetic", "count": 30, "seed": 3, "tool_calls": 0.2}),
-        );
-        let read = |d: &std::path::Path, f: &str| std::fs::read_to_string(d.join(f)).unwrap();
-        for f in [
-            "pretrain.jsonl",
-            "prompts.jsonl",
-            "preferences.jsonl",
-            "choices.jsonl",
-        ] {
-            assert_eq!(read(&plain, f), read(&with, f), "{f} does not change");
-        }
-        let answers = |d: &std::path::Path| -> Vec<String> {
-            read(d, "chat.jsonl")
-                .lines()
-                .map(|l| {
-                    let v: Value = serde_json::from_str(l).unwrap();
-                    v["messages"][1]["content"].as_str().unwrap().to_string()
-                })
-                .collect()
-        };
-        let (a, b) = (answers(&plain), answers(&with));
-        assert!(a.iter().all(|x| !x.contains("<tool_call>")));
-        let called: Vec<usize> = (0..30).filter(|i| b[*i] != a[*i]).collect();
-        assert_eq!(called, vec![4, 9, 14, 19, 24, 29], "a fifth, spread evenly");
-        for i in called {
-            assert!(b[i].starts_with("<tool_call>calculator("), "{}", b[i]);
-            assert!(
-                b[i].ends_with(&format!("</tool_call>\n{}", a[i])),
-                "{}",
-                b[i]
-            );
-        }
-        let decl = StageDecl {
-            name: "g",
-            params: &json!({"kind": "arithmetic", "count": 3, "tool_calls": 1.5}),
-            inputs: vec![],
-            outputs: &BTreeMap::new(),
-            cmd: None,
-        };
-        let e = Generate.check(&decl).unwrap_err();
-        assert!(e.message.contains("not in [0, 1]"), "{}", e.message);
     }
 }
