@@ -52,6 +52,38 @@ fn for_rows(out: &mut [f32], width: usize, f: impl Fn((usize, &mut [f32])) + Sen
     }
 }
 
+/// One row of `softmax(scale·s + mask)` in place over the raw scores `row`; `mask` is the
+/// row's additive mask (`None`: every entry counts). Masked entries (−∞, half of a causal row)
+/// become exactly 0 without an `exp` call; a row with nothing left to attend to stays all 0.
+fn softmax_row(row: &mut [f32], scale: f32, mask: Option<&[f32]>) {
+    let mut max = f32::NEG_INFINITY;
+    for (c, s) in row.iter_mut().enumerate() {
+        *s = scale * *s + mask.map_or(0.0, |m| m[c]);
+        max = max.max(*s);
+    }
+    let mut sum = 0f32;
+    for s in row.iter_mut() {
+        if *s == f32::NEG_INFINITY {
+            *s = 0.0;
+        } else {
+            *s = (*s - max).exp();
+            sum += *s;
+        }
+    }
+    let inv = if sum > 0.0 { 1.0 / sum } else { 0.0 };
+    for s in row.iter_mut() {
+        *s *= inv;
+    }
+}
+
+/// [`softmax_row`]'s backward in place: `g ← scale · p ⊙ (g − Σ_j g_j p_j)`.
+fn softmax_row_grad(p: &[f32], g: &mut [f32], scale: f32) {
+    let dot: f32 = p.iter().zip(g.iter()).map(|(a, b)| a * b).sum();
+    for (g, p) in g.iter_mut().zip(p) {
+        *g = scale * p * (*g - dot);
+    }
+}
+
 struct MaskedSoftmax {
     scale: f32,
 }
@@ -80,27 +112,9 @@ impl CustomOp2 for MaskedSoftmax {
         let mut out = vec![0f32; s.len()];
         let row = |(r, y): (usize, &mut [f32])| {
             let (bi, i) = (r / (h * t), r % t);
-            let x = &s[r * t2..(r + 1) * t2];
+            y.copy_from_slice(&s[r * t2..(r + 1) * t2]);
             let mask = &m[(bi * t + i) * t2..(bi * t + i + 1) * t2];
-            let mut max = f32::NEG_INFINITY;
-            for j in 0..t2 {
-                y[j] = self.scale * x[j] + mask[j];
-                max = max.max(y[j]);
-            }
-            // Masked entries (−∞, half of a causal row) are exactly 0 after exp: skip the call.
-            let mut sum = 0f32;
-            for v in y.iter_mut() {
-                if *v == f32::NEG_INFINITY {
-                    *v = 0.0;
-                } else {
-                    *v = (*v - max).exp();
-                    sum += *v;
-                }
-            }
-            let inv = 1.0 / sum;
-            for v in y.iter_mut() {
-                *v *= inv;
-            }
+            softmax_row(y, self.scale, Some(mask));
         };
         for_rows(&mut out, t2, row);
         Ok((CpuStorage::F32(out), l1.shape().clone()))
@@ -119,11 +133,8 @@ impl CustomOp2 for MaskedSoftmax {
         let mut out = vec![0f32; pv.len()];
         let scale = self.scale;
         let row = |(r, d): (usize, &mut [f32])| {
-            let (p, g) = (&pv[r * t2..(r + 1) * t2], &gv[r * t2..(r + 1) * t2]);
-            let dot: f32 = p.iter().zip(g).map(|(a, b)| a * b).sum();
-            for j in 0..t2 {
-                d[j] = scale * p[j] * (g[j] - dot);
-            }
+            d.copy_from_slice(&gv[r * t2..(r + 1) * t2]);
+            softmax_row_grad(&pv[r * t2..(r + 1) * t2], d, scale);
         };
         for_rows(&mut out, t2, row);
         Ok((Some(Tensor::from_vec(out, p.shape(), p.device())?), None))
@@ -718,27 +729,9 @@ impl FusedAttention {
                     false,
                 );
                 for r in r0..r1 {
-                    let row = &mut pi[r * t + c0..r * t + c1];
-                    let mut max = f32::NEG_INFINITY;
-                    for (c, s) in row.iter_mut().enumerate() {
-                        *s = self.scale * *s + mask.map_or(0.0, |m| m[r * t + c0 + c]);
-                        max = max.max(*s);
-                    }
-                    // Masked entries (−∞) are exactly 0 after exp: skip the call.
-                    let mut sum = 0f32;
-                    for s in row.iter_mut() {
-                        if *s == f32::NEG_INFINITY {
-                            *s = 0.0;
-                        } else {
-                            *s = (*s - max).exp();
-                            sum += *s;
-                        }
-                    }
-                    // A row with no key to attend to stays 0 (the composition gives NaN).
-                    let inv = if sum > 0.0 { 1.0 / sum } else { 0.0 };
-                    for s in row.iter_mut() {
-                        *s *= inv;
-                    }
+                    let cols = r * t + c0..r * t + c1;
+                    // (A row with no key to attend to stays 0; the composition gives NaN.)
+                    softmax_row(&mut pi[cols.clone()], self.scale, mask.map(|m| &m[cols]));
                 }
                 // y = p · v
                 gemm_into(
@@ -854,11 +847,8 @@ impl FusedAttention {
                 );
                 // ds = scale · p ⊙ (dp − Σ_j dp_j p_j)
                 for r in r0..r1 {
-                    let (p, s) = (&pi[r * t + c0..r * t + c1], &mut ds[r * t + c0..r * t + c1]);
-                    let dot: f32 = p.iter().zip(s.iter()).map(|(a, b)| a * b).sum();
-                    for (s, p) in s.iter_mut().zip(p) {
-                        *s = self.scale * p * (*s - dot);
-                    }
+                    let cols = r * t + c0..r * t + c1;
+                    softmax_row_grad(&pi[cols.clone()], &mut ds[cols], self.scale);
                 }
                 // dq = ds · k; dk += dsᵀ · q
                 gemm_into(
@@ -1039,6 +1029,19 @@ mod tests {
             .unwrap()
     }
 
+    /// For each of `vars`, the largest difference between its gradients of `Σ w ⊙ fused` and
+    /// of `Σ w ⊙ plain`.
+    fn grad_diffs(fused: &Tensor, plain: &Tensor, w: &Tensor, vars: &[&Var]) -> Vec<f32> {
+        let grads = |y: &Tensor| (y * w).unwrap().sum_all().unwrap().backward().unwrap();
+        let (gf, gp) = (grads(fused), grads(plain));
+        vars.iter()
+            .map(|v| {
+                let t = v.as_tensor();
+                max_diff(gf.get(t).unwrap(), gp.get(t).unwrap())
+            })
+            .collect()
+    }
+
     /// A causal mask with a packed boundary, (b, 1, t, t).
     fn mask(b: usize, t: usize) -> Tensor {
         let mut m = vec![f32::NEG_INFINITY; b * t * t];
@@ -1067,13 +1070,9 @@ mod tests {
             let plain =
                 softmax(&(s.as_tensor() * scale).unwrap().broadcast_add(&m).unwrap()).unwrap();
             assert!(max_diff(&fused, &plain) < 1e-6);
-            let gf = (fused * &w).unwrap().sum_all().unwrap().backward().unwrap();
-            let gp = (plain * &w).unwrap().sum_all().unwrap().backward().unwrap();
-            let (gf, gp) = (
-                gf.get(s.as_tensor()).unwrap(),
-                gp.get(s.as_tensor()).unwrap(),
-            );
-            assert!(max_diff(gf, gp) < 1e-5, "{}", max_diff(gf, gp));
+            for diff in grad_diffs(&fused, &plain, &w, &[&s]) {
+                assert!(diff < 1e-5, "{diff}");
+            }
         }
     }
 
@@ -1088,13 +1087,9 @@ mod tests {
             let fused = cross_entropy(x.as_tensor(), &labels).unwrap();
             let plain = token_losses(x.as_tensor(), &labels).unwrap();
             assert!(max_diff(&fused, &plain) < 1e-5);
-            let gf = (fused * &w).unwrap().sum_all().unwrap().backward().unwrap();
-            let gp = (plain * &w).unwrap().sum_all().unwrap().backward().unwrap();
-            let (gf, gp) = (
-                gf.get(x.as_tensor()).unwrap(),
-                gp.get(x.as_tensor()).unwrap(),
-            );
-            assert!(max_diff(gf, gp) < 1e-5, "{}", max_diff(gf, gp));
+            for diff in grad_diffs(&fused, &plain, &w, &[&x]) {
+                assert!(diff < 1e-5, "{diff}");
+            }
         }
         let x = Tensor::zeros((1, 3), candle_core::DType::F32, &Device::Cpu).unwrap();
         let bad = Tensor::new(&[3u32], &Device::Cpu).unwrap();
@@ -1115,14 +1110,8 @@ mod tests {
             let plain =
                 super::super::layers::rms_norm_plain(x.as_tensor(), w.as_tensor(), 1e-5).unwrap();
             assert!(max_diff(&fused, &plain) < 1e-5);
-            let gf = (fused * &g).unwrap().sum_all().unwrap().backward().unwrap();
-            let gp = (plain * &g).unwrap().sum_all().unwrap().backward().unwrap();
-            for v in [&x, &w] {
-                let (a, b) = (
-                    gf.get(v.as_tensor()).unwrap(),
-                    gp.get(v.as_tensor()).unwrap(),
-                );
-                assert!(max_diff(a, b) < 1e-4, "{}", max_diff(a, b));
+            for diff in grad_diffs(&fused, &plain, &g, &[&x, &w]) {
+                assert!(diff < 1e-4, "{diff}");
             }
         }
     }
@@ -1145,13 +1134,9 @@ mod tests {
         let fused = super::rope(x.as_tensor(), &tables).unwrap();
         let plain = super::super::layers::apply_rope(x.as_tensor(), &cos, &sin).unwrap();
         assert!(max_diff(&fused, &plain) < 1e-6);
-        let gf = (fused * &g).unwrap().sum_all().unwrap().backward().unwrap();
-        let gp = (plain * &g).unwrap().sum_all().unwrap().backward().unwrap();
-        let (a, c) = (
-            gf.get(x.as_tensor()).unwrap(),
-            gp.get(x.as_tensor()).unwrap(),
-        );
-        assert!(max_diff(a, c) < 1e-6, "{}", max_diff(a, c));
+        for diff in grad_diffs(&fused, &plain, &g, &[&x]) {
+            assert!(diff < 1e-6, "{diff}");
+        }
     }
 
     #[test]
@@ -1170,13 +1155,9 @@ mod tests {
                 "{}",
                 max_diff(&fused, &plain)
             );
-            let gf = (fused * &g).unwrap().sum_all().unwrap().backward().unwrap();
-            let gp = (plain * &g).unwrap().sum_all().unwrap().backward().unwrap();
-            let (a, b) = (
-                gf.get(h.as_tensor()).unwrap(),
-                gp.get(h.as_tensor()).unwrap(),
-            );
-            assert!(max_diff(a, b) < 1e-5, "{}", max_diff(a, b));
+            for diff in grad_diffs(&fused, &plain, &g, &[&h]) {
+                assert!(diff < 1e-5, "{diff}");
+            }
         }
         let odd = Tensor::zeros((2, 3), candle_core::DType::F32, &Device::Cpu).unwrap();
         assert!(swiglu(&odd).is_err(), "an odd width has no halves");
@@ -1198,14 +1179,8 @@ mod tests {
                 max_diff(&fused, &plain)
             );
             let g = randn(&mut rng, plain.dims(), 1.0);
-            let gf = (fused * &g).unwrap().sum_all().unwrap().backward().unwrap();
-            let gp = (plain * &g).unwrap().sum_all().unwrap().backward().unwrap();
-            for v in [&x, &w] {
-                let (a, b) = (
-                    gf.get(v.as_tensor()).unwrap(),
-                    gp.get(v.as_tensor()).unwrap(),
-                );
-                assert!(max_diff(a, b) < 1e-5, "{}", max_diff(a, b));
+            for diff in grad_diffs(&fused, &plain, &g, &[&x, &w]) {
+                assert!(diff < 1e-5, "{diff}");
             }
         }
         // A view with an offset (a narrowed input) goes through `contiguous` first.

@@ -196,29 +196,17 @@ impl Attention {
     }
 
     /// `x (B, T, hidden) → (B, T, hidden)`: the `qkv` projection, the fused
-    /// [`super::fused::attention`] (one graph node from `qkv` to the heads' outputs) and the
-    /// output projection; [`Attention::forward_plain`] off the CPU or in another dtype.
+    /// [`super::fused::attention`] (one graph node from `qkv` to the heads' outputs; the
+    /// composition [`attention_plain`] off the CPU or in another dtype) and the output
+    /// projection.
     pub fn forward(&self, x: &Tensor, ctx: &Context) -> Result<Tensor> {
-        if !x.device().is_cpu() || x.dtype() != DType::F32 {
-            return self.forward_plain(x, ctx);
-        }
+        let attend = if x.device().is_cpu() && x.dtype() == DType::F32 {
+            super::fused::attention
+        } else {
+            attention_plain
+        };
         let qkv = linear(x, &self.qkv)?;
-        let y = super::fused::attention(
-            &qkv,
-            ctx.mask.as_ref(),
-            ctx.rope.as_ref(),
-            self.heads,
-            self.kv_heads,
-            self.head_dim,
-        )?;
-        linear(&y, &self.proj)
-    }
-
-    /// [`Attention::forward`] with the attention written out of candle ops
-    /// ([`attention_plain`]).
-    pub fn forward_plain(&self, x: &Tensor, ctx: &Context) -> Result<Tensor> {
-        let qkv = linear(x, &self.qkv)?;
-        let y = attention_plain(
+        let y = attend(
             &qkv,
             ctx.mask.as_ref(),
             ctx.rope.as_ref(),
