@@ -35,7 +35,8 @@ fn pools(n: usize) -> std::io::Result<Vec<Arc<rayon::ThreadPool>>> {
 
 /// `[f(0), f(1), …, f(n − 1)]` with up to `threads` tasks running at once: task `i` runs on
 /// worker `i mod threads`. With one thread (or one task) everything runs on the calling
-/// thread, where candle's ops keep their own threads.
+/// thread, where candle's ops keep their own threads; when the process has only one thread
+/// anyway, on a single-threaded pool of the caller's own (see [`on_own_worker`]).
 pub fn map<T: Send>(
     n: usize,
     threads: usize,
@@ -43,7 +44,12 @@ pub fn map<T: Send>(
 ) -> std::io::Result<Vec<T>> {
     let threads = threads.min(n);
     if threads <= 1 {
-        return Ok((0..n).map(f).collect());
+        let all = || (0..n).map(&f).collect();
+        return if self::threads() == 1 {
+            on_own_worker(all)
+        } else {
+            Ok(all())
+        };
     }
     let pools = pools(threads)?;
     let f = &f;
@@ -69,6 +75,34 @@ pub fn map<T: Send>(
     });
     done.sort_by_key(|(i, _)| *i);
     Ok(done.into_iter().map(|(_, t)| t).collect())
+}
+
+/// Run `f` on a one-thread rayon pool kept for the calling thread. candle's element-wise ops
+/// and our fused ops hand their work to rayon; called from outside a pool, each hand-over
+/// parks the caller and wakes a pool thread (futex calls, context switches: ~3 % of a
+/// one-thread training step in perf). From inside a one-thread pool they run inline. Each
+/// calling thread gets its own pool, so callers on different threads (tests) never queue
+/// behind each other.
+fn on_own_worker<T: Send>(f: impl FnOnce() -> T + Send) -> std::io::Result<T> {
+    if rayon::current_thread_index().is_some() && rayon::current_num_threads() == 1 {
+        return Ok(f()); // already on a one-thread worker
+    }
+    thread_local! {
+        static OWN: std::cell::OnceCell<Option<rayon::ThreadPool>> = const { std::cell::OnceCell::new() };
+    }
+    OWN.with(|own| {
+        let pool = own.get_or_init(|| {
+            rayon::ThreadPoolBuilder::new()
+                .num_threads(1)
+                .thread_name(|_| "nemo-dag-worker".into())
+                .build()
+                .ok()
+        });
+        match pool {
+            Some(pool) => Ok(pool.install(f)),
+            None => Err(std::io::Error::other("cannot start a worker thread")),
+        }
+    })
 }
 
 #[cfg(test)]
