@@ -25,7 +25,8 @@
 //! Shared pieces: [`text`] reads documents from dataset files; [`megatron`] writes and reads
 //! Megatron's `.bin`/`.idx` token datasets; [`packing`] and [`pyrandom`] are SFT packing and
 //! the CPython-compatible shuffles Nemotron's splits use; [`workers`] runs independent pieces
-//! of training and generation side by side, one thread each.
+//! of training and generation side by side, one thread each; [`simd`] is the element-wise
+//! math of the fused ops and the optimizer, vectorised for the CPU at hand.
 
 pub mod bpe;
 pub mod chat;
@@ -47,6 +48,7 @@ pub mod pyrandom;
 pub mod reward;
 pub mod rl_data;
 pub mod sft;
+pub mod simd;
 pub mod text;
 pub mod tokenize;
 pub mod train;

@@ -28,6 +28,7 @@
 //!   are kept for the backward `dv = Σ pᵀ·dy`, `ds = p ⊙ (dy·vᵀ − rowsum)/sqrt(d)`,
 //!   `dq = Rᵀ(ds·k)`, `dk = Rᵀ(Σ dsᵀ·q)`.
 
+use crate::simd;
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, D, Layout, Result, Shape, Tensor, bail};
 use rayon::prelude::*;
@@ -54,34 +55,40 @@ fn for_rows(out: &mut [f32], width: usize, f: impl Fn((usize, &mut [f32])) + Sen
 
 /// One row of `softmax(scale·s + mask)` in place over the raw scores `row`; `mask` is the
 /// row's additive mask (`None`: every entry counts). Masked entries (−∞, half of a causal row)
-/// become exactly 0 without an `exp` call; a row with nothing left to attend to stays all 0.
+/// become exactly 0 (`e^−∞` = 0); a row with nothing left to attend to stays all 0.
 fn softmax_row(row: &mut [f32], scale: f32, mask: Option<&[f32]>) {
-    let mut max = f32::NEG_INFINITY;
-    for (c, s) in row.iter_mut().enumerate() {
-        *s = scale * *s + mask.map_or(0.0, |m| m[c]);
-        max = max.max(*s);
+    match mask {
+        Some(m) => simd::scale_add(row, scale, m),
+        None => simd::scale(row, scale),
     }
-    let mut sum = 0f32;
-    for s in row.iter_mut() {
-        if *s == f32::NEG_INFINITY {
-            *s = 0.0;
-        } else {
-            *s = (*s - max).exp();
-            sum += *s;
-        }
+    let max = simd::max(row);
+    if max == f32::NEG_INFINITY {
+        row.fill(0.0);
+        return;
     }
-    let inv = if sum > 0.0 { 1.0 / sum } else { 0.0 };
-    for s in row.iter_mut() {
-        *s *= inv;
-    }
+    let sum = simd::exp_shifted(row, max);
+    simd::scale(row, 1.0 / sum);
 }
 
 /// [`softmax_row`]'s backward in place: `g ← scale · p ⊙ (g − Σ_j g_j p_j)`.
 fn softmax_row_grad(p: &[f32], g: &mut [f32], scale: f32) {
-    let dot: f32 = p.iter().zip(g.iter()).map(|(a, b)| a * b).sum();
-    for (g, p) in g.iter_mut().zip(p) {
-        *g = scale * p * (*g - dot);
+    simd::softmax_grad(p, g, scale);
+}
+
+/// `f` over a tensor's values, read in place when it is a contiguous f32 CPU tensor (what a
+/// forward or backward pass hands a fused op), else from a copy. The backward passes read their
+/// saved inputs and incoming gradients this way instead of copying megabytes out with `to_vec1`.
+pub(crate) fn with_values<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Result<R> {
+    {
+        let (storage, layout) = t.storage_and_layout();
+        if let (candle_core::Storage::Cpu(cpu), Some((start, end))) =
+            (&*storage, layout.contiguous_offsets())
+            && let Ok(values) = cpu.as_slice::<f32>()
+        {
+            return Ok(f(&values[start..end]));
+        }
     }
+    Ok(f(&t.flatten_all()?.to_vec1::<f32>()?))
 }
 
 struct MaskedSoftmax {
@@ -154,12 +161,6 @@ pub fn masked_softmax(scores: &Tensor, mask: &Tensor, scale: f64) -> Result<Tens
 
 struct CrossEntropy;
 
-/// Log-sum-exp of a row, max-shifted.
-fn lse(x: &[f32]) -> f32 {
-    let max = x.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    max + x.iter().map(|v| (v - max).exp()).sum::<f32>().ln()
-}
-
 impl CustomOp2 for CrossEntropy {
     fn name(&self) -> &'static str {
         "cross-entropy"
@@ -186,7 +187,7 @@ impl CustomOp2 for CrossEntropy {
         }
         let loss = |r: usize| {
             let row = &x[r * v..(r + 1) * v];
-            lse(row) - row[labels[r] as usize]
+            simd::log_sum_exp(row) - row[labels[r] as usize]
         };
         let out: Vec<f32> = if x.len() >= PAR_MIN {
             (0..n).into_par_iter().map(loss).collect()
@@ -204,19 +205,17 @@ impl CustomOp2 for CrossEntropy {
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
         let (n, v) = logits.dims2()?;
-        let x = logits.contiguous()?.flatten_all()?.to_vec1::<f32>()?;
         let labels = labels.to_vec1::<u32>()?;
         let g = grad.to_vec1::<f32>()?;
         let mut out = vec![0f32; n * v];
-        let row = |(r, d): (usize, &mut [f32])| {
-            let xs = &x[r * v..(r + 1) * v];
-            let l = lse(xs);
-            for j in 0..v {
-                d[j] = g[r] * (xs[j] - l).exp();
-            }
-            d[labels[r] as usize] -= g[r];
-        };
-        for_rows(&mut out, v, row);
+        with_values(logits, |x| {
+            let row = |(r, d): (usize, &mut [f32])| {
+                let xs = &x[r * v..(r + 1) * v];
+                simd::scaled_exp_shifted(xs, simd::log_sum_exp(xs), g[r], d);
+                d[labels[r] as usize] -= g[r];
+            };
+            for_rows(&mut out, v, row);
+        })?;
         Ok((Some(Tensor::from_vec(out, (n, v), logits.device())?), None))
     }
 }
@@ -367,11 +366,6 @@ pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
 
 struct Swiglu;
 
-/// `σ(g) = 1 / (1 + e^−g)`.
-fn sigmoid(g: f32) -> f32 {
-    1.0 / (1.0 + (-g).exp())
-}
-
 impl CustomOp1 for Swiglu {
     fn name(&self) -> &'static str {
         "swiglu"
@@ -392,9 +386,7 @@ impl CustomOp1 for Swiglu {
         if f > 0 {
             let row = |(r, y): (usize, &mut [f32])| {
                 let (g, u) = h[r * 2 * f..(r + 1) * 2 * f].split_at(f);
-                for j in 0..f {
-                    y[j] = g[j] * sigmoid(g[j]) * u[j];
-                }
+                simd::swiglu(g, u, y);
             };
             for_rows(&mut out, f, row);
         }
@@ -404,21 +396,18 @@ impl CustomOp1 for Swiglu {
     fn bwd(&self, h: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
         let w = h.dim(D::Minus1)?;
         let f = w / 2;
-        let hv = h.contiguous()?.flatten_all()?.to_vec1::<f32>()?;
-        let gv = grad.contiguous()?.flatten_all()?.to_vec1::<f32>()?;
-        let mut out = vec![0f32; hv.len()];
+        let mut out = vec![0f32; h.elem_count()];
         if f > 0 {
-            let row = |(r, d): (usize, &mut [f32])| {
-                let (g, u) = hv[r * w..(r + 1) * w].split_at(f);
-                let dy = &gv[r * f..(r + 1) * f];
-                let (dg, du) = d.split_at_mut(f);
-                for j in 0..f {
-                    let s = sigmoid(g[j]);
-                    du[j] = dy[j] * g[j] * s;
-                    dg[j] = dy[j] * u[j] * s * (1.0 + g[j] * (1.0 - s));
-                }
-            };
-            for_rows(&mut out, w, row);
+            with_values(h, |hv| {
+                with_values(grad, |gv| {
+                    let row = |(r, d): (usize, &mut [f32])| {
+                        let (g, u) = hv[r * w..(r + 1) * w].split_at(f);
+                        let (dg, du) = d.split_at_mut(f);
+                        simd::swiglu_grad(g, u, &gv[r * f..(r + 1) * f], dg, du);
+                    };
+                    for_rows(&mut out, w, row);
+                })
+            })??;
         }
         Ok(Some(Tensor::from_vec(out, h.shape(), h.device())?))
     }

@@ -452,23 +452,7 @@ fn add_into(acc: &mut [f32], g: &Tensor) -> candle_core::Result<()> {
     if g.elem_count() != acc.len() {
         candle_core::bail!("gradient of {} values for {}", g.elem_count(), acc.len())
     }
-    let add = |acc: &mut [f32], g: &[f32]| {
-        for (a, b) in acc.iter_mut().zip(g) {
-            *a += *b;
-        }
-    };
-    {
-        let (storage, layout) = g.storage_and_layout();
-        if let (candle_core::Storage::Cpu(cpu), Some((start, end))) =
-            (&*storage, layout.contiguous_offsets())
-            && let Ok(values) = cpu.as_slice::<f32>()
-        {
-            add(acc, &values[start..end]);
-            return Ok(());
-        }
-    }
-    add(acc, &to_f32_vec(g)?);
-    Ok(())
+    crate::model::fused::with_values(g, |values| crate::simd::add_assign(acc, values))
 }
 
 /// `NEMO_DAG_STOP_AFTER_STEP=N`: end a training stage after step N's checkpoint, as a

@@ -81,13 +81,8 @@ impl AdamW {
             let wd = if decay[i] { c.weight_decay as f32 } else { 0.0 };
             let (w, g, m, v) = (&mut weights[i], &grads[i], &mut self.m[i], &mut self.v[i]);
             let (lr, eps) = (lr as f32, c.eps as f32);
-            let (bc1, bc2) = (bc1 as f32, bc2 as f32);
-            for j in 0..w.len() {
-                m[j] = b1 * m[j] + (1.0 - b1) * g[j];
-                v[j] = b2 * v[j] + (1.0 - b2) * g[j] * g[j];
-                let update = (m[j] / bc1) / ((v[j] / bc2).sqrt() + eps);
-                w[j] -= lr * (update + wd * w[j]);
-            }
+            let bc = (bc1 as f32, bc2 as f32);
+            crate::simd::adamw(w, g, m, v, (b1, b2), bc, lr, eps, wd);
         }
     }
 }
