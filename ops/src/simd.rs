@@ -34,7 +34,11 @@ pub fn exp(x: f32) -> f32 {
     // 1.5·2^23: adding and subtracting it rounds to the nearest integer (ties to even).
     const ROUND: f32 = 12_582_912.0;
     let xc = x.clamp(LO, HI);
-    let n = (xc * std::f32::consts::LOG2_E + ROUND) - ROUND;
+    let shifted = xc * std::f32::consts::LOG2_E + ROUND;
+    let n = shifted - ROUND;
+    // n as an integer, read from the low mantissa bits of `shifted` (`n as i32` would be a
+    // saturating conversion, which the compiler does lane by lane).
+    let n_int = (shifted.to_bits() as i32).wrapping_sub(ROUND.to_bits() as i32);
     // ln 2 split in two so that n·C1 is exact.
     let r = (xc - n * 0.693_359_375) - n * -2.121_944_4e-4;
     let p = 1.987_569_15e-4;
@@ -44,7 +48,7 @@ pub fn exp(x: f32) -> f32 {
     let p = p * r + 1.666_666_545_9e-1;
     let p = p * r + 5.000_000_120_1e-1;
     let e_r = p * r * r + r + 1.0;
-    let two_n_1 = f32::from_bits(((n as i32 + 126) as u32) << 23);
+    let two_n_1 = f32::from_bits(((n_int + 126) as u32) << 23);
     let y = e_r * two_n_1 * 2.0;
     if x.is_nan() {
         x
