@@ -323,6 +323,41 @@ mod tests {
         assert_eq!(dot(&x, &ones), 0.0);
     }
 
+    /// The dispatched kernels (AVX-512 or AVX2 where the CPU has them) against the same
+    /// formulas in plain loops, which the test binary compiles for baseline x86-64: the bytes
+    /// must not depend on the instruction set.
+    #[test]
+    fn the_vectorised_versions_give_the_baseline_bytes() {
+        let (g, u, dy) = (data(1000, 11), data(1000, 12), data(1000, 13));
+        let mut y = vec![0f32; 1000];
+        swiglu(&g, &u, &mut y);
+        let plain: Vec<f32> = (0..1000).map(|j| g[j] * sigmoid(g[j]) * u[j]).collect();
+        assert_eq!(y, plain);
+        let (mut dg, mut du) = (vec![0f32; 1000], vec![0f32; 1000]);
+        swiglu_grad(&g, &u, &dy, &mut dg, &mut du);
+        for j in 0..1000 {
+            let s = sigmoid(g[j]);
+            assert_eq!(du[j], dy[j] * g[j] * s);
+            assert_eq!(dg[j], dy[j] * u[j] * s * (1.0 + g[j] * (1.0 - s)));
+        }
+        let mut e = g.clone();
+        let sum = exp_shifted(&mut e, 0.5);
+        let plain: Vec<f32> = g.iter().map(|x| exp(x - 0.5)).collect();
+        assert_eq!(e, plain);
+        let mut lanes = [0f32; LANES];
+        for (i, v) in plain.iter().enumerate() {
+            lanes[i % LANES] += v;
+        }
+        assert_eq!(sum, fold(lanes));
+        assert_eq!(dot(&g, &u), {
+            let mut lanes = [0f32; LANES];
+            for i in 0..1000 {
+                lanes[i % LANES] += g[i] * u[i];
+            }
+            fold(lanes)
+        });
+    }
+
     #[test]
     fn swiglu_and_adamw_match_their_formulas() {
         let (g, u, dy) = (data(37, 3), data(37, 4), data(37, 5));

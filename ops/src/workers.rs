@@ -110,6 +110,27 @@ mod tests {
     use super::*;
 
     #[test]
+    fn own_worker_is_a_one_thread_pool_per_calling_thread() {
+        let here = || {
+            on_own_worker(|| {
+                (
+                    rayon::current_thread_index().is_some(),
+                    rayon::current_num_threads(),
+                    std::thread::current().id(),
+                )
+            })
+            .unwrap()
+        };
+        let (a, b) = (here(), here());
+        assert_eq!((a.0, a.1), (true, 1), "inside a pool of one thread");
+        assert_eq!(a.2, b.2, "the same worker for the same caller");
+        let other = std::thread::spawn(here).join().unwrap();
+        assert_ne!(other.2, a.2, "another caller has a worker of its own");
+        let nested = on_own_worker(|| here().2).unwrap();
+        assert_eq!(nested, a.2, "called on a worker, it runs right there");
+    }
+
+    #[test]
     fn results_come_back_in_task_order_from_every_worker() {
         for threads in [1, 2, 3, 8] {
             let out = map(10, threads, |i| {
