@@ -18,8 +18,18 @@ gradient clipping at 1.0: every step processes 2,048 tokens.
   graph candle runs; `--sdpa` uses F.scaled_dot_product_attention instead), random token ids,
   torch.set_num_threads(N); tokens/s over the timed steps after 2 warm-up steps.
 
-A hybrid `ME*-/*E` model (Mamba-2, MoE, attention, MLP, one MTP depth) is also timed in
-nemo-dag alone: PyTorch has no Mamba-2 reference to compare with on CPU.
+The hybrid `ME*-/*E` model (Mamba-2, MoE, attention, squared-ReLU MLP, one MTP depth; no
+positional encoding; Mamba 4 heads of 32, state 32, chunk 64; MoE 8 experts of 192, top-2,
+shared expert 192, scaling 2.5) is timed the same way against its PyTorch twin,
+bench/torch_models.py: nemo-dag's parameters under the same names and shapes and the same
+forward ops — Mamba-2 as the chunked SSD scan in plain PyTorch with the config's chunk length,
+the MoE router's top-k dispatch (each expert runs only on the tokens routed to it) plus the
+shared expert, the MTP depth with its own norms and `eh_proj`, the loss main + 0.3·MTP per
+token — with AdamW decaying matrices only and the expert biases moved after each step, as
+nemo-dag does. bench/check_torch_twin.py loads nemo-dag's own weights into the twin and checks
+the eval loss, the first step's loss and gradient norm, and the expert-bias updates against
+nemo-dag's. The hybrid's `torch sdpa` column uses F.scaled_dot_product_attention in its two
+attention blocks (main stack and MTP depth); everything else is the same as the `torch` column.
 Printed: tokens/s for each and the ratio nemo-dag / PyTorch; then tokens per CPU-second (user +
 system time: for nemo-dag the whole `nemo-dag run` process, for PyTorch the timed steps), which
 holds up better than wall-clock when other work shares the machine.
@@ -175,7 +185,13 @@ def torch_tokens_per_s(vocab, steps, threads, sdpa):
             return self.out(x)
 
     net = Net()
-    opt = torch.optim.AdamW(net.parameters(), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.1)
+    # AdamW as nemo-dag's trainer runs it: matrices decay, norm weights do not.
+    params = list(net.parameters())
+    groups = [
+        dict(params=[p for p in params if p.dim() >= 2], weight_decay=0.1),
+        dict(params=[p for p in params if p.dim() < 2], weight_decay=0.0),
+    ]
+    opt = torch.optim.AdamW(groups, lr=1e-3, betas=(0.9, 0.95), eps=1e-8)
     inv = 1.0 / 10000 ** (torch.arange(0, d, 2) / d)
     ang = torch.outer(torch.arange(SEQ).float(), inv)
     cos, sin = torch.cat([ang, ang], -1).cos(), torch.cat([ang, ang], -1).sin()
@@ -191,6 +207,37 @@ def torch_tokens_per_s(vocab, steps, threads, sdpa):
             (loss / (GLOBAL * SEQ)).backward()
         torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
         opt.step()
+
+    for _ in range(2):
+        step()
+    start, cpu = time.perf_counter(), time.process_time()
+    for _ in range(steps):
+        step()
+    tokens = steps * GLOBAL * SEQ
+    return tokens / (time.perf_counter() - start), tokens / (time.process_time() - cpu)
+
+
+def torch_hybrid_tokens_per_s(vocab, steps, threads, sdpa):
+    """The HYBRID model's PyTorch twin (bench/torch_models.py), timed like the dense one."""
+    import torch
+    from torch_models import Net
+
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+    net = Net(dict(HYBRID, vocab=vocab)).train()
+    net.sdpa = sdpa
+    opt = torch.optim.AdamW(net.param_groups(0.1), lr=1e-3, betas=(0.9, 0.95), eps=1e-8)
+    gen = torch.Generator().manual_seed(0)
+
+    def step():
+        opt.zero_grad()
+        for _ in range(GLOBAL // MICRO):
+            ids = torch.randint(0, vocab, (MICRO, SEQ + 1), generator=gen)
+            total, _, _ = net.loss(ids[:, :-1], ids[:, 1:], normaliser=GLOBAL * SEQ)
+            total.backward()
+        torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+        opt.step()
+        net.update_moe_biases()
 
     for _ in range(2):
         step()
@@ -224,8 +271,14 @@ def main():
                 flush=True,
             )
         for n in threads:
-            ours, ours_cpu, _ = nemo_dag(HYBRID, args.steps, n, work)
-            print(f"{'hybrid':<8} {n:>7} {ours:>15.0f} {'—':>12} {'':>6} {'':>11} {'':>6} | {'':>16}{ours_cpu:>9.0f}", flush=True)
+            ours, ours_cpu, vocab = nemo_dag(HYBRID, args.steps, n, work)
+            same, same_cpu = torch_hybrid_tokens_per_s(vocab, args.steps, n, sdpa=False)
+            sdpa, _ = torch_hybrid_tokens_per_s(vocab, args.steps, n, sdpa=True)
+            print(
+                f"{'hybrid':<8} {n:>7} {ours:>15.0f} {same:>12.0f} {ours / same:>6.2f} {sdpa:>11.0f} {ours / sdpa:>6.2f}"
+                f" | {'':>16}{ours_cpu:>9.0f} {same_cpu:>7.0f} {ours_cpu / same_cpu:>6.2f}",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":
