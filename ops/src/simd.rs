@@ -210,6 +210,122 @@ pub fn swiglu_grad(g: &[f32], u: &[f32], dy: &[f32], dg: &mut [f32], du: &mut [f
     }
 }
 
+/// Squared ReLU: `y_j = max(h_j, 0)²`.
+#[multiversion(targets("x86_64+avx512f+avx512vl", "x86_64+avx2"))]
+pub fn relu2(h: &[f32], y: &mut [f32]) {
+    for (y, h) in y.iter_mut().zip(h) {
+        let r = h.max(0.0);
+        *y = r * r;
+    }
+}
+
+/// Squared ReLU backward: `dh_j = dy_j · 2·max(h_j, 0)`.
+#[multiversion(targets("x86_64+avx512f+avx512vl", "x86_64+avx2"))]
+pub fn relu2_grad(h: &[f32], dy: &[f32], dh: &mut [f32]) {
+    for ((dh, h), dy) in dh.iter_mut().zip(h).zip(dy) {
+        *dh = *dy * (2.0 * h.max(0.0));
+    }
+}
+
+/// `acc_j ← acc_j + a_j · b_j` (a product, then a sum: rounded twice, never fused).
+#[multiversion(targets("x86_64+avx512f+avx512vl", "x86_64+avx2"))]
+pub fn mul_add_assign(acc: &mut [f32], a: &[f32], b: &[f32]) {
+    for ((acc, a), b) in acc.iter_mut().zip(a).zip(b) {
+        *acc += *a * *b;
+    }
+}
+
+/// SiLU in place: `x_j ← x_j · σ(x_j)`.
+#[multiversion(targets("x86_64+avx512f+avx512vl", "x86_64+avx2"))]
+pub fn silu_in_place(x: &mut [f32]) {
+    for v in x.iter_mut() {
+        *v *= sigmoid(*v);
+    }
+}
+
+/// SiLU backward: `dx_j = dy_j · σ(x_j)·(1 + x_j·(1 − σ(x_j)))`.
+#[multiversion(targets("x86_64+avx512f+avx512vl", "x86_64+avx2"))]
+pub fn silu_grad(x: &[f32], dy: &[f32], dx: &mut [f32]) {
+    for ((dx, x), dy) in dx.iter_mut().zip(x).zip(dy) {
+        let s = sigmoid(*x);
+        *dx = *dy * (s * (1.0 + *x * (1.0 - s)));
+    }
+}
+
+/// Gated RMSNorm on one row of `D` channels in `groups` contiguous groups (Mamba-2's step 5):
+/// `v = y ⊙ silu(z)`, per group `r = 1/sqrt(mean(v²) + eps)`, `out = v · r ⊙ w`.
+/// `v` is written too (scratch of `D`).
+#[multiversion(targets("x86_64+avx512f+avx512vl", "x86_64+avx2"))]
+pub fn gated_norm(
+    y: &[f32],
+    z: &[f32],
+    w: &[f32],
+    (groups, eps): (usize, f32),
+    v: &mut [f32],
+    out: &mut [f32],
+) {
+    let d = y
+        .len()
+        .min(z.len())
+        .min(w.len())
+        .min(v.len())
+        .min(out.len());
+    for j in 0..d {
+        v[j] = y[j] * (z[j] * sigmoid(z[j]));
+    }
+    let gs = d / groups.max(1);
+    for g in 0..groups {
+        let at = g * gs..(g + 1) * gs;
+        let vg = &v[at.clone()];
+        let r = 1.0 / (lane_sum(vg, vg, |a, b| a * b) / gs as f32 + eps).sqrt();
+        for j in at {
+            out[j] = v[j] * r * w[j];
+        }
+    }
+}
+
+/// [`gated_norm`]'s backward on one row, from its inputs and the incoming gradient `g`:
+/// with `s = silu(z)`, `v = y ⊙ s` and per group `r`, `dv = r·(g ⊙ w) − v · r³/gs · Σ(g ⊙ w ⊙ v)`;
+/// then `dy = dv ⊙ s`, `dz = dv ⊙ y ⊙ σ(z)·(1 + z·(1 − σ(z)))`, and `dw += g ⊙ v · r` (added
+/// into the caller's running sum over rows).
+#[allow(clippy::too_many_arguments)]
+#[multiversion(targets("x86_64+avx512f+avx512vl", "x86_64+avx2"))]
+pub fn gated_norm_grad(
+    (y, z, w, g): (&[f32], &[f32], &[f32], &[f32]),
+    (groups, eps): (usize, f32),
+    v: &mut [f32],
+    gw: &mut [f32],
+    dy: &mut [f32],
+    dz: &mut [f32],
+    dw: &mut [f32],
+) {
+    let d = y.len().min(z.len()).min(w.len()).min(g.len());
+    let d = d
+        .min(v.len())
+        .min(gw.len())
+        .min(dy.len())
+        .min(dz.len())
+        .min(dw.len());
+    for j in 0..d {
+        v[j] = y[j] * (z[j] * sigmoid(z[j]));
+        gw[j] = g[j] * w[j];
+    }
+    let gs = d / groups.max(1);
+    for grp in 0..groups {
+        let at = grp * gs..(grp + 1) * gs;
+        let (vg, gwg) = (&v[at.clone()], &gw[at.clone()]);
+        let r = 1.0 / (lane_sum(vg, vg, |a, b| a * b) / gs as f32 + eps).sqrt();
+        let k = r * r * r * lane_sum(gwg, vg, |a, b| a * b) / gs as f32;
+        for j in at {
+            let dv = r * gw[j] - k * v[j];
+            let s = sigmoid(z[j]);
+            dy[j] = dv * (z[j] * s);
+            dz[j] = dv * y[j] * (s * (1.0 + z[j] * (1.0 - s)));
+            dw[j] += g[j] * v[j] * r;
+        }
+    }
+}
+
 /// One AdamW update of a parameter tensor, element by element:
 /// `m ← β1·m + (1−β1)·g`, `v ← β2·v + (1−β2)·g²`,
 /// `w ← w − lr·((m/bc1) / (sqrt(v/bc2) + eps) + wd·w)`.

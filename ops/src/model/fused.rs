@@ -18,6 +18,7 @@
 //!   `dw = Σ_rows g ⊙ x · r` and `dx = r · (g ⊙ w) − x · r³/D · Σ_j g_j w_j x_j`.
 //! - [`swiglu`]: `y = silu(g) ⊙ u` on the stacked `[g, u]`; backward
 //!   `dg = dy ⊙ u ⊙ σ(g)·(1 + g·(1 − σ(g)))`, `du = dy ⊙ silu(g)`.
+//! - [`relu2`]: `y = max(h, 0)²`; backward `dh = dy · 2·max(h, 0)`.
 //! - [`linear`]: `y = x · wᵀ` over all leading dimensions as one graph node (candle's GEMM);
 //!   backward `dx = g · w`, `dw = gᵀ · x`.
 //! - [`attention`]: grouped-query causal self-attention from the `qkv` projection's output to
@@ -419,6 +420,35 @@ impl CustomOp1 for Swiglu {
 /// composition `h.narrow(g).silu() * h.narrow(u)` of [`super::layers::activate_plain`].
 pub fn swiglu(h: &Tensor) -> Result<Tensor> {
     h.contiguous()?.apply_op1(Swiglu)
+}
+
+struct Relu2;
+
+impl CustomOp1 for Relu2 {
+    fn name(&self) -> &'static str {
+        "relu2"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let h = slice(s, l)?;
+        let mut out = vec![0f32; h.len()];
+        simd::relu2(h, &mut out);
+        Ok((CpuStorage::F32(out), l.shape().clone()))
+    }
+
+    fn bwd(&self, h: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+        let mut out = vec![0f32; h.elem_count()];
+        with_values(h, |hv| {
+            with_values(grad, |gv| simd::relu2_grad(hv, gv, &mut out))
+        })??;
+        Ok(Some(Tensor::from_vec(out, h.shape(), h.device())?))
+    }
+}
+
+/// Squared ReLU `max(h, 0)²` in one pass; backward `dh = dy · 2·max(h, 0)`. Must match the
+/// plain composition `h.relu().sqr()` of [`super::layers::activate_plain`].
+pub fn relu2(h: &Tensor) -> Result<Tensor> {
+    h.contiguous()?.apply_op1(Relu2)
 }
 
 struct Linear;
@@ -1150,6 +1180,24 @@ mod tests {
         }
         let odd = Tensor::zeros((2, 3), candle_core::DType::F32, &Device::Cpu).unwrap();
         assert!(swiglu(&odd).is_err(), "an odd width has no halves");
+    }
+
+    #[test]
+    fn relu2_matches_the_plain_ops_forward_and_backward() {
+        use super::super::config::Activation;
+        for (rows, f) in [(3, 5), (300, 192)] {
+            let mut rng = Rng::new(f as u64 + 1);
+            let h = Var::from_tensor(&randn(&mut rng, &[rows, f], 2.0)).unwrap();
+            let g = randn(&mut rng, &[rows, f], 1.0);
+            let fused = relu2(h.as_tensor()).unwrap();
+            let plain =
+                super::super::layers::activate_plain(h.as_tensor(), Activation::Relu2).unwrap();
+            // Same arithmetic as relu then sqr: the same bytes, forward and backward.
+            assert_eq!(max_diff(&fused, &plain), 0.0);
+            for diff in grad_diffs(&fused, &plain, &g, &[&h]) {
+                assert_eq!(diff, 0.0);
+            }
+        }
     }
 
     #[test]

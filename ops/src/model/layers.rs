@@ -375,13 +375,13 @@ impl Mlp {
     }
 }
 
-/// The MLP activation on `fc1`'s output (for SwiGLU: gate half, then up half; the fused op).
+/// The MLP activation on `fc1`'s output (for SwiGLU: gate half, then up half); the fused ops
+/// on the CPU.
 pub fn activate(h: &Tensor, activation: Activation) -> Result<Tensor> {
     match activation {
-        Activation::Swiglu if h.dtype() == DType::F32 && h.device().is_cpu() => {
-            super::fused::swiglu(h)
-        }
-        _ => activate_plain(h, activation),
+        _ if h.dtype() != DType::F32 || !h.device().is_cpu() => activate_plain(h, activation),
+        Activation::Swiglu => super::fused::swiglu(h),
+        Activation::Relu2 => super::fused::relu2(h),
     }
 }
 

@@ -16,6 +16,7 @@
 pub mod config;
 pub mod decode;
 pub mod fused;
+pub mod fused_mamba;
 pub mod layers;
 pub mod mamba2;
 pub mod moe;
