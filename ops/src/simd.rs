@@ -210,6 +210,41 @@ pub fn swiglu_grad(g: &[f32], u: &[f32], dy: &[f32], dg: &mut [f32], du: &mut [f
     }
 }
 
+/// RMSNorm on one row: `y_j = x_j · r · w_j` with `r = 1/sqrt(mean(x²) + eps)`.
+#[multiversion(targets("x86_64+avx512f+avx512vl", "x86_64+avx2"))]
+pub fn rms_norm(x: &[f32], w: &[f32], eps: f32, y: &mut [f32]) {
+    let d = x.len().min(w.len()).min(y.len());
+    let r = 1.0 / (lane_sum(&x[..d], &x[..d], |a, b| a * b) / d as f32 + eps).sqrt();
+    for j in 0..d {
+        y[j] = x[j] * r * w[j];
+    }
+}
+
+/// [`rms_norm`]'s backward on one row, from the input `x` and the incoming gradient `g`:
+/// `dx = r·(g ⊙ w) − x · r³/D · Σ_j g_j w_j x_j`, and `dw += g ⊙ x · r` (added into the caller's
+/// running sum over rows). `gw` is scratch of `D`.
+#[multiversion(targets("x86_64+avx512f+avx512vl", "x86_64+avx2"))]
+pub fn rms_norm_grad(
+    (x, w, g): (&[f32], &[f32], &[f32]),
+    eps: f32,
+    gw: &mut [f32],
+    dx: &mut [f32],
+    dw: &mut [f32],
+) {
+    let d = x.len().min(w.len()).min(g.len());
+    let d = d.min(gw.len()).min(dx.len()).min(dw.len());
+    let (x, gw) = (&x[..d], &mut gw[..d]);
+    for j in 0..d {
+        gw[j] = g[j] * w[j];
+    }
+    let r = 1.0 / (lane_sum(x, x, |a, b| a * b) / d as f32 + eps).sqrt();
+    let k = r * r * r * lane_sum(gw, x, |a, b| a * b) / d as f32;
+    for j in 0..d {
+        dw[j] += g[j] * x[j] * r;
+        dx[j] = r * gw[j] - k * x[j];
+    }
+}
+
 /// Squared ReLU: `y_j = max(h_j, 0)²`.
 #[multiversion(targets("x86_64+avx512f+avx512vl", "x86_64+avx2"))]
 pub fn relu2(h: &[f32], y: &mut [f32]) {

@@ -313,14 +313,8 @@ impl CustomOp2 for RmsNorm {
             bail!("rms-norm: weight of {} for rows of {d}", w.len())
         }
         let mut out = vec![0f32; x.len()];
-        let row = |(r, y): (usize, &mut [f32])| {
-            let xs = &x[r * d..(r + 1) * d];
-            let ms = xs.iter().map(|v| v * v).sum::<f32>() / d as f32;
-            let inv = 1.0 / (ms + self.eps).sqrt();
-            for j in 0..d {
-                y[j] = xs[j] * inv * w[j];
-            }
-        };
+        let row =
+            |(r, y): (usize, &mut [f32])| simd::rms_norm(&x[r * d..(r + 1) * d], w, self.eps, y);
         for_rows(&mut out, d, row);
         Ok((CpuStorage::F32(out), l1.shape().clone()))
     }
@@ -333,25 +327,20 @@ impl CustomOp2 for RmsNorm {
         grad: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>)> {
         let d = w.elem_count();
-        let xv = x.contiguous()?.flatten_all()?.to_vec1::<f32>()?;
-        let wv = w.to_vec1::<f32>()?;
-        let gv = grad.contiguous()?.flatten_all()?.to_vec1::<f32>()?;
-        let rows = xv.len() / d;
-        let mut dx = vec![0f32; xv.len()];
+        let wv = w.flatten_all()?.to_vec1::<f32>()?;
+        let mut dx = vec![0f32; x.elem_count()];
         // dw sums over rows in row order: the same bytes whatever the thread count.
         let mut dw = vec![0f32; d];
-        for r in 0..rows {
-            let (xs, g) = (&xv[r * d..(r + 1) * d], &gv[r * d..(r + 1) * d]);
-            let ms = xs.iter().map(|v| v * v).sum::<f32>() / d as f32;
-            let inv = 1.0 / (ms + self.eps).sqrt();
-            let dot: f32 = (0..d).map(|j| g[j] * wv[j] * xs[j]).sum();
-            let k = inv * inv * inv * dot / d as f32;
-            let out = &mut dx[r * d..(r + 1) * d];
-            for j in 0..d {
-                dw[j] += g[j] * xs[j] * inv;
-                out[j] = inv * g[j] * wv[j] - k * xs[j];
-            }
-        }
+        let mut gw = vec![0f32; d];
+        with_values(x, |xv| {
+            with_values(grad, |gv| {
+                for (r, dx) in dx.chunks_mut(d).enumerate() {
+                    let at = r * d..(r + 1) * d;
+                    let row = (&xv[at.clone()], wv.as_slice(), &gv[at]);
+                    simd::rms_norm_grad(row, self.eps, &mut gw, dx, &mut dw);
+                }
+            })
+        })??;
         Ok((
             Some(Tensor::from_vec(dx, x.shape(), x.device())?),
             Some(Tensor::from_vec(dw, w.shape(), w.device())?),

@@ -189,7 +189,7 @@ impl GatedRmsNorm {
             || y.dims().last() != Some(&d)
             || d == 0
             || self.groups == 0
-            || d % self.groups != 0
+            || !d.is_multiple_of(self.groups)
         {
             bail!(
                 "gated-rms-norm: y {y:?}, z {z:?}, weight {w:?}, {} groups",
