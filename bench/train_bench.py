@@ -125,6 +125,17 @@ def nemo_dag(model, steps, threads, work):
     return art["metrics"]["tokens_per_second"], tokens / cpu, vocab
 
 
+def timed(step, steps):
+    """Tokens per second and per CPU-second of `steps` calls of `step`, after 2 warm-up calls."""
+    for _ in range(2):
+        step()
+    start, cpu = time.perf_counter(), time.process_time()
+    for _ in range(steps):
+        step()
+    tokens = steps * GLOBAL * SEQ
+    return tokens / (time.perf_counter() - start), tokens / (time.process_time() - cpu)
+
+
 def torch_tokens_per_s(vocab, steps, threads, sdpa):
     import torch
     import torch.nn.functional as F
@@ -208,13 +219,7 @@ def torch_tokens_per_s(vocab, steps, threads, sdpa):
         torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
         opt.step()
 
-    for _ in range(2):
-        step()
-    start, cpu = time.perf_counter(), time.process_time()
-    for _ in range(steps):
-        step()
-    tokens = steps * GLOBAL * SEQ
-    return tokens / (time.perf_counter() - start), tokens / (time.process_time() - cpu)
+    return timed(step, steps)
 
 
 def torch_hybrid_tokens_per_s(vocab, steps, threads, sdpa):
@@ -239,13 +244,7 @@ def torch_hybrid_tokens_per_s(vocab, steps, threads, sdpa):
         opt.step()
         net.update_moe_biases()
 
-    for _ in range(2):
-        step()
-    start, cpu = time.perf_counter(), time.process_time()
-    for _ in range(steps):
-        step()
-    tokens = steps * GLOBAL * SEQ
-    return tokens / (time.perf_counter() - start), tokens / (time.process_time() - cpu)
+    return timed(step, steps)
 
 
 def main():

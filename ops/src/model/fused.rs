@@ -35,7 +35,8 @@ use candle_core::{CpuStorage, CustomOp1, CustomOp2, D, Layout, Result, Shape, Te
 use rayon::prelude::*;
 use std::sync::{Arc, OnceLock};
 
-fn slice<'a>(s: &'a CpuStorage, l: &Layout) -> Result<&'a [f32]> {
+/// A contiguous f32 storage's values under `l`.
+pub(crate) fn slice<'a>(s: &'a CpuStorage, l: &Layout) -> Result<&'a [f32]> {
     let Some((start, end)) = l.contiguous_offsets() else {
         bail!("fused op: input is not contiguous")
     };

@@ -15,17 +15,10 @@
 //! Every sum over tokens (the weight and bias gradients) runs in token order, so the bytes do
 //! not depend on the thread count; per-token work is independent.
 
-use super::fused::with_values;
+use super::fused::{slice, with_values};
 use crate::simd;
 use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Tensor, bail};
 use std::sync::Arc;
-
-fn slice<'a>(s: &'a CpuStorage, l: &Layout) -> Result<&'a [f32]> {
-    let Some((start, end)) = l.contiguous_offsets() else {
-        bail!("fused op: input is not contiguous")
-    };
-    Ok(&s.as_slice::<f32>()?[start..end])
-}
 
 struct CausalConvSilu {
     /// For every token (row-major over `(batch, len)`), the index inside its row of the first
