@@ -509,6 +509,83 @@ mod tests {
         });
     }
 
+    /// `Σ f(j)` over `range` in the lanes of [`lane_sum`]: element `i` of the range into lane
+    /// `i mod LANES`, folded in [`fold`]'s order.
+    fn lanes_of(f: impl Fn(usize) -> f32, range: std::ops::Range<usize>) -> f32 {
+        let mut lanes = [0f32; LANES];
+        for (i, j) in range.enumerate() {
+            lanes[i % LANES] += f(j);
+        }
+        fold(lanes)
+    }
+
+    /// The kernels of the fused relu², conv, RMSNorm and gated-norm ops against their formulas
+    /// in plain loops compiled for baseline x86-64; widths that are not multiples of 16 take the
+    /// remainder path.
+    #[test]
+    fn the_norm_and_activation_kernels_give_the_baseline_bytes() {
+        let n = 1000;
+        let (h, dy, w, z) = (data(n, 21), data(n, 22), data(n, 23), data(n, 24));
+        let (mut y, mut dh) = (vec![0f32; n], vec![0f32; n]);
+        relu2(&h, &mut y);
+        relu2_grad(&h, &dy, &mut dh);
+        let mut s = h.clone();
+        silu_in_place(&mut s);
+        let mut ds = vec![0f32; n];
+        silu_grad(&h, &dy, &mut ds);
+        let mut acc = w.clone();
+        mul_add_assign(&mut acc, &h, &dy);
+        for j in 0..n {
+            let r = h[j].max(0.0);
+            assert_eq!((y[j], dh[j]), (r * r, dy[j] * (2.0 * r)));
+            let sg = sigmoid(h[j]);
+            assert_eq!(s[j], h[j] * sg);
+            assert_eq!(ds[j], dy[j] * (sg * (1.0 + h[j] * (1.0 - sg))));
+            assert_eq!(acc[j], w[j] + h[j] * dy[j]);
+        }
+
+        let eps = 1e-5;
+        rms_norm(&h, &w, eps, &mut y);
+        let (mut gw, mut dx, mut dw) = (vec![0f32; n], vec![0f32; n], vec![0f32; n]);
+        rms_norm_grad((&h, &w, &dy), eps, &mut gw, &mut dx, &mut dw);
+        let r = 1.0 / (lanes_of(|j| h[j] * h[j], 0..n) / n as f32 + eps).sqrt();
+        let k = r * r * r * lanes_of(|j| (dy[j] * w[j]) * h[j], 0..n) / n as f32;
+        for j in 0..n {
+            assert_eq!(y[j], h[j] * r * w[j]);
+            assert_eq!(dx[j], r * (dy[j] * w[j]) - k * h[j]);
+            assert_eq!(dw[j], dy[j] * h[j] * r);
+        }
+
+        let (groups, gs) = (5, 200);
+        let v: Vec<f32> = (0..n).map(|j| h[j] * (z[j] * sigmoid(z[j]))).collect();
+        let mut scratch = vec![0f32; n];
+        gated_norm(&h, &z, &w, (groups, eps), &mut scratch, &mut y);
+        let (mut dyy, mut dz, mut dw) = (vec![0f32; n], vec![0f32; n], vec![0f32; n]);
+        let inputs = (h.as_slice(), z.as_slice(), w.as_slice(), dy.as_slice());
+        gated_norm_grad(
+            inputs,
+            (groups, eps),
+            &mut scratch,
+            &mut gw,
+            &mut dyy,
+            &mut dz,
+            &mut dw,
+        );
+        for g in 0..groups {
+            let at = g * gs..(g + 1) * gs;
+            let r = 1.0 / (lanes_of(|j| v[j] * v[j], at.clone()) / gs as f32 + eps).sqrt();
+            let k = r * r * r * lanes_of(|j| (dy[j] * w[j]) * v[j], at.clone()) / gs as f32;
+            for j in at {
+                assert_eq!(y[j], v[j] * r * w[j]);
+                let dv = r * (dy[j] * w[j]) - k * v[j];
+                let sg = sigmoid(z[j]);
+                assert_eq!(dyy[j], dv * (z[j] * sg));
+                assert_eq!(dz[j], dv * h[j] * (sg * (1.0 + z[j] * (1.0 - sg))));
+                assert_eq!(dw[j], dy[j] * v[j] * r);
+            }
+        }
+    }
+
     #[test]
     fn swiglu_and_adamw_match_their_formulas() {
         let (g, u, dy) = (data(37, 3), data(37, 4), data(37, 5));

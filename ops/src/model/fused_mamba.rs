@@ -2,18 +2,19 @@
 //! backward and each tested against the plain composition of candle ops it replaces (kept in
 //! `mamba2.rs` as the reference, and used off the CPU).
 //!
-//! - [`causal_conv_silu`] (steps 2 of the mixer): the depthwise causal convolution of width `K`
+//! - [`causal_conv_silu`] (step 2 of the mixer): the depthwise causal convolution of width `K`
 //!   over `[x, B, C]`, with bias, each tap cut where it would reach before the token's run,
 //!   then SiLU: `y_t = silu(bias + Σ_j w_j ⊙ x_{t−(K−1−j)})`. Written out of candle ops it is
 //!   five nodes per tap (shift, pad, two broadcast products, a sum), and every broadcast
 //!   product's backward is a reduction over all tokens. Backward:
 //!   `dpre = dy ⊙ silu'(pre)`, `dx_s = Σ_j dpre_{s+K−1−j} ⊙ w_j` (over the taps that reached
-//!   `s`), `dw_j = Σ_t dpre_t ⊙ x_{t−(K−1−j)}`, `dbias = Σ_t dpre_t`.
+//!   `s`; computed by scattering each token's `dpre` back along its taps),
+//!   `dw_j = Σ_t dpre_t ⊙ x_{t−(K−1−j)}`, `dbias = Σ_t dpre_t`.
 //! - [`gated_rms_norm`] (step 5): `v = y ⊙ silu(z)`, RMS-normalised within each of `G`
 //!   contiguous groups, times the weight; backward as [`crate::simd::gated_norm_grad`] says.
 //!
-//! Every sum over tokens (the weight and bias gradients) runs in token order, so the bytes do
-//! not depend on the thread count; per-token work is independent.
+//! Both run on the calling thread (training runs each micro-batch on a worker of its own), and
+//! every sum over tokens runs in token order: the bytes never depend on the thread count.
 
 use super::fused::{slice, with_values};
 use crate::simd;
@@ -32,7 +33,7 @@ impl CausalConvSilu {
     fn dims(&self, x: &Shape, w: &Shape, b: &Shape) -> Result<(usize, usize, usize)> {
         let (batch, len, ch) = x.dims3()?;
         let (wc, k) = w.dims2()?;
-        if wc != ch || b.elem_count() != ch || k == 0 {
+        if wc != ch || b.dims() != [ch] || ch == 0 || k == 0 {
             bail!("causal-conv: input {x:?}, weight {w:?}, bias {b:?}")
         }
         if len != self.len || self.starts.len() != batch * len {

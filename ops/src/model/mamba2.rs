@@ -715,9 +715,14 @@ mod tests {
             // A weight that is not all ones, so its gradient and its product both count.
             let norm = store.get("norm").unwrap();
             norm.set(&randn(&[di], 7)).unwrap();
-            let fused =
-                fused_mamba::gated_rms_norm(y.as_tensor(), z.as_tensor(), &m.norm, groups, 1e-5)
-                    .unwrap();
+            let fused = fused_mamba::gated_rms_norm(
+                y.as_tensor(),
+                z.as_tensor(),
+                &m.norm,
+                groups,
+                m.norm_eps,
+            )
+            .unwrap();
             let plain = m.gated_norm_plain(y.as_tensor(), z.as_tensor()).unwrap();
             assert!(
                 max_diff(&fused, &plain) < 1e-5,
