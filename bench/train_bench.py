@@ -260,25 +260,17 @@ def main():
             f"{'model':<8} {'threads':>7} {'nemo-dag tok/s':>15} {'torch tok/s':>12} {'ratio':>6} {'torch sdpa':>11} {'ratio':>6}"
             f" | per CPU-second: {'nemo-dag':>9} {'torch':>7} {'ratio':>6}"
         )
-        for n in threads:
-            (ours, ours_cpu, vocab) = nemo_dag(DENSE, args.steps, n, work)
-            same, same_cpu = torch_tokens_per_s(vocab, args.steps, n, sdpa=False)
-            sdpa, _ = torch_tokens_per_s(vocab, args.steps, n, sdpa=True)
-            print(
-                f"{'dense':<8} {n:>7} {ours:>15.0f} {same:>12.0f} {ours / same:>6.2f} {sdpa:>11.0f} {ours / sdpa:>6.2f}"
-                f" | {'':>16}{ours_cpu:>9.0f} {same_cpu:>7.0f} {ours_cpu / same_cpu:>6.2f}",
-                flush=True,
-            )
-        for n in threads:
-            ours, ours_cpu, vocab = nemo_dag(HYBRID, args.steps, n, work)
-            same, same_cpu = torch_hybrid_tokens_per_s(vocab, args.steps, n, sdpa=False)
-            sdpa, _ = torch_hybrid_tokens_per_s(vocab, args.steps, n, sdpa=True)
-            print(
-                f"{'hybrid':<8} {n:>7} {ours:>15.0f} {same:>12.0f} {ours / same:>6.2f} {sdpa:>11.0f} {ours / sdpa:>6.2f}"
-                f" | {'':>16}{ours_cpu:>9.0f} {same_cpu:>7.0f} {ours_cpu / same_cpu:>6.2f}",
-                flush=True,
-            )
-
+        models = [("dense", DENSE, torch_tokens_per_s), ("hybrid", HYBRID, torch_hybrid_tokens_per_s)]
+        for name, model, torch_run in models:
+            for n in threads:
+                ours, ours_cpu, vocab = nemo_dag(model, args.steps, n, work)
+                same, same_cpu = torch_run(vocab, args.steps, n, sdpa=False)
+                sdpa, _ = torch_run(vocab, args.steps, n, sdpa=True)
+                print(
+                    f"{name:<8} {n:>7} {ours:>15.0f} {same:>12.0f} {ours / same:>6.2f} {sdpa:>11.0f} {ours / sdpa:>6.2f}"
+                    f" | {'':>16}{ours_cpu:>9.0f} {same_cpu:>7.0f} {ours_cpu / same_cpu:>6.2f}",
+                    flush=True,
+                )
 
 if __name__ == "__main__":
     main()

@@ -341,8 +341,10 @@ pub fn gated_norm_grad(
         .min(dy.len())
         .min(dz.len())
         .min(dw.len());
+    // σ(z) is kept in `dz` until the second pass overwrites it with the gradient.
     for j in 0..d {
-        v[j] = y[j] * (z[j] * sigmoid(z[j]));
+        dz[j] = sigmoid(z[j]);
+        v[j] = y[j] * (z[j] * dz[j]);
         gw[j] = g[j] * w[j];
     }
     let gs = d / groups.max(1);
@@ -353,7 +355,7 @@ pub fn gated_norm_grad(
         let k = r * r * r * lane_sum(gwg, vg, |a, b| a * b) / gs as f32;
         for j in at {
             let dv = r * gw[j] - k * v[j];
-            let s = sigmoid(z[j]);
+            let s = dz[j];
             dy[j] = dv * (z[j] * s);
             dz[j] = dv * y[j] * (s * (1.0 + z[j] * (1.0 - s)));
             dw[j] += g[j] * v[j] * r;

@@ -19,12 +19,11 @@
 use super::fused::{slice, with_values};
 use crate::simd;
 use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Tensor, bail};
-use std::sync::Arc;
 
 struct CausalConvSilu {
     /// For every token (row-major over `(batch, len)`), the index inside its row of the first
     /// token of its run: a tap reaching before it reads zero.
-    starts: Arc<Vec<usize>>,
+    starts: Vec<usize>,
     len: usize,
 }
 
@@ -164,7 +163,7 @@ pub fn causal_conv_silu(
         &weight.contiguous()?,
         &bias.contiguous()?,
         CausalConvSilu {
-            starts: Arc::new(starts.to_vec()),
+            starts: starts.to_vec(),
             len,
         },
     )
