@@ -10,9 +10,7 @@ use serde_json::Value;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-mod common;
-
-use common::{Project, output, python};
+use crate::common::{Project, output, python};
 
 /// The absolute path of a stage's output, from `show --json`.
 fn output_path(p: &Project, manifest: &str, stage: &str, out: &str) -> PathBuf {
@@ -70,7 +68,7 @@ stages:
 
 fn check_with_python(p: &Project, manifest: &str) {
     let Some(py) = python() else { return };
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/py/check_tokenize.py");
+    let script = crate::common::repo().join("tests/py/check_tokenize.py");
     let tok = output_path(p, manifest, "tok", "tokenizer");
     let data = output_path(p, manifest, "data", "data");
     let mut cmd = Command::new(py);
@@ -96,7 +94,7 @@ fn check_with_megatron(data: &Path, prefixes: &[String]) {
         );
         return;
     };
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/py/megatron_read.py");
+    let script = crate::common::repo().join("tests/py/megatron_read.py");
     let mut cmd = Command::new(py);
     cmd.arg(script)
         .arg(indexed)
@@ -163,7 +161,7 @@ fn token_ids_match_python_tokenizers_document_by_document() {
 #[test]
 fn shipped_shakespeare_tokenizes_id_for_id_on_the_fast_path() {
     let p = Project::new("shakespeare");
-    let shipped = Path::new(env!("CARGO_MANIFEST_DIR")).join("../manifests/data/shakespeare");
+    let shipped = crate::common::repo().join("manifests/data/shakespeare");
     let mut docs: Vec<String> = Vec::new();
     for name in ["macbeth_gut.txt", "sonnets_gut.txt"] {
         let text = std::fs::read_to_string(shipped.join(name)).unwrap();
@@ -576,7 +574,7 @@ stages:
 #[test]
 fn the_data_prep_recipe_runs_tiny_end_to_end_and_then_is_cached() {
     let p = Project::new("recipe");
-    let manifests = Path::new(env!("CARGO_MANIFEST_DIR")).join("../manifests");
+    let manifests = crate::common::repo().join("manifests");
     p.write(
         "data-prep.yaml",
         &std::fs::read_to_string(manifests.join("data-prep.yaml")).unwrap(),

@@ -2,9 +2,7 @@
 //! written anywhere: no `.nemo-dag` store, and the project directory exactly as it was
 //! (docs/cli-contract.md, docs/manifest.md "Errors").
 
-mod common;
-
-use common::*;
+use crate::common::*;
 
 /// Run `nemo-dag ARGS` (and the same manifest through `validate` and `status`) and check the
 /// contract for bad input. `needles` must all appear in stderr (case-insensitive).

@@ -2,22 +2,19 @@
 //! variants included, which this CPU never runs), and the TOML twin of nano3 is the same recipe
 //! as its YAML — the same stages, ops, parameters and inputs, so the same keys.
 
-use nemo_dag::manifest::{LoadArgs, Manifest};
-use std::path::{Path, PathBuf};
+use nemo_dag_engine::manifest::{LoadArgs, Manifest};
+use std::path::PathBuf;
 
-mod common;
-
-use common::Project;
+use crate::common::Project;
 
 fn manifests_dir() -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("../manifests")
+    crate::common::repo().join("manifests")
 }
 
 fn load(file: &str, variant: Option<&str>) -> Manifest {
     Manifest::load(&LoadArgs {
-        path: manifests_dir().join(file),
         variant: variant.map(str::to_string),
-        ..LoadArgs::default()
+        ..LoadArgs::new(manifests_dir().join(file), nemo_dag_ops::registry())
     })
     .unwrap_or_else(|e| panic!("{file} -c {variant:?}: {e:?}"))
 }

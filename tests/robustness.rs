@@ -2,9 +2,7 @@
 //! accepts (the rerun completes and reaches the same keys as a clean run), and concurrent runs
 //! of one manifest against one store execute each stage exactly once.
 
-mod common;
-
-use common::*;
+use crate::common::*;
 use std::collections::BTreeMap;
 use std::path::Path;
 use std::process::Command;

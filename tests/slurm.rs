@@ -9,9 +9,7 @@ use std::path::Path;
 use std::process::Command;
 use std::time::{Duration, Instant};
 
-mod common;
-
-use common::{Project, output};
+use crate::common::{Project, output};
 
 /// Whether a cluster with a usable node answers; panics if one is required and does not.
 fn cluster_up(test: &str) -> bool {

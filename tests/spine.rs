@@ -3,9 +3,7 @@
 //! stages, shell-injection attempts through params, `status` reasons, `graph`, `validate`,
 //! `lineage`, `gc`, variants and overrides, `--target`, `--force` and `-j`.
 
-mod common;
-
-use common::*;
+use crate::common::*;
 use serde_json::Value;
 use std::time::{Duration, Instant};
 

@@ -10,12 +10,10 @@
 use nemo_dag_ops::model::layers::Layout;
 use nemo_dag_ops::train::checkpoint::load_model;
 use serde_json::{Value, json};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::Command;
 
-mod common;
-
-use common::{Project, output, python, states};
+use crate::common::{Project, output, python, states};
 
 const RECIPE: &str = r#"
 vars:
@@ -257,7 +255,7 @@ fn check_export(p: &Project) {
         &json!({"ids": ids, "logits": logits}).to_string(),
     );
     let hf = output_path(p, "export", "hf");
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("../tests/py/check_export.py");
+    let script = crate::common::repo().join("tests/py/check_export.py");
     if let Some(py) = python() {
         let mut c = Command::new(py);
         c.arg(&script).arg(&hf).arg(&case);

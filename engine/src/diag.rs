@@ -91,3 +91,17 @@ pub type Result<T, E = Failure> = std::result::Result<T, E>;
 pub fn io_err(what: &str, path: &std::path::Path, e: std::io::Error) -> Failure {
     Failure::Other(miette::miette!("{what} {}: {e}", path.display()))
 }
+
+/// Help for a name that is not there: the nearest of `candidates` when one is close, then the
+/// list (`did you mean `sft`? stages: data, pretrain, sft`).
+pub fn did_you_mean<'a>(
+    wanted: &str,
+    what: &str,
+    candidates: impl Iterator<Item = &'a str> + Clone,
+) -> String {
+    let all: Vec<&str> = candidates.clone().collect();
+    match nemo_dag_op::nearest(wanted, candidates) {
+        Some(near) => format!("did you mean `{near}`? {what}: {}", all.join(", ")),
+        None => format!("{what}: {}", all.join(", ")),
+    }
+}

@@ -11,15 +11,18 @@
 //! resumable op's attempt stays in `tmp/<key>/` (its checkpoints) with a copy of the log in
 //! `failed/<key>/`.
 
+use crate::diag::InputError;
 use crate::diag::{Failure, Result, io_err};
 use crate::digest::Digester;
+use crate::local::{self, Outcome};
+use crate::manifest::{LoadArgs, Manifest};
 use crate::store::{ARTIFACT_SCHEMA, Artifact, InputRecord, OutputRecord, Store};
-use nemo_dag_ops::{RunContext, StageDecl};
+use nemo_dag_op::{Registry, RunContext, StageDecl};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use std::collections::BTreeMap;
 use std::io::Write;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 /// Everything `exec` needs, resolved by the caller: no manifest is read here.
@@ -72,7 +75,7 @@ impl Write for Tee {
     }
 }
 
-pub fn exec(spec: &JobSpec) -> Result<JobResult> {
+pub fn exec(spec: &JobSpec, ops: Registry) -> Result<JobResult> {
     let store = Store::new(spec.store.clone());
     store.ensure()?;
     let _lock = store.lock(&spec.key)?;
@@ -84,7 +87,8 @@ pub fn exec(spec: &JobSpec) -> Result<JobResult> {
             log: None,
         });
     }
-    let op = nemo_dag_ops::lookup(&spec.op)
+    let op = ops
+        .get(&spec.op)
         .filter(|op| op.version() == spec.op_version)
         .ok_or_else(|| {
             Failure::Other(miette::miette!(
@@ -228,4 +232,92 @@ fn tree_bytes(path: &std::path::Path) -> u64 {
         Ok(m) => m.len(),
         Err(_) => 0,
     }
+}
+
+/// Where `nemo-dag exec` finds its job.
+pub enum JobSource {
+    /// A job spec (JSON) an executor wrote, or `-` for stdin.
+    Spec(PathBuf),
+    /// A stage of a manifest, its key resolved against the store (a cluster job).
+    Stage {
+        stage: String,
+        manifest: LoadArgs,
+        store: Store,
+    },
+}
+
+/// `nemo-dag exec`: build one job, print its [`JobResult`] as one JSON line on stdout, and
+/// return the exit code (1 when it failed). In [`JobSource::Stage`] mode the stage is also
+/// recorded in the manifest's run record once built, as a local run would.
+pub fn exec_command(source: Option<JobSource>, ops: Registry) -> i32 {
+    let mut recorded: Option<(Manifest, Store, String)> = None;
+    let spec = match source {
+        Some(JobSource::Spec(path)) => read_spec(&path),
+        Some(JobSource::Stage {
+            stage,
+            manifest,
+            store,
+        }) => Manifest::load(&manifest)
+            .map_err(Failure::from)
+            .and_then(|manifest| {
+                let spec = local::spec_for_stage(&manifest, &store, &stage)?;
+                recorded = Some((manifest, store, stage));
+                Ok(spec)
+            }),
+        None => Err(InputError::new("exec needs --spec FILE, or --stage STAGE MANIFEST").into()),
+    };
+    let result = match spec.and_then(|spec| exec(&spec, ops)) {
+        Ok(r) => r,
+        Err(e) => JobResult {
+            state: "failed".into(),
+            key: None,
+            error: Some(match e {
+                Failure::Other(r) => format!("{r}"),
+                Failure::Input(i) => format!("{:?}", miette::Report::new(*i)),
+                Failure::Stage(s) => s,
+                Failure::Interrupted => "interrupted".into(),
+            }),
+            log: None,
+        },
+    };
+    if let Some((manifest, store, stage)) = &recorded
+        && result.state != "failed"
+    {
+        let outcome = Outcome {
+            name: stage.clone(),
+            key: result.key.clone(),
+            state: if result.state == "executed" {
+                "executed"
+            } else {
+                "cached"
+            },
+            seconds: 0.0,
+            error: None,
+            log: None,
+            outputs: None,
+        };
+        let argv: Vec<String> = std::env::args().collect();
+        local::record_run(manifest, store, &argv, &[outcome]);
+    }
+    if let Some(error) = &result.error
+        && result.log.is_none()
+    {
+        eprintln!("nemo-dag exec: {error}");
+    }
+    println!("{}", serde_json::to_string(&result).unwrap_or_default());
+    if result.state == "failed" { 1 } else { 0 }
+}
+
+fn read_spec(path: &Path) -> Result<JobSpec> {
+    let text = if path == Path::new("-") {
+        let mut s = String::new();
+        std::io::Read::read_to_string(&mut std::io::stdin(), &mut s).map(|_| s)
+    } else {
+        std::fs::read_to_string(path)
+    };
+    text.map_err(|e| e.to_string())
+        .and_then(|t| serde_json::from_str(&t).map_err(|e| e.to_string()))
+        .map_err(|e| {
+            InputError::new(format!("cannot read the job spec {}: {e}", path.display())).into()
+        })
 }

@@ -1,5 +1,6 @@
 //! nemo-dag's engine: manifests → a content-hashed DAG → a crash-safe artifact store →
-//! executors, and the `nemo-dag` command line.
+//! executors. The `nemo-dag` command line (the `cli/` crate beside this one) parses arguments,
+//! calls into these modules and prints.
 //!
 //! The modules, in the order data flows through them:
 //! - [`doc`]: YAML/TOML text → one value tree with spans for error reporting.
@@ -11,23 +12,26 @@
 //! - [`exec`]: builds one stage and publishes it (the one code path every executor runs).
 //! - [`local`]: the local executor, a tokio scheduler of `exec` child processes.
 //! - [`slurm`]: the Slurm executor: one `sbatch` job per stale stage, chained with `afterok`.
-//! - [`cli`]: commands and what they print.
+//! - [`graph`]: the stage graph as text (ascii, dot, mermaid, json).
 //!
-//! Ops (what a stage does) live in the `nemo-dag-ops` crate; the engine never depends on
-//! what an op computes, only on its name, version, declared outputs and `run`.
+//! Ops (what a stage does) reach the engine only through the `nemo-dag-op` protocol crate, as
+//! the registry the binary passes in: the engine never depends on what an op computes, only on
+//! its name, version, declared outputs and `run`, and it builds without any ML code.
 
 // Input errors carry their source text and span for the diagnostic; they are built once, on
 // the way out, so their size never matters on a hot path.
 #![allow(clippy::result_large_err)]
 
-pub mod cli;
 pub mod diag;
 pub mod digest;
 pub mod doc;
 pub mod exec;
+pub mod graph;
 pub mod local;
 pub mod manifest;
 pub mod plan;
 pub mod profile;
 pub mod slurm;
 pub mod store;
+#[cfg(test)]
+mod testing;

@@ -12,6 +12,7 @@ use crate::digest::Digester;
 use crate::exec::{JobResult, JobSpec};
 use crate::manifest::{Input, Manifest};
 use crate::plan::{self, Resolved};
+pub use crate::store::short;
 use crate::store::{Published, RunRecord, Store};
 use std::collections::{BTreeSet, HashMap, HashSet};
 use std::io::IsTerminal;
@@ -62,14 +63,59 @@ pub fn select(manifest: &Manifest, targets: &[String]) -> Result<BTreeSet<String
     Ok(selected)
 }
 
+/// One stage of a dry run: what `run` would do with it, and why.
+#[derive(Debug, serde::Serialize)]
+pub struct WouldRun {
+    pub name: String,
+    pub key: Option<String>,
+    /// `cached` or `would-run`.
+    pub state: &'static str,
+    pub seconds: f64,
+    pub reasons: Vec<String>,
+}
+
+/// What `run --dry-run` reports: each selected stage, cached or would-run, with the plan's
+/// reasons. Reads only; runs and writes nothing.
+pub fn dry_run(
+    manifest: &Manifest,
+    store: &Store,
+    targets: &[String],
+    force: &[String],
+) -> Result<Vec<WouldRun>> {
+    let selected = select(manifest, targets)?;
+    check_names(manifest, force, "--force")?;
+    let plans = plan::plan(manifest, store, &mut Digester::load(&store.memo_file()))?;
+    Ok(plans
+        .into_iter()
+        .filter(|p| selected.contains(&p.name))
+        .map(|p| {
+            let forced = force.contains(&p.name);
+            let state = match p.freshness {
+                plan::Freshness::UpToDate if !forced => "cached",
+                _ => "would-run",
+            };
+            WouldRun {
+                name: p.name,
+                key: p.key,
+                state,
+                seconds: 0.0,
+                reasons: p.reasons,
+            }
+        })
+        .collect())
+}
+
 pub fn check_names(manifest: &Manifest, names: &[String], flag: &str) -> Result<(), InputError> {
     for name in names {
         if !manifest.stages.contains_key(name) {
-            let all: Vec<&str> = manifest.order.iter().map(String::as_str).collect();
             return Err(InputError::new(format!(
                 "{flag} {name}: the manifest has no stage `{name}`"
             ))
-            .help(format!("stages: {}", all.join(", "))));
+            .help(crate::diag::did_you_mean(
+                name,
+                "stages",
+                manifest.order.iter().map(String::as_str),
+            )));
         }
     }
     Ok(())
@@ -411,10 +457,6 @@ fn release<'a>(
     }
 }
 
-pub fn short(key: &str) -> &str {
-    &key[..key.len().min(12)]
-}
-
 /// The job spec of one stage, resolved against what is already published: every stage it
 /// depends on must be in the store. This is how a cluster job finds its key when it starts.
 pub fn spec_for_stage(manifest: &Manifest, store: &Store, name: &str) -> Result<JobSpec> {
@@ -505,7 +547,7 @@ fn start_job(
         .process_group(0);
     // SAFETY: die_with_parent only calls prctl, which is async-signal-safe.
     unsafe {
-        command.pre_exec(nemo_dag_ops::cmd::die_with_parent);
+        command.pre_exec(nemo_dag_op::process::die_with_parent);
     }
     let mut child = command
         .spawn()

@@ -15,7 +15,7 @@
 
 use crate::diag::{InputError, Source};
 use crate::doc::{self, Format, KeyPath, Spans};
-use nemo_dag_ops::{Op, StageDecl};
+use nemo_dag_op::{Op, Registry, StageDecl};
 use petgraph::graph::{DiGraph, NodeIndex};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -24,15 +24,31 @@ use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
 /// What the command line says about which manifest to load and how.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 pub struct LoadArgs {
     pub path: PathBuf,
+    /// The ops a stage may name (the `nemo-dag` binary's registry).
+    pub ops: Registry,
     pub variant: Option<String>,
     pub overrides: Vec<String>,
     /// Where compiled trees are remembered (`<store>/cache/manifests`), if anywhere.
     pub cache_dir: Option<PathBuf>,
     /// Remember this manifest's compiled tree there (commands that write: `run`).
     pub write_cache: bool,
+}
+
+impl LoadArgs {
+    /// Load `path` as it is: no variant, no overrides, no compiled-tree cache.
+    pub fn new(path: impl Into<PathBuf>, ops: Registry) -> Self {
+        LoadArgs {
+            path: path.into(),
+            ops,
+            variant: None,
+            overrides: Vec::new(),
+            cache_dir: None,
+            write_cache: false,
+        }
+    }
 }
 
 /// A manifest's tree after templating, merging and overrides, remembered by `run` so that
@@ -350,12 +366,16 @@ impl Manifest {
             order: Vec::new(),
             locator,
         };
-        manifest.build_stages(raw.stages)?;
+        manifest.build_stages(raw.stages, args.ops)?;
         manifest.order = manifest.topological_order()?;
         Ok(manifest)
     }
 
-    fn build_stages(&mut self, raw: BTreeMap<String, RawStage>) -> Result<(), InputError> {
+    fn build_stages(
+        &mut self,
+        raw: BTreeMap<String, RawStage>,
+        ops: Registry,
+    ) -> Result<(), InputError> {
         if raw.is_empty() {
             return Err(self.error_at(&["stages"], "the manifest declares no stages"));
         }
@@ -379,11 +399,10 @@ impl Manifest {
                     format!("stage name `{name}` may only use letters, digits, `_` and `-`"),
                 ));
             }
-            let op = nemo_dag_ops::lookup(&r.op).ok_or_else(|| {
-                let known: Vec<&str> = nemo_dag_ops::registry().iter().map(|o| o.name()).collect();
+            let op = ops.get(&r.op).ok_or_else(|| {
                 self.locator
                     .error(&loc(&["op"]), false, format!("unknown op `{}`", r.op))
-                    .help(format!("the built-in ops are: {}", known.join(", ")))
+                    .help(ops.help_for_unknown(&r.op))
             })?;
             if !r.params.is_object() {
                 return Err(self.locator.error(

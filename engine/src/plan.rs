@@ -386,10 +386,10 @@ mod tests {
             "stages:\n  s:\n    op: cmd\n    params: {b: [1, 2.5], a: {z: \"q\\\"x\", y: null}}\n    outputs: {o: o.txt, \"é\": e.txt}\n    cmd: \"echo > {outputs.o}\"\n",
         )
         .unwrap();
-        let m = crate::manifest::Manifest::load(&crate::manifest::LoadArgs {
+        let m = crate::manifest::Manifest::load(&crate::manifest::LoadArgs::new(
             path,
-            ..Default::default()
-        })
+            crate::testing::ops(),
+        ))
         .unwrap();
         let stage = &m.stages["s"];
         let inputs = BTreeMap::from([(

@@ -448,7 +448,7 @@ fn quote(s: &str) -> String {
     {
         s.to_string()
     } else {
-        nemo_dag_ops::cmd::shell_quote(s)
+        nemo_dag_op::process::shell_quote(s)
     }
 }
 
@@ -793,10 +793,8 @@ mod tests {
         let path = dir.join("r.yaml");
         std::fs::write(&path, text).unwrap();
         let m = Manifest::load(&LoadArgs {
-            path: path.clone(),
-            variant: None,
             overrides: vec!["stages.train.params.lr=0.5".into()],
-            ..Default::default()
+            ..LoadArgs::new(path.clone(), crate::testing::ops())
         })
         .unwrap();
         (m, dir)

@@ -17,10 +17,10 @@
 //! `"Q: 2+2? A:" + " 4"` is tokenised the way the model saw such text. When a row is longer
 //! than the model's `max_seq`, the context loses tokens from the left.
 
-use crate::RunError;
 use crate::model::layers::Layout;
 use crate::model::net::Model;
 use crate::train::{err, token_logprobs};
+use nemo_dag_op::RunError;
 use serde_json::{Value, json};
 use std::path::Path;
 
@@ -35,8 +35,8 @@ pub struct Question {
 
 /// The rows of a task JSONL file (at most `limit`), validated: each error names file and line.
 pub fn read(path: &Path, limit: usize) -> Result<Vec<Question>, RunError> {
-    let text =
-        std::fs::read_to_string(path).map_err(|e| RunError(format!("{}: {e}", path.display())))?;
+    let text = std::fs::read_to_string(path)
+        .map_err(|e| RunError::new(format!("{}: {e}", path.display())))?;
     let mut rows = Vec::new();
     for (i, line) in text.lines().enumerate() {
         if line.trim().is_empty() {
@@ -45,7 +45,7 @@ pub fn read(path: &Path, limit: usize) -> Result<Vec<Question>, RunError> {
         if rows.len() >= limit {
             break;
         }
-        let at = |msg: &str| RunError(format!("{}:{}: {msg}", path.display(), i + 1));
+        let at = |msg: &str| RunError::new(format!("{}:{}: {msg}", path.display(), i + 1));
         let v: Value = serde_json::from_str(line).map_err(|e| at(&e.to_string()))?;
         let context = v["context"]
             .as_str()
@@ -85,7 +85,10 @@ pub fn read(path: &Path, limit: usize) -> Result<Vec<Question>, RunError> {
         });
     }
     if rows.is_empty() {
-        return Err(RunError(format!("{} has no task rows", path.display())));
+        return Err(RunError::new(format!(
+            "{} has no task rows",
+            path.display()
+        )));
     }
     Ok(rows)
 }
@@ -102,7 +105,7 @@ pub fn encode_pair(
     let encode = |text: &str| -> Result<Vec<u32>, RunError> {
         Ok(tokenizer
             .encode(text, false)
-            .map_err(|e| RunError(format!("cannot tokenize: {e}")))?
+            .map_err(|e| RunError::new(format!("cannot tokenize: {e}")))?
             .get_ids()
             .to_vec())
     };
@@ -134,7 +137,7 @@ pub fn loglikelihoods(
             })
             .collect();
         if let Some((seq, _)) = rows.iter().find(|(s, c)| *c == 0 || s.len() < 2) {
-            return Err(RunError(format!(
+            return Err(RunError::new(format!(
                 "a choice has no tokens to score (row of {} tokens)",
                 seq.len()
             )));
@@ -277,7 +280,7 @@ mod tests {
                     r#"{"context": "c", "choices": ["a", "b"], "gold": 0}"#
                 ),
             );
-            let e = read(&p, 10).unwrap_err().0;
+            let e = read(&p, 10).unwrap_err().message;
             assert!(e.contains(":2:") && e.contains(what), "{e}");
         }
     }

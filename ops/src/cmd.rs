@@ -14,7 +14,8 @@
 //! one literal argument and can never inject shell syntax. Any other brace (`awk '{print $1}'`)
 //! is left alone. Every declared output must exist when the command exits 0, or the stage fails.
 
-use crate::{DeclError, Metrics, Op, RunContext, RunError, StageDecl};
+use nemo_dag_op::process::{die_with_parent, shell_quote};
+use nemo_dag_op::{DeclError, Metrics, Op, RunContext, RunError, StageDecl};
 use serde_json::Value;
 use std::collections::BTreeMap;
 use std::io::Read;
@@ -66,7 +67,7 @@ impl Op for Cmd {
     }
 
     fn run(&self, ctx: &mut RunContext) -> Result<Metrics, RunError> {
-        let cmd = ctx.stage.cmd.ok_or_else(|| RunError("no cmd".into()))?;
+        let cmd = ctx.stage.cmd.ok_or_else(|| RunError::new("no cmd"))?;
         let line = expand(cmd, &ctx.stage, ctx)?;
         for rel in ctx.stage.outputs.values() {
             if let Some(parent) = ctx.out_dir.join(rel).parent() {
@@ -94,7 +95,7 @@ impl Op for Cmd {
         }
         let mut child = command
             .spawn()
-            .map_err(|e| RunError(format!("cannot start `sh`: {e}")))?;
+            .map_err(|e| RunError::new(format!("cannot start `sh`: {e}")))?;
         drop(command); // closes our copies of the pipe's write end
         let mut buf = [0u8; 8192];
         loop {
@@ -111,7 +112,7 @@ impl Op for Cmd {
                 Some(code) => format!("exited with status {code}"),
                 None => "was killed by a signal".to_string(),
             };
-            return Err(RunError(format!("the command {how}")));
+            return Err(RunError::new(format!("the command {how}")));
         }
         let missing: Vec<String> = ctx
             .stage
@@ -121,7 +122,7 @@ impl Op for Cmd {
             .map(|(name, rel)| format!("{name} ({rel})"))
             .collect();
         if !missing.is_empty() {
-            return Err(RunError(format!(
+            return Err(RunError::new(format!(
                 "the command exited 0 but did not write the declared output(s): {}",
                 missing.join(", ")
             )));
@@ -130,14 +131,6 @@ impl Op for Cmd {
         metrics.insert("command".into(), Value::String(line));
         Ok(metrics)
     }
-}
-
-/// For `pre_exec`: the child gets SIGKILL when the thread that spawned it exits, so a killed
-/// driver never leaves its stage commands running.
-pub fn die_with_parent() -> std::io::Result<()> {
-    // SAFETY: prctl(PR_SET_PDEATHSIG) only sets a flag on the calling process.
-    unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) };
-    Ok(())
 }
 
 fn check_relative(rel: &str) -> Result<(), String> {
@@ -271,27 +264,12 @@ fn expand(cmd: &str, stage: &StageDecl, ctx: &RunContext) -> Result<String, RunE
         match piece {
             Piece::Text(text) => line.push_str(text),
             Piece::Placeholder { kind, path } => {
-                let value = resolve(kind, &path, stage, Some(ctx)).map_err(RunError)?;
+                let value = resolve(kind, &path, stage, Some(ctx)).map_err(RunError::new)?;
                 line.push_str(&shell_quote(&value));
             }
         }
     }
     Ok(line)
-}
-
-/// Quote a string as one POSIX shell word: `it's` → `'it'\''s'`.
-pub fn shell_quote(value: &str) -> String {
-    let mut quoted = String::with_capacity(value.len() + 2);
-    quoted.push('\'');
-    for c in value.chars() {
-        if c == '\'' {
-            quoted.push_str("'\\''");
-        } else {
-            quoted.push(c);
-        }
-    }
-    quoted.push('\'');
-    quoted
 }
 
 #[cfg(test)]

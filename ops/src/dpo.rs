@@ -74,8 +74,8 @@ use crate::sft::RowOrder;
 use crate::train::{
     self, MicroLoss, Objective, Schedule, Tally, Trainer, checkpoint, token_logprobs,
 };
-use crate::{DeclError, Metrics, Op, RunContext, RunError, StageDecl, typed_params};
 use candle_core::{DType, Tensor};
+use nemo_dag_op::{DeclError, Metrics, Op, RunContext, RunError, StageDecl, typed_params};
 use serde::Deserialize;
 use serde_json::Value;
 use std::collections::BTreeMap;
@@ -169,23 +169,23 @@ impl Op for Dpo {
     }
 
     fn run(&self, ctx: &mut RunContext) -> Result<Metrics, RunError> {
-        let p: Params = typed_params(ctx.stage.params).map_err(|e| RunError(e.message))?;
+        let p: Params = typed_params(ctx.stage.params).map_err(|e| RunError::new(e.message))?;
         let model_dir = input(ctx, "model")?;
         let load = || {
             checkpoint::load_model(&model_dir)
-                .map_err(|e| RunError(format!("cannot load the upstream model: {e}")))
+                .map_err(|e| RunError::new(format!("cannot load the upstream model: {e}")))
         };
         let (model, reference) = (load()?, load()?);
         let (tokenizer, tok_path) = model_tokenizer(&model_dir)?;
         let max_length = p.max_length.unwrap_or(model.cfg.max_seq);
         if max_length > model.cfg.max_seq {
-            return Err(RunError(format!(
+            return Err(RunError::new(format!(
                 "max_length {max_length} is more than the model's max_seq {}",
                 model.cfg.max_seq
             )));
         }
-        let template =
-            ChatTemplate::load(&TemplateSource::from_param(&p.chat_template)).map_err(RunError)?;
+        let template = ChatTemplate::load(&TemplateSource::from_param(&p.chat_template))
+            .map_err(RunError::new)?;
         let (file, rows) = read_preferences(&input(ctx, "data")?)?;
         let tokens = Tokens {
             template: &template,
@@ -206,7 +206,7 @@ impl Op for Dpo {
             model.params.count()
         )?;
         if pairs.is_empty() {
-            return Err(RunError(format!(
+            return Err(RunError::new(format!(
                 "{}: no usable preference pair ({} rows)",
                 file.display(),
                 rows.len()
@@ -274,7 +274,7 @@ pub fn read_preferences(path: &Path) -> Result<(PathBuf, Vec<PreferenceRow>), Ru
         path.to_path_buf()
     };
     let text = std::fs::read_to_string(&file).map_err(|e| {
-        RunError(format!(
+        RunError::new(format!(
             "{}: {e} (the data must be a generate artifact's directory or a preference JSONL file)",
             file.display()
         ))
@@ -285,12 +285,12 @@ pub fn read_preferences(path: &Path) -> Result<(PathBuf, Vec<PreferenceRow>), Ru
             continue;
         }
         let at = format!("{}:{}", file.display(), i + 1);
-        let json = Json::parse(line).map_err(|e| RunError(format!("{at}: not JSON: {e}")))?;
-        let row = parse_row(&json, i + 1).map_err(|why| RunError(format!("{at}: {why}")))?;
+        let json = Json::parse(line).map_err(|e| RunError::new(format!("{at}: not JSON: {e}")))?;
+        let row = parse_row(&json, i + 1).map_err(|why| RunError::new(format!("{at}: {why}")))?;
         rows.push(row);
     }
     if rows.is_empty() {
-        return Err(RunError(format!(
+        return Err(RunError::new(format!(
             "{} has no preference rows",
             file.display()
         )));
@@ -443,7 +443,7 @@ impl Tokens<'_> {
         let mut stats = TokenStats::default();
         let mut pairs = Vec::new();
         for row in rows {
-            let at = |e: String| RunError(format!("{}:{}: {e}", file.display(), row.line));
+            let at = |e: String| RunError::new(format!("{}:{}: {e}", file.display(), row.line));
             let c = self.completion(row, &row.chosen).map_err(at)?;
             let r = self.completion(row, &row.rejected).map_err(at)?;
             match (c, r) {
@@ -690,7 +690,7 @@ impl DpoObjective {
 impl Objective for DpoObjective {
     fn prepare(&mut self, _model: &Model, step: u64) -> Result<usize, RunError> {
         if self.pairs.is_empty() {
-            return Err(RunError("dpo: no preference pairs".into()));
+            return Err(RunError::new("dpo: no preference pairs"));
         }
         self.step_pairs = self.pairs_of_step(step);
         Ok(self.global_batch.div_ceil(self.micro_batch))
@@ -1071,7 +1071,7 @@ mod tests {
     fn read_err(dir: &Path, rows: &str) -> String {
         let f = dir.join("p.jsonl");
         std::fs::write(&f, rows).unwrap();
-        read_preferences(&f).unwrap_err().0
+        read_preferences(&f).unwrap_err().message
     }
 
     #[test]
@@ -1238,7 +1238,7 @@ mod tests {
         let mut p = params.clone();
         p["max_length"] = json!(129);
         let (r, _) = run_op(&Dpo, p, inputs, &dir.join("too-long"));
-        assert!(r.unwrap_err().0.contains("max_seq 128"));
+        assert!(r.unwrap_err().message.contains("max_seq 128"));
         std::fs::remove_dir_all(&dir).unwrap();
     }
 

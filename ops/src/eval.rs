@@ -43,7 +43,7 @@ use crate::model::params::Rng;
 use crate::model::sampling::{Sampling, StopStrings, generate, generate_until};
 use crate::pretrain::{blend_split, input, model_tokenizer};
 use crate::train::{self, checkpoint};
-use crate::{DeclError, Metrics, Op, RunContext, RunError, StageDecl, typed_params};
+use nemo_dag_op::{DeclError, Metrics, Op, RunContext, RunError, StageDecl, typed_params};
 use serde::Deserialize;
 use serde_json::{Value, json};
 use std::collections::BTreeMap;
@@ -263,10 +263,10 @@ impl Op for Eval {
     }
 
     fn run(&self, ctx: &mut RunContext) -> Result<Metrics, RunError> {
-        let p: Params = typed_params(ctx.stage.params).map_err(|e| RunError(e.message))?;
+        let p: Params = typed_params(ctx.stage.params).map_err(|e| RunError::new(e.message))?;
         let model_dir = input(ctx, "model")?;
         let model = checkpoint::load_model(&model_dir)
-            .map_err(|e| RunError(format!("cannot load the model: {e}")))?;
+            .map_err(|e| RunError::new(format!("cannot load the model: {e}")))?;
         let mut results = serde_json::Map::new();
         let mut table = Vec::new();
         if let Some(ppl) = &p.perplexity {
@@ -325,7 +325,7 @@ impl Op for Eval {
         let out = ctx.out_dir.join("results");
         std::fs::create_dir_all(&out)?;
         let text = serde_json::to_string_pretty(&Value::Object(results.clone()))
-            .map_err(|e| RunError(e.to_string()))?;
+            .map_err(|e| RunError::new(e.to_string()))?;
         std::fs::write(out.join("results.json"), text + "\n")?;
         writeln!(ctx.log, "task         split           value")?;
         for line in table {
@@ -340,16 +340,20 @@ fn perplexity(model: &Model, data: &Path, p: &Perplexity) -> Result<Value, RunEr
     let want = p.max_windows * p.seq_length + 1;
     for (_, prefix) in blend_split(data, &p.split, "tokenize", false)? {
         let reader = IndexedReader::open(&prefix)
-            .map_err(|e| RunError(format!("{}: {e}", prefix.display())))?;
+            .map_err(|e| RunError::new(format!("{}: {e}", prefix.display())))?;
         for i in 0..reader.len() {
             if stream.len() >= want {
                 break;
             }
-            stream.extend(reader.sequence(i).map_err(|e| RunError(e.to_string()))?);
+            stream.extend(
+                reader
+                    .sequence(i)
+                    .map_err(|e| RunError::new(e.to_string()))?,
+            );
         }
     }
     if stream.len() < p.seq_length + 1 {
-        return Err(RunError(format!(
+        return Err(RunError::new(format!(
             "split `{}` of {} has {} tokens, fewer than one window of {}",
             p.split,
             data.join("blend.json").display(),
@@ -358,7 +362,7 @@ fn perplexity(model: &Model, data: &Path, p: &Perplexity) -> Result<Value, RunEr
         )));
     }
     if let Some(t) = stream.iter().find(|t| **t as usize >= model.vocab) {
-        return Err(RunError(format!(
+        return Err(RunError::new(format!(
             "token id {t} is outside the model's vocabulary ({})",
             model.vocab
         )));
@@ -407,8 +411,8 @@ fn read_tasks(
     } else {
         path.to_path_buf()
     };
-    let text =
-        std::fs::read_to_string(&file).map_err(|e| RunError(format!("{}: {e}", file.display())))?;
+    let text = std::fs::read_to_string(&file)
+        .map_err(|e| RunError::new(format!("{}: {e}", file.display())))?;
     let mut rows = Vec::new();
     for (i, line) in text
         .lines()
@@ -419,14 +423,14 @@ fn read_tasks(
             break;
         }
         let v: Value = serde_json::from_str(line)
-            .map_err(|e| RunError(format!("{}:{}: {e}", file.display(), i + 1)))?;
+            .map_err(|e| RunError::new(format!("{}:{}: {e}", file.display(), i + 1)))?;
         let field = |k: &str| {
             v[k].as_str()
                 .map(str::to_string)
                 .or_else(|| v[k].as_i64().map(|n| n.to_string()))
         };
         let (Some(q), Some(a)) = (field("question"), field("expected_answer")) else {
-            return Err(RunError(format!(
+            return Err(RunError::new(format!(
                 "{}:{}: a task row needs `question` and `expected_answer`",
                 file.display(),
                 i + 1
@@ -435,7 +439,10 @@ fn read_tasks(
         rows.push((q, a, field("env")));
     }
     if rows.is_empty() {
-        return Err(RunError(format!("{} has no task rows", file.display())));
+        return Err(RunError::new(format!(
+            "{} has no task rows",
+            file.display()
+        )));
     }
     Ok(rows)
 }
@@ -448,7 +455,7 @@ fn generation(
 ) -> Result<Value, RunError> {
     let rows = read_tasks(tasks, &g.split, g.limit)?;
     let template =
-        ChatTemplate::load(&TemplateSource::from_param(&g.chat_template)).map_err(RunError)?;
+        ChatTemplate::load(&TemplateSource::from_param(&g.chat_template)).map_err(RunError::new)?;
     let stops: Vec<u32> = ["<|im_end|>", "<|endoftext|>"]
         .iter()
         .filter_map(|t| tokenizer.token_to_id(t))
@@ -462,10 +469,10 @@ fn generation(
                 true,
                 RenderFlags::default(),
             )
-            .map_err(RunError)?;
+            .map_err(RunError::new)?;
         let enc = tokenizer
             .encode(text, false)
-            .map_err(|e| RunError(format!("cannot tokenize a prompt: {e}")))?;
+            .map_err(|e| RunError::new(format!("cannot tokenize a prompt: {e}")))?;
         prompts.push(enc.get_ids().to_vec());
     }
     let sampling = Sampling {
@@ -492,15 +499,15 @@ fn generation(
             stop_strings.hit(ids)
         })
     })
-    .map_err(|e| RunError(format!("cannot start a generation thread: {e}")))?;
+    .map_err(|e| RunError::new(format!("cannot start a generation thread: {e}")))?;
     for (i, batch) in outputs.into_iter().enumerate() {
         let batch = batch.map_err(train::err)?;
         for (k, out) in batch.iter().enumerate() {
             let (q, expected, env) = &rows[i * g.batch + k];
-            let (response, _) = stop_strings.cut(&out.ids).map_err(RunError)?;
+            let (response, _) = stop_strings.cut(&out.ids).map_err(RunError::new)?;
             let reward =
                 crate::reward::score(env.as_deref().unwrap_or(&g.env), &response, expected)
-                    .map_err(RunError)?;
+                    .map_err(RunError::new)?;
             total += reward;
             for (hit, holds) in hits.iter_mut().zip(holds(tokenizer, &out.ids, g)?) {
                 *hit += usize::from(holds);
@@ -540,7 +547,7 @@ fn holds(
     }
     let raw = tokenizer
         .decode(ids, false)
-        .map_err(|e| RunError(format!("cannot decode a response: {e}")))?;
+        .map_err(|e| RunError::new(format!("cannot decode a response: {e}")))?;
     let (raw, _) = crate::model::sampling::cut_at_stop(&raw, &g.stop);
     Ok(g.contains
         .iter()
@@ -578,7 +585,7 @@ pub fn greedy(
 mod tests {
     use super::*;
     use crate::model::config::ModelConfig;
-    use crate::{DeclError, Op, StageDecl};
+    use nemo_dag_op::{DeclError, Op, StageDecl};
 
     #[test]
     fn batched_left_padded_greedy_equals_one_prompt_at_a_time() {

@@ -28,8 +28,8 @@ use crate::model::config::{Activation, BlockKind, Position};
 use crate::model::net::{Mixer, Model};
 use crate::pretrain::input;
 use crate::train::checkpoint;
-use crate::{DeclError, Metrics, Op, RunContext, RunError, StageDecl, typed_params};
 use candle_core::Tensor;
+use nemo_dag_op::{DeclError, Metrics, Op, RunContext, RunError, StageDecl, typed_params};
 use serde::Deserialize;
 use serde_json::{Value, json};
 use std::collections::{BTreeMap, HashMap};
@@ -78,7 +78,7 @@ impl Op for Export {
     fn run(&self, ctx: &mut RunContext) -> Result<Metrics, RunError> {
         let dir = input(ctx, "model")?;
         let model = checkpoint::load_model(&dir)
-            .map_err(|e| RunError(format!("cannot load the model: {e}")))?;
+            .map_err(|e| RunError::new(format!("cannot load the model: {e}")))?;
         let out = ctx.out_dir.join("hf");
         let layers = write_llama(&model, &out)?;
         std::fs::copy(dir.join("tokenizer.json"), out.join("tokenizer.json"))?;
@@ -117,10 +117,10 @@ pub fn llama_layers(model: &Model) -> Result<usize, String> {
 
 /// Write `config.json` and `model.safetensors` of the Llama equivalent into `out`.
 pub fn write_llama(model: &Model, out: &Path) -> Result<usize, RunError> {
-    let layers = llama_layers(model).map_err(RunError)?;
+    let layers = llama_layers(model).map_err(RunError::new)?;
     let cfg = &model.cfg;
     let (h, k, d) = (cfg.heads, cfg.kv_heads(), cfg.head_dim);
-    let e = |e: candle_core::Error| RunError(format!("export: {e}"));
+    let e = |e: candle_core::Error| RunError::new(format!("export: {e}"));
     let mut tensors: HashMap<String, Tensor> = HashMap::new();
     let mut put = |name: String, t: Tensor| -> Result<(), RunError> {
         tensors.insert(name, t.contiguous().map_err(e)?);
@@ -131,7 +131,7 @@ pub fn write_llama(model: &Model, out: &Path) -> Result<usize, RunError> {
         let (attn_block, mlp_block) = (&model.blocks[2 * i], &model.blocks[2 * i + 1]);
         let (Mixer::Attention(attn), Mixer::Mlp(mlp)) = (&attn_block.mixer, &mlp_block.mixer)
         else {
-            return Err(RunError("internal: pattern and blocks disagree".into()));
+            return Err(RunError::new("internal: pattern and blocks disagree"));
         };
         let p = format!("model.layers.{i}");
         put(
@@ -191,7 +191,7 @@ pub fn write_llama(model: &Model, out: &Path) -> Result<usize, RunError> {
         "initializer_range": cfg.init_std,
         "torch_dtype": "float32",
     });
-    let text = serde_json::to_string_pretty(&config).map_err(|e| RunError(e.to_string()))?;
+    let text = serde_json::to_string_pretty(&config).map_err(|e| RunError::new(e.to_string()))?;
     std::fs::write(out.join("config.json"), text + "\n")?;
     Ok(layers)
 }

@@ -28,7 +28,7 @@
 //! Python script can reproduce the data exactly).
 
 use crate::pyrandom::PyRandom;
-use crate::{DeclError, Metrics, Op, RunContext, RunError, StageDecl, typed_params};
+use nemo_dag_op::{DeclError, Metrics, Op, RunContext, RunError, StageDecl, typed_params};
 use serde::Deserialize;
 use serde_json::{Value, json};
 use std::collections::BTreeMap;
@@ -119,7 +119,7 @@ impl Op for Generate {
     }
 
     fn run(&self, ctx: &mut RunContext) -> Result<Metrics, RunError> {
-        let p: Params = typed_params(ctx.stage.params).map_err(|e| RunError(e.message))?;
+        let p: Params = typed_params(ctx.stage.params).map_err(|e| RunError::new(e.message))?;
         let mut rng = PyRandom::new(p.seed);
         let (mut pretrain, mut chat, mut prompts) = (String::new(), String::new(), String::new());
         let mut preferences = String::new();

@@ -53,8 +53,8 @@ use crate::sft::RowOrder;
 use crate::train::{
     self, MicroLoss, Objective, Schedule, Tally, Trainer, checkpoint, token_logprobs,
 };
-use crate::{DeclError, Metrics, Op, RunContext, RunError, StageDecl, typed_params};
 use candle_core::{Device, Tensor};
+use nemo_dag_op::{DeclError, Metrics, Op, RunContext, RunError, StageDecl, typed_params};
 use serde::Deserialize;
 use serde_json::Value;
 use std::collections::BTreeMap;
@@ -244,11 +244,11 @@ impl Op for Grpo {
     }
 
     fn run(&self, ctx: &mut RunContext) -> Result<Metrics, RunError> {
-        let p: Params = typed_params(ctx.stage.params).map_err(|e| RunError(e.message))?;
+        let p: Params = typed_params(ctx.stage.params).map_err(|e| RunError::new(e.message))?;
         let model_dir = input(ctx, "model")?;
         let load = || {
             checkpoint::load_model(&model_dir).map_err(|e| {
-                RunError(format!(
+                RunError::new(format!(
                     "cannot load the model {}: {e}",
                     model_dir.display()
                 ))
@@ -318,16 +318,16 @@ fn read_prompts(
     } else {
         path.to_path_buf()
     };
-    let text =
-        std::fs::read_to_string(&file).map_err(|e| RunError(format!("{}: {e}", file.display())))?;
+    let text = std::fs::read_to_string(&file)
+        .map_err(|e| RunError::new(format!("{}: {e}", file.display())))?;
     let template =
-        ChatTemplate::load(&TemplateSource::from_param(&p.chat_template)).map_err(RunError)?;
+        ChatTemplate::load(&TemplateSource::from_param(&p.chat_template)).map_err(RunError::new)?;
     let mut prompts = Vec::new();
     for (i, line) in text.lines().enumerate() {
         if line.trim().is_empty() {
             continue;
         }
-        let at = |msg: String| RunError(format!("{}:{}: {msg}", file.display(), i + 1));
+        let at = |msg: String| RunError::new(format!("{}:{}: {msg}", file.display(), i + 1));
         let row: Value = serde_json::from_str(line).map_err(|e| at(e.to_string()))?;
         let input = &row["responses_create_params"]["input"];
         let messages: Vec<Message> = match (p.prompt, row["question"].as_str()) {
@@ -372,7 +372,7 @@ fn read_prompts(
         prompts.push(Prompt { ids, expected, env });
     }
     if prompts.is_empty() {
-        return Err(RunError(format!("{} has no prompts", file.display())));
+        return Err(RunError::new(format!("{} has no prompts", file.display())));
     }
     Ok(prompts)
 }

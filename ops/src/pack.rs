@@ -27,11 +27,10 @@
 use crate::chat::{
     self, ChatOptions, ChatStats, ChatTemplate, RowConfig, RowFields, TemplateSource,
 };
+use crate::packed_parquet;
 use crate::packing::{self, Algorithm, PackStats, Sequence};
 use crate::text::files_of;
-use crate::{
-    DeclError, Metrics, Op, RunContext, RunError, StageDecl, packed_parquet, typed_params,
-};
+use nemo_dag_op::{DeclError, Metrics, Op, RunContext, RunError, StageDecl, typed_params};
 use rayon::prelude::*;
 use serde::Deserialize;
 use serde_json::{Value, json};
@@ -187,7 +186,7 @@ impl Op for Pack {
     }
 
     fn run(&self, ctx: &mut RunContext) -> Result<Metrics, RunError> {
-        let p: Params = typed_params(ctx.stage.params).map_err(|e| RunError(e.message))?;
+        let p: Params = typed_params(ctx.stage.params).map_err(|e| RunError::new(e.message))?;
         let (tokenizer, _) = crate::load_tokenizer(ctx.inputs)?;
         let source = match (
             ctx.inputs.get("chat_template"),
@@ -197,9 +196,9 @@ impl Op for Pack {
             (None, Some(f)) => TemplateSource::TokenizerConfig(f.clone()),
             (None, None) => param_template(&p.chat_template),
         };
-        let template =
-            ChatTemplate::load(&source).map_err(|e| RunError(format!("chat template: {e}")))?;
-        let algorithm = p.algorithm().map_err(RunError)?;
+        let template = ChatTemplate::load(&source)
+            .map_err(|e| RunError::new(format!("chat template: {e}")))?;
+        let algorithm = p.algorithm().map_err(RunError::new)?;
         let mut chat_opts = ChatOptions::default();
         if let Some(t) = p.truncate_history_thinking {
             chat_opts.truncate_history_thinking = t;
@@ -226,7 +225,7 @@ impl Op for Pack {
             let mut rows = Vec::new();
             for file in files_of(path)? {
                 let text = std::fs::read_to_string(&file)
-                    .map_err(|e| RunError(format!("{}: {e}", file.display())))?;
+                    .map_err(|e| RunError::new(format!("{}: {e}", file.display())))?;
                 rows.extend(
                     text.lines()
                         .filter(|l| !l.trim().is_empty())
@@ -283,7 +282,7 @@ impl Op for Pack {
                 if let Some(parent) = path.parent() {
                     std::fs::create_dir_all(parent)?;
                 }
-                packed_parquet::write(&path, &rows).map_err(|e| RunError(e.to_string()))?;
+                packed_parquet::write(&path, &rows).map_err(|e| RunError::new(e.to_string()))?;
                 Ok(ShardOut {
                     dataset: dataset.clone(),
                     index: *index,
@@ -301,7 +300,7 @@ impl Op for Pack {
         // Whole shards into splits, then symlinks and blend.json.
         let (_, valid_n, test_n) =
             packing::split_shard_counts(shards.len(), p.train_ratio, p.valid_ratio, p.test_ratio)
-                .map_err(RunError)?;
+                .map_err(RunError::new)?;
         let (train, valid, test) =
             packing::assign_splits(shards.iter().collect(), p.seed, valid_n, test_n);
         let weight = |d: &str| p.weights.get(d).copied().unwrap_or(1.0);
@@ -311,8 +310,8 @@ impl Op for Pack {
             weighted(test, &p.weights),
         );
         if train.is_empty() {
-            return Err(RunError(
-                "the train split has no shard: add data, shards, or weight".into(),
+            return Err(RunError::new(
+                "the train split has no shard: add data, shards, or weight",
             ));
         }
         let mut blend = serde_json::Map::new();
@@ -338,7 +337,7 @@ impl Op for Pack {
             );
         }
         let text = serde_json::to_string_pretty(&Value::Object(blend))
-            .map_err(|e| RunError(e.to_string()))?;
+            .map_err(|e| RunError::new(e.to_string()))?;
         std::fs::write(out.join("blend.json"), text + "\n")?;
 
         // Totals over all shards.

@@ -32,7 +32,7 @@ use crate::model::config::ModelConfig;
 use crate::model::layers::Layout;
 use crate::model::net::{Batch, Model};
 use crate::train::{self, BatchSource, NextToken, Objective, Schedule, Trainer, checkpoint};
-use crate::{DeclError, Metrics, Op, RunContext, RunError, StageDecl, typed_params};
+use nemo_dag_op::{DeclError, Metrics, Op, RunContext, RunError, StageDecl, typed_params};
 use serde::Deserialize;
 use serde_json::Value;
 use std::collections::BTreeMap;
@@ -86,7 +86,7 @@ impl Op for Pretrain {
     }
 
     fn run(&self, ctx: &mut RunContext) -> Result<Metrics, RunError> {
-        let p: Params = typed_params(ctx.stage.params).map_err(|e| RunError(e.message))?;
+        let p: Params = typed_params(ctx.stage.params).map_err(|e| RunError::new(e.message))?;
         let (tokenizer, tok_path) = crate::load_tokenizer(ctx.inputs)?;
         let vocab = model_vocab(&p.model, tokenizer.get_vocab_size(true))?;
         let data_dir = input(ctx, "data")?;
@@ -172,7 +172,7 @@ pub(crate) fn model_vocab(cfg: &ModelConfig, tokenizer_vocab: usize) -> Result<u
         return Ok(tokenizer_vocab);
     }
     if cfg.vocab < tokenizer_vocab {
-        return Err(RunError(format!(
+        return Err(RunError::new(format!(
             "model.vocab is {} but the tokenizer has {tokenizer_vocab} tokens",
             cfg.vocab
         )));
@@ -186,7 +186,7 @@ pub(crate) fn model_tokenizer(
 ) -> Result<(tokenizers::Tokenizer, PathBuf), RunError> {
     let path = model_dir.join("tokenizer.json");
     let tokenizer = tokenizers::Tokenizer::from_file(&path)
-        .map_err(|e| RunError(format!("cannot load {}: {e}", path.display())))?;
+        .map_err(|e| RunError::new(format!("cannot load {}: {e}", path.display())))?;
     Ok((tokenizer, path))
 }
 
@@ -194,7 +194,7 @@ pub(crate) fn input(ctx: &RunContext, name: &str) -> Result<PathBuf, RunError> {
     ctx.inputs
         .get(name)
         .cloned()
-        .ok_or_else(|| RunError(format!("no `{name}` input")))
+        .ok_or_else(|| RunError::new(format!("no `{name}` input")))
 }
 
 /// Resume from the stage's own checkpoint if an interrupted attempt left one, train, and
@@ -209,7 +209,7 @@ pub(crate) fn train_and_publish(
     let ckpt = ctx.out_dir.join("checkpoint");
     if let Some(dir) = checkpoint::latest(&ckpt) {
         checkpoint::restore(&mut trainer, &dir)
-            .map_err(|e| RunError(format!("cannot resume from {}: {e}", dir.display())))?;
+            .map_err(|e| RunError::new(format!("cannot resume from {}: {e}", dir.display())))?;
         writeln!(
             ctx.log,
             "resuming from the checkpoint at step {}",
@@ -225,7 +225,7 @@ pub(crate) fn train_and_publish(
     )?;
     let model_dir = ctx.out_dir.join("model");
     checkpoint::save_model(&trainer.model, &model_dir)
-        .map_err(|e| RunError(format!("cannot write {}: {e}", model_dir.display())))?;
+        .map_err(|e| RunError::new(format!("cannot write {}: {e}", model_dir.display())))?;
     std::fs::copy(tokenizer, model_dir.join("tokenizer.json"))?;
     let _ = std::fs::remove_dir_all(ctx.out_dir.join("checkpoint.old"));
     match summary {
@@ -246,16 +246,16 @@ pub(crate) fn blend_split(
 ) -> Result<Vec<(f64, PathBuf)>, RunError> {
     let path = dir.join("blend.json");
     let text = std::fs::read_to_string(&path).map_err(|e| {
-        RunError(format!(
+        RunError::new(format!(
             "{}: {e} (the input must be a {kind} artifact)",
             path.display()
         ))
     })?;
-    let blend: Value =
-        serde_json::from_str(&text).map_err(|e| RunError(format!("{}: {e}", path.display())))?;
+    let blend: Value = serde_json::from_str(&text)
+        .map_err(|e| RunError::new(format!("{}: {e}", path.display())))?;
     let list = blend[split].as_array().cloned().unwrap_or_default();
     if list.len() % 2 != 0 || (required && list.is_empty()) {
-        return Err(RunError(format!(
+        return Err(RunError::new(format!(
             "{}: `{split}` must be a non-empty [weight, path, …] list",
             path.display()
         )));
@@ -269,7 +269,7 @@ pub(crate) fn blend_split(
                 .filter(|w| *w > 0.0 && w.is_finite());
             match (w, pair[1].as_str()) {
                 (Some(w), Some(rel)) => Ok((w, dir.join(rel))),
-                _ => Err(RunError(format!(
+                _ => Err(RunError::new(format!(
                     "{}: bad `{split}` entry {pair:?}",
                     path.display()
                 ))),
@@ -313,7 +313,7 @@ impl PretrainData {
         let mut datasets = Vec::new();
         for (prefix, w) in prefixes.iter().zip(&weights) {
             let reader = IndexedReader::open(prefix)
-                .map_err(|e| RunError(format!("{}: {e}", prefix.display())))?;
+                .map_err(|e| RunError::new(format!("{}: {e}", prefix.display())))?;
             // Megatron asks each blended component for ceil(ceil(N·w)·1.005) samples.
             let wanted = if prefixes.len() == 1 {
                 samples as u64
@@ -329,7 +329,7 @@ impl PretrainData {
                 seed,
                 true,
             )
-            .map_err(|e| RunError(format!("{}: {}", prefix.display(), e.0)))?;
+            .map_err(|e| RunError::new(format!("{}: {}", prefix.display(), e.0)))?;
             datasets.push(Dataset { reader, indices });
         }
         let which = if datasets.len() == 1 {
@@ -353,7 +353,7 @@ impl PretrainData {
         let (d, s) = *self
             .which
             .get(i)
-            .ok_or_else(|| RunError(format!("sample {i} is beyond the planned samples")))?;
+            .ok_or_else(|| RunError::new(format!("sample {i} is beyond the planned samples")))?;
         let ds = &self.datasets[d as usize];
         let mut failed = None;
         let tokens = sample_tokens(
@@ -373,12 +373,12 @@ impl PretrainData {
                 }
             },
         )
-        .map_err(|e| RunError(e.0))?;
+        .map_err(|e| RunError::new(e.0))?;
         if let Some(e) = failed {
-            return Err(RunError(e.to_string()));
+            return Err(RunError::new(e.to_string()));
         }
         if let Some(t) = tokens.iter().find(|t| **t as usize >= self.vocab) {
-            return Err(RunError(format!(
+            return Err(RunError::new(format!(
                 "token id {t} is outside the model's vocabulary ({}); was the data tokenized with another tokenizer?",
                 self.vocab
             )));

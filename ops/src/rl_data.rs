@@ -26,7 +26,7 @@
 
 use crate::pyrandom::PyRandom;
 use crate::text::files_of;
-use crate::{DeclError, Metrics, Op, RunContext, RunError, StageDecl, typed_params};
+use nemo_dag_op::{DeclError, Metrics, Op, RunContext, RunError, StageDecl, typed_params};
 use serde::Deserialize;
 use serde_json::{Map, Value, json};
 use std::collections::BTreeMap;
@@ -130,14 +130,14 @@ impl Op for RlData {
     }
 
     fn run(&self, ctx: &mut RunContext) -> Result<Metrics, RunError> {
-        let p: Params = typed_params(ctx.stage.params).map_err(|e| RunError(e.message))?;
+        let p: Params = typed_params(ctx.stage.params).map_err(|e| RunError::new(e.message))?;
         let mut fixed: BTreeMap<&'static str, Vec<Value>> = BTreeMap::new();
         let mut unsplit: Vec<Value> = Vec::new();
         let mut envs: BTreeMap<String, u64> = BTreeMap::new();
         for path in ctx.inputs.values() {
             for file in files_of(path)? {
                 let text = std::fs::read_to_string(&file)
-                    .map_err(|e| RunError(format!("{}: {e}", file.display())))?;
+                    .map_err(|e| RunError::new(format!("{}: {e}", file.display())))?;
                 let mut taken = 0;
                 for (i, line) in text.lines().enumerate() {
                     if line.trim().is_empty() || p.sample.is_some_and(|s| taken >= s) {
@@ -145,9 +145,9 @@ impl Op for RlData {
                     }
                     let at = format!("{}:{}", file.display(), i + 1);
                     let row: Map<String, Value> = serde_json::from_str(line)
-                        .map_err(|e| RunError(format!("{at}: not a JSON object: {e}")))?;
-                    let (record, split) =
-                        gym_record(&row, &p).map_err(|why| RunError(format!("{at}: {why}")))?;
+                        .map_err(|e| RunError::new(format!("{at}: not a JSON object: {e}")))?;
+                    let (record, split) = gym_record(&row, &p)
+                        .map_err(|why| RunError::new(format!("{at}: {why}")))?;
                     *envs
                         .entry(record["env"].as_str().unwrap_or("").to_string())
                         .or_default() += 1;
@@ -179,7 +179,7 @@ impl Op for RlData {
             let rows = fixed.remove(split).unwrap_or_default();
             let mut body = String::new();
             for r in &rows {
-                body.push_str(&serde_json::to_string(r).map_err(|e| RunError(e.to_string()))?);
+                body.push_str(&serde_json::to_string(r).map_err(|e| RunError::new(e.to_string()))?);
                 body.push('\n');
             }
             std::fs::write(out.join(format!("{split}.jsonl")), body)?;
@@ -188,7 +188,7 @@ impl Op for RlData {
             writeln!(ctx.log, "{split}: {} rows", rows.len())?;
         }
         let text = serde_json::to_string_pretty(&Value::Object(manifest))
-            .map_err(|e| RunError(e.to_string()))?;
+            .map_err(|e| RunError::new(e.to_string()))?;
         std::fs::write(out.join("manifest.json"), text + "\n")?;
         m.insert(
             "environments".into(),

@@ -28,7 +28,7 @@ use crate::pretrain::{
     blend_split, check_training, input, model_outputs, model_tokenizer, train_and_publish,
 };
 use crate::train::{BatchSource, NextToken, Schedule, Trainer, checkpoint};
-use crate::{DeclError, Metrics, Op, RunContext, RunError, StageDecl, typed_params};
+use nemo_dag_op::{DeclError, Metrics, Op, RunContext, RunError, StageDecl, typed_params};
 use serde::Deserialize;
 use std::collections::BTreeMap;
 use std::path::Path;
@@ -89,13 +89,13 @@ impl Op for Sft {
     }
 
     fn run(&self, ctx: &mut RunContext) -> Result<Metrics, RunError> {
-        let p: Params = typed_params(ctx.stage.params).map_err(|e| RunError(e.message))?;
+        let p: Params = typed_params(ctx.stage.params).map_err(|e| RunError::new(e.message))?;
         let model_dir = input(ctx, "model")?;
         let model = checkpoint::load_model(&model_dir)
-            .map_err(|e| RunError(format!("cannot load the upstream model: {e}")))?;
+            .map_err(|e| RunError::new(format!("cannot load the upstream model: {e}")))?;
         let (tokenizer, tok_path) = model_tokenizer(&model_dir)?;
         let pad = tokenizer.token_to_id(&p.pad_token).ok_or_else(|| {
-            RunError(format!(
+            RunError::new(format!(
                 "the model's tokenizer has no pad token `{}`; set params.pad_token",
                 p.pad_token
             ))
@@ -109,7 +109,7 @@ impl Op for Sft {
             .enumerate()
             .find(|(_, r)| r.input_ids.len() > max_len + 1)
         {
-            return Err(RunError(format!(
+            return Err(RunError::new(format!(
                 "packed row {i} has {} tokens, more than the model's max_seq {max_len} + 1; pack with a smaller pack_size",
                 r.input_ids.len()
             )));
@@ -119,7 +119,7 @@ impl Op for Sft {
             .flat_map(|r| r.input_ids.iter())
             .find(|t| **t < 0 || **t as usize >= vocab)
         {
-            return Err(RunError(format!(
+            return Err(RunError::new(format!(
                 "token id {t} is outside the model's vocabulary ({vocab}); was the data packed with the model's tokenizer?"
             )));
         }
@@ -162,10 +162,10 @@ fn read_train_rows(dir: &Path, log: &mut dyn std::io::Write) -> Result<Vec<Packe
                 path.display()
             )?;
         }
-        rows.extend(packed_parquet::read(&path).map_err(|e| RunError(e.to_string()))?);
+        rows.extend(packed_parquet::read(&path).map_err(|e| RunError::new(e.to_string()))?);
     }
     if rows.is_empty() {
-        return Err(RunError(format!(
+        return Err(RunError::new(format!(
             "{}: the train split has no rows",
             dir.display()
         )));

@@ -10,7 +10,7 @@
 //! invalid UTF-8 is an error naming the file and line — or, with [`OnBadRow::Skip`], a skip that
 //! is counted and reported in the artifact's metrics.
 
-use crate::RunError;
+use nemo_dag_op::RunError;
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 
@@ -35,7 +35,8 @@ pub struct Document {
 
 /// The files of an input (a file, or every file under a directory), sorted by path.
 pub fn files_of(path: &Path) -> Result<Vec<PathBuf>, RunError> {
-    let meta = std::fs::metadata(path).map_err(|e| RunError(format!("{}: {e}", path.display())))?;
+    let meta =
+        std::fs::metadata(path).map_err(|e| RunError::new(format!("{}: {e}", path.display())))?;
     if !meta.is_dir() {
         return Ok(vec![path.to_path_buf()]);
     }
@@ -43,9 +44,9 @@ pub fn files_of(path: &Path) -> Result<Vec<PathBuf>, RunError> {
     let mut stack = vec![path.to_path_buf()];
     while let Some(dir) = stack.pop() {
         for entry in
-            std::fs::read_dir(&dir).map_err(|e| RunError(format!("{}: {e}", dir.display())))?
+            std::fs::read_dir(&dir).map_err(|e| RunError::new(format!("{}: {e}", dir.display())))?
         {
-            let entry = entry.map_err(|e| RunError(format!("{}: {e}", dir.display())))?;
+            let entry = entry.map_err(|e| RunError::new(format!("{}: {e}", dir.display())))?;
             if entry.file_name().to_string_lossy().starts_with('.') {
                 continue;
             }
@@ -92,13 +93,14 @@ pub fn read_documents(
     if is_parquet(file) {
         return read_parquet(file, text_field, on_bad, limit, stats, each);
     }
-    let bytes = std::fs::read(file).map_err(|e| RunError(format!("{}: {e}", file.display())))?;
+    let bytes =
+        std::fs::read(file).map_err(|e| RunError::new(format!("{}: {e}", file.display())))?;
     if !is_jsonl(file) {
         if reached(stats) {
             return Ok(());
         }
         let text = String::from_utf8(bytes).map_err(|e| {
-            RunError(format!(
+            RunError::new(format!(
                 "{}: invalid UTF-8 at byte {}",
                 file.display(),
                 e.utf8_error().valid_up_to()
@@ -138,7 +140,7 @@ pub fn read_documents(
             Err(why) => match on_bad {
                 OnBadRow::Skip => stats.skipped += 1,
                 OnBadRow::Fail => {
-                    return Err(RunError(format!(
+                    return Err(RunError::new(format!(
                         "{}:{line}: {why} (set `on_bad_row: skip` to skip and count such rows)",
                         file.display()
                     )));
@@ -159,7 +161,7 @@ fn read_parquet(
 ) -> Result<(), RunError> {
     use parquet::file::reader::{FileReader, SerializedFileReader};
     use parquet::record::Field;
-    let at = |e: &dyn std::fmt::Display| RunError(format!("{}: {e}", file.display()));
+    let at = |e: &dyn std::fmt::Display| RunError::new(format!("{}: {e}", file.display()));
     let f = std::fs::File::open(file).map_err(|e| at(&e))?;
     let reader = SerializedFileReader::new(f).map_err(|e| at(&e))?;
     let columns: Vec<String> = reader
@@ -200,7 +202,7 @@ fn read_parquet(
             }
             (None, OnBadRow::Skip) => stats.skipped += 1,
             (None, OnBadRow::Fail) => {
-                return Err(RunError(format!(
+                return Err(RunError::new(format!(
                     "{} row {}: `{text_field}` is null or not a string (set `on_bad_row: skip` to skip and count such rows)",
                     file.display(),
                     i + 1
@@ -264,7 +266,7 @@ mod tests {
             "a.jsonl",
             b"{\"text\": \"one\"}\n\n{\"txt\": \"x\"}\n{bad\n{\"text\": 5}\n{\"text\": \"two\"}\n",
         );
-        let err = read(&p, OnBadRow::Fail).unwrap_err().0;
+        let err = read(&p, OnBadRow::Fail).unwrap_err().message;
         assert!(err.contains("a.jsonl:3: no `text` field"), "{err}");
         let (docs, stats) = read(&p, OnBadRow::Skip).unwrap();
         assert_eq!(docs, vec!["one", "two"]);
@@ -280,13 +282,13 @@ mod tests {
     #[test]
     fn invalid_utf8_is_an_error() {
         let p = tmp("b.jsonl", b"{\"text\": \"ok\"}\n{\"text\": \"\xff\"}\n");
-        let err = read(&p, OnBadRow::Fail).unwrap_err().0;
+        let err = read(&p, OnBadRow::Fail).unwrap_err().message;
         assert!(err.contains("b.jsonl:2: invalid UTF-8"), "{err}");
         let p = tmp("c.txt", b"ab\xffcd");
         assert!(
             read(&p, OnBadRow::Fail)
                 .unwrap_err()
-                .0
+                .message
                 .contains("invalid UTF-8")
         );
     }
@@ -317,7 +319,7 @@ mod tests {
         col.close().unwrap();
         rg.close().unwrap();
         w.close().unwrap();
-        let err = read(&p, OnBadRow::Fail).unwrap_err().0;
+        let err = read(&p, OnBadRow::Fail).unwrap_err().message;
         assert!(err.contains("f.parquet row 2"), "{err}");
         let (docs, stats) = read(&p, OnBadRow::Skip).unwrap();
         assert_eq!(docs, vec!["first doc", "third doc"]);
@@ -331,7 +333,7 @@ mod tests {
         let mut s = ReadStats::default();
         let e = read_documents(&p, "body", OnBadRow::Fail, None, &mut s, |_| Ok(()))
             .unwrap_err()
-            .0;
+            .message;
         assert!(e.contains("no column `body` (columns: text)"), "{e}");
     }
 

@@ -46,7 +46,7 @@
 
 use crate::megatron::{DType, IndexedWriter, smallest_for_vocab};
 use crate::text::{self, OnBadRow, ReadStats};
-use crate::{DeclError, Metrics, Op, RunContext, RunError, StageDecl, typed_params};
+use nemo_dag_op::{DeclError, Metrics, Op, RunContext, RunError, StageDecl, typed_params};
 use rayon::prelude::*;
 use serde::Deserialize;
 use serde_json::{Value, json};
@@ -304,14 +304,14 @@ impl Op for Tokenize {
     }
 
     fn run(&self, ctx: &mut RunContext) -> Result<Metrics, RunError> {
-        let p: Params = typed_params(ctx.stage.params).map_err(|e| RunError(e.message))?;
+        let p: Params = typed_params(ctx.stage.params).map_err(|e| RunError::new(e.message))?;
         let (tokenizer, tok_path) = crate::load_tokenizer(ctx.inputs)?;
         let special = |name: &str, token: &Option<String>| -> Result<Option<u32>, RunError> {
             token
                 .as_ref()
                 .map(|t| {
                     tokenizer.token_to_id(t).ok_or_else(|| {
-                        RunError(format!(
+                        RunError::new(format!(
                             "{name} `{t}` is not a token of {}",
                             tok_path.display()
                         ))
@@ -332,7 +332,7 @@ impl Op for Tokenize {
         let vocab = tokenizer.get_vocab_size(true);
         let dtype = match p.dtype.as_str() {
             "uint16" if smallest_for_vocab(vocab) != DType::U16 => {
-                return Err(RunError(format!(
+                return Err(RunError::new(format!(
                     "dtype uint16 needs a vocabulary below 65,500 tokens; this tokenizer has {vocab}: use int32"
                 )));
             }
@@ -342,7 +342,7 @@ impl Op for Tokenize {
         };
         let blend = p
             .blend(&ctx.stage.inputs)
-            .map_err(|e| RunError(e.message))?;
+            .map_err(|e| RunError::new(e.message))?;
         let shards_per_dataset = if p.sample.is_some() { 1 } else { p.num_shards };
 
         // 1. Plan every dataset's shards.
@@ -351,7 +351,7 @@ impl Op for Tokenize {
             let path = ctx
                 .inputs
                 .get(&d.input)
-                .ok_or_else(|| RunError(format!("no input `{}`", d.input)))?;
+                .ok_or_else(|| RunError::new(format!("no input `{}`", d.input)))?;
             let name = d.name.clone().unwrap_or_else(|| d.input.clone());
             let files = sized_files(path)?;
             for (i, reads) in plan_shards(&files, shards_per_dataset)
@@ -444,7 +444,7 @@ impl Op for Tokenize {
             );
         }
         let text = serde_json::to_string_pretty(&Value::Object(blend_json))
-            .map_err(|e| RunError(e.to_string()))?;
+            .map_err(|e| RunError::new(e.to_string()))?;
         std::fs::write(out_dir.join("blend.json"), text + "\n")?;
 
         let mut per_dataset: BTreeMap<String, (u64, u64, u64)> = BTreeMap::new();
@@ -552,7 +552,7 @@ fn sized_files(path: &Path) -> Result<Vec<(PathBuf, u64)>, RunError> {
         .into_iter()
         .map(|f| {
             let len = std::fs::metadata(&f)
-                .map_err(|e| RunError(format!("{}: {e}", f.display())))?
+                .map_err(|e| RunError::new(format!("{}: {e}", f.display())))?
                 .len();
             Ok((f, len))
         })
@@ -673,7 +673,7 @@ fn tokenize_shard(
         std::fs::create_dir_all(parent)?;
     }
     let mut writer = IndexedWriter::create(&prefix, s.dtype)
-        .map_err(|e| RunError(format!("{}: {e}", prefix.display())))?;
+        .map_err(|e| RunError::new(format!("{}: {e}", prefix.display())))?;
     let mut stats = ReadStats::default();
     let mut documents = 0u64;
     let mut tokens = 0u64;
@@ -684,7 +684,7 @@ fn tokenize_shard(
         }
         let documents_ids = encoder
             .encode_batch(std::mem::take(batch), s.bos, s.eos)
-            .map_err(|e| RunError(format!("{}: tokenizer failed: {e}", job.dataset)))?;
+            .map_err(|e| RunError::new(format!("{}: tokenizer failed: {e}", job.dataset)))?;
         for mut ids in documents_ids {
             if let Some(max) = s.max_doc_tokens {
                 ids.truncate(max);
@@ -694,7 +694,7 @@ fn tokenize_shard(
             }
             writer
                 .add_document(&ids)
-                .map_err(|e| RunError(format!("{}: {e}", prefix.display())))?;
+                .map_err(|e| RunError::new(format!("{}: {e}", prefix.display())))?;
             documents += 1;
             tokens += ids.len() as u64;
         }
@@ -729,7 +729,7 @@ fn tokenize_shard(
     flush(&mut batch, &mut writer)?;
     writer
         .finish()
-        .map_err(|e| RunError(format!("{}: {e}", prefix.display())))?;
+        .map_err(|e| RunError::new(format!("{}: {e}", prefix.display())))?;
     Ok(ShardResult {
         split: job.split,
         dataset: job.dataset.clone(),

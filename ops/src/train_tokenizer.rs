@@ -18,7 +18,7 @@
 //! are read in input-name order, files in path order.
 
 use crate::text::{self, OnBadRow, ReadStats};
-use crate::{DeclError, Metrics, Op, RunContext, RunError, StageDecl, typed_params};
+use nemo_dag_op::{DeclError, Metrics, Op, RunContext, RunError, StageDecl, typed_params};
 use serde::Deserialize;
 use serde_json::Value;
 use std::collections::BTreeMap;
@@ -113,7 +113,7 @@ impl Op for TrainTokenizer {
     }
 
     fn run(&self, ctx: &mut RunContext) -> Result<Metrics, RunError> {
-        let p: Params = typed_params(ctx.stage.params).map_err(|e| RunError(e.message))?;
+        let p: Params = typed_params(ctx.stage.params).map_err(|e| RunError::new(e.message))?;
         let mut docs = Vec::new();
         let mut stats = ReadStats::default();
         for (name, path) in ctx.inputs {
@@ -143,7 +143,7 @@ impl Op for TrainTokenizer {
         let out = ctx.out_dir.join("tokenizer.json");
         tokenizer
             .save(&out, true)
-            .map_err(|e| RunError(format!("cannot save {}: {e}", out.display())))?;
+            .map_err(|e| RunError::new(format!("cannot save {}: {e}", out.display())))?;
         let vocab = tokenizer.get_vocab_size(true);
         writeln!(
             ctx.log,
@@ -184,10 +184,10 @@ fn train(docs: &[String], p: &Params) -> Result<Tokenizer, RunError> {
             .with_post_processor(Some(byte_level))
             .with_decoder(Some(byte_level))
             .build()
-            .map_err(|e| RunError(format!("cannot build the tokenizer: {e}")))?;
+            .map_err(|e| RunError::new(format!("cannot build the tokenizer: {e}")))?;
     tokenizer
         .train(&mut trainer, docs.iter())
-        .map_err(|e| RunError(format!("BPE training failed: {e}")))?;
+        .map_err(|e| RunError::new(format!("BPE training failed: {e}")))?;
     Ok(tokenizer.into())
 }
 

@@ -12,6 +12,11 @@ use std::time::{Duration, Instant};
 
 pub const BIN: &str = env!("CARGO_BIN_EXE_nemo-dag");
 
+/// The repository's root (this test binary belongs to `engine/cli`).
+pub fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../..")
+}
+
 /// The two-stage example of the CLI contract. `total` sums with awk (not `paste | bc`), so the
 /// tests need nothing beyond coreutils and awk.
 pub const TWO_STAGE_YAML: &str = r#"vars:

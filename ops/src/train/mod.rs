@@ -24,10 +24,10 @@
 pub mod checkpoint;
 pub mod optim;
 
-use crate::RunError;
 use crate::model::net::{Batch, Model};
 use crate::model::params::to_f32_vec;
 use candle_core::Tensor;
+use nemo_dag_op::RunError;
 use optim::{AdamW, AdamWConfig, Decay};
 use serde::{Deserialize, Serialize};
 use serde_json::{Value, json};
@@ -258,7 +258,7 @@ pub struct Trainer {
 }
 
 pub(crate) fn err(e: candle_core::Error) -> RunError {
-    RunError(format!("training: {e}"))
+    RunError::new(format!("training: {e}"))
 }
 
 /// What a micro-batch's backward leaves for the step: its loss figures and its gradient per
@@ -319,7 +319,7 @@ impl Trainer {
             let done = crate::workers::map(wave.min(micro - start), wave, |k| {
                 micro_grads(objective, model, start + k)
             })
-            .map_err(|e| RunError(format!("cannot start a training thread: {e}")))?;
+            .map_err(|e| RunError::new(format!("cannot start a training thread: {e}")))?;
             for m in done {
                 let m = m?;
                 loss_sum += m.sum;
@@ -343,7 +343,7 @@ impl Trainer {
         }
         let norm = optim::clip(&mut grads, self.schedule.clip_grad);
         if !norm.is_finite() {
-            return Err(RunError(format!(
+            return Err(RunError::new(format!(
                 "step {}: the gradient norm is {norm}; lower lr or check the data",
                 self.step + 1
             )));
@@ -418,7 +418,7 @@ impl Trainer {
             let save = s.save_interval > 0 && self.step.is_multiple_of(s.save_interval);
             if save || self.step == s.steps {
                 checkpoint::save(self, ckpt_dir).map_err(|e| {
-                    RunError(format!(
+                    RunError::new(format!(
                         "cannot write checkpoint in {}: {e}",
                         ckpt_dir.display()
                     ))
@@ -426,7 +426,7 @@ impl Trainer {
                 writeln!(log, "checkpoint: step {} saved", self.step)?;
             }
             if stop_after.is_some_and(|n| self.step >= n) && self.step < s.steps {
-                return Err(RunError(format!(
+                return Err(RunError::new(format!(
                     "stopped after step {} as asked (NEMO_DAG_STOP_AFTER_STEP); run again to resume",
                     self.step
                 )));

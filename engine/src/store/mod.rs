@@ -11,16 +11,27 @@
 //!   cache/digests.json    the file-digest memo
 //! ```
 //!
+//! The modules: [`fs`] writes files atomically; [`find`] finds a store and resolves a stage
+//! name or key prefix in it; [`pins`] keeps artifacts by name; [`gc`] removes what nothing
+//! references.
+//!
 //! The invariant: `artifacts/<key>/` exists only complete. Everything is written and synced
 //! inside `tmp/`, then renamed into place, so a crash or `kill -9` at any instant leaves at worst
 //! a stray `tmp/` entry, which nothing reads and `gc` removes.
+
+mod find;
+mod fs;
+pub mod gc;
+mod pins;
+
+pub use find::{artifact_json, lineage};
+pub use fs::{sync_dir, sync_tree, write_atomic};
 
 use crate::diag::{Failure, Result, io_err};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use std::collections::{BTreeMap, BTreeSet};
 use std::fs::File;
-use std::io::{self, Write};
 use std::path::{Path, PathBuf};
 
 pub const ARTIFACT_SCHEMA: u32 = 1;
@@ -326,49 +337,9 @@ impl Store {
     }
 }
 
-/// Write a file by temp file + rename, optionally fsynced: readers see the old or the new
-/// content, never a torn one.
-pub fn write_atomic(path: &Path, bytes: &[u8], sync: bool) -> io::Result<()> {
-    let dir = path.parent().unwrap_or(Path::new("."));
-    std::fs::create_dir_all(dir)?;
-    let tmp = dir.join(format!(
-        ".{}.{}.tmp",
-        path.file_name().and_then(|n| n.to_str()).unwrap_or("file"),
-        std::process::id()
-    ));
-    let mut f = File::create(&tmp)?;
-    f.write_all(bytes)?;
-    if sync {
-        f.sync_all()?;
-    }
-    drop(f);
-    std::fs::rename(&tmp, path)?;
-    if sync {
-        sync_dir(dir);
-    }
-    Ok(())
-}
-
-/// fsync a directory so a rename in it survives a power cut (best effort).
-pub fn sync_dir(dir: &Path) {
-    if let Ok(d) = File::open(dir) {
-        let _ = d.sync_all();
-    }
-}
-
-/// fsync every file under `dir`, then the directories themselves.
-pub fn sync_tree(dir: &Path) -> io::Result<()> {
-    for entry in std::fs::read_dir(dir)? {
-        let entry = entry?;
-        let ty = entry.file_type()?;
-        if ty.is_dir() {
-            sync_tree(&entry.path())?;
-        } else if ty.is_file() {
-            File::open(entry.path())?.sync_all()?;
-        }
-    }
-    sync_dir(dir);
-    Ok(())
+/// A key as people see it: its first 12 hex digits.
+pub fn short(key: &str) -> &str {
+    &key[..key.len().min(12)]
 }
 
 /// RFC 3339 UTC timestamp with milliseconds, from the system clock.

@@ -1,0 +1,47 @@
+//! `nemo-dag exec` (hidden): build one stage, as every executor does, and print its result
+//! as one JSON line.
+
+use super::ManifestArgs;
+use nemo_dag_engine::exec::{JobSource, exec_command};
+use nemo_dag_op::Registry;
+use std::path::PathBuf;
+
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// A job spec (JSON) written by an executor, or - for stdin
+    #[arg(long, conflicts_with_all = ["stage", "manifest"])]
+    spec: Option<PathBuf>,
+    /// Build this stage of MANIFEST, resolving its key against the store (cluster jobs)
+    #[arg(long, requires = "manifest")]
+    stage: Option<String>,
+    /// The manifest (with --stage)
+    manifest: Option<PathBuf>,
+    /// Overrides KEY.PATH=VALUE, as given to `run`
+    overrides: Vec<String>,
+    #[arg(short = 'c', long = "config", value_name = "VARIANT")]
+    variant: Option<String>,
+    #[arg(long, value_name = "DIR")]
+    store: Option<PathBuf>,
+}
+
+pub fn exec(a: Args, ops: Registry) -> i32 {
+    let source = match (a.spec, a.stage, a.manifest) {
+        (Some(path), _, _) => Some(JobSource::Spec(path)),
+        (None, Some(stage), Some(manifest)) => {
+            let m = ManifestArgs {
+                manifest,
+                overrides: a.overrides,
+                variant: a.variant,
+                store: a.store,
+            };
+            let (manifest, store) = m.load_args(ops, false);
+            Some(JobSource::Stage {
+                stage,
+                manifest,
+                store,
+            })
+        }
+        _ => None,
+    };
+    exec_command(source, ops)
+}

@@ -1,0 +1,151 @@
+//! `nemo-dag run`: build every stale stage, here or on the cluster of an `env.toml` profile.
+
+use super::ManifestArgs;
+use nemo_dag_engine::diag::{Failure, Result};
+use nemo_dag_engine::local::{self, Outcome, RunOptions};
+use nemo_dag_engine::profile::{self, Executor};
+use nemo_dag_engine::slurm;
+use nemo_dag_op::Registry;
+use serde_json::json;
+use std::collections::BTreeMap;
+
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    #[command(flatten)]
+    m: ManifestArgs,
+    /// Run only these stages and what they need (repeatable)
+    #[arg(long = "target", value_name = "STAGE")]
+    targets: Vec<String>,
+    /// Rebuild these stages even if cached (repeatable)
+    #[arg(long, value_name = "STAGE")]
+    force: Vec<String>,
+    /// How many CPUs' worth of stages run at once [default: all cores]
+    #[arg(short = 'j', long)]
+    jobs: Option<usize>,
+    /// Keep running independent stages after one fails
+    #[arg(long)]
+    keep_going: bool,
+    /// Print what would run; run and write nothing
+    #[arg(long)]
+    dry_run: bool,
+    /// Print a JSON summary on stdout
+    #[arg(long)]
+    json: bool,
+    /// Submit to the cluster of this env.toml profile and follow the jobs to the end
+    #[arg(
+        short = 'r',
+        long = "run",
+        value_name = "PROFILE",
+        conflicts_with = "batch"
+    )]
+    run_profile: Option<String>,
+    /// Submit to the cluster of this env.toml profile and return at once
+    #[arg(short = 'b', long = "batch", value_name = "PROFILE")]
+    batch: Option<String>,
+}
+
+pub fn exec(a: Args, argv: Vec<String>, ops: Registry) -> Result<()> {
+    let (manifest, store) = a.m.load_remembering(ops, !a.dry_run)?;
+    let cluster = match (&a.run_profile, &a.batch) {
+        (Some(p), _) => Some((p, slurm::Mode::Run)),
+        (_, Some(p)) => Some((p, slurm::Mode::Batch)),
+        _ => None,
+    };
+    if let Some((name, mode)) = cluster {
+        let profile = profile::load(&manifest.dir, name)?;
+        if profile.executor == Executor::Slurm {
+            let opts = slurm::SubmitOptions {
+                profile: &profile,
+                mode,
+                dry_run: a.dry_run,
+                targets: &a.targets,
+                force: &a.force,
+            };
+            let outcomes = slurm::submit(&manifest, &store, &opts)?;
+            if a.dry_run {
+                return Ok(());
+            }
+            if mode == slurm::Mode::Run {
+                summarize(&outcomes);
+            }
+            if a.json {
+                println!("{}", json!({ "stages": outcomes }));
+            }
+            return fail_if_any(&outcomes);
+        }
+        // A local profile runs here, with its environment.
+        for (k, v) in &profile.env_vars {
+            // SAFETY: single-threaded at this point; no other thread reads the environment.
+            unsafe { std::env::set_var(k, v) };
+        }
+    }
+    if a.dry_run {
+        let stages = local::dry_run(&manifest, &store, &a.targets, &a.force)?;
+        for s in &stages {
+            let reasons = if s.reasons.is_empty() {
+                String::new()
+            } else {
+                format!("  ({})", s.reasons.join("; "))
+            };
+            eprintln!("{:>10}  {}{reasons}", s.state, s.name);
+        }
+        if a.json {
+            println!("{}", json!({ "stages": stages }));
+        }
+        return Ok(());
+    }
+    let jobs = a.jobs.unwrap_or_else(|| {
+        std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(1)
+    });
+    let opts = RunOptions {
+        jobs,
+        keep_going: a.keep_going,
+        targets: a.targets.clone(),
+        force: a.force.clone(),
+        argv,
+    };
+    let outcomes = local::run(&manifest, &store, &opts)?;
+    summarize(&outcomes);
+    if a.json {
+        println!("{}", json!({ "stages": outcomes }));
+    }
+    fail_if_any(&outcomes)
+}
+
+/// `N stage(s): 3 executed, 1 cached` on stderr.
+fn summarize(outcomes: &[Outcome]) {
+    let mut counts: BTreeMap<&str, usize> = BTreeMap::new();
+    for o in outcomes {
+        *counts.entry(o.state).or_default() += 1;
+    }
+    let parts: Vec<String> = [
+        "executed",
+        "cutoff",
+        "cached",
+        "submitted",
+        "failed",
+        "skipped",
+    ]
+    .iter()
+    .filter_map(|s| counts.get(s).map(|n| format!("{n} {s}")))
+    .collect();
+    eprintln!("{} stage(s): {}", outcomes.len(), parts.join(", "));
+}
+
+fn fail_if_any(outcomes: &[Outcome]) -> Result<()> {
+    let failed: Vec<&Outcome> = outcomes.iter().filter(|o| o.state == "failed").collect();
+    if let Some(first) = failed.first() {
+        let log = first
+            .log
+            .as_deref()
+            .unwrap_or("the store's failed/ directory");
+        return Err(Failure::Stage(format!(
+            "{} stage(s) failed; first: `{}` — see its log: {log}",
+            failed.len(),
+            first.name
+        )));
+    }
+    Ok(())
+}

@@ -1,0 +1,53 @@
+//! `nemo-dag show`: a published artifact's metadata, by stage name or key.
+
+use super::TargetArgs;
+use nemo_dag_engine::diag::Result;
+use nemo_dag_engine::store::{InputRecord, Store, artifact_json, short};
+
+pub type Args = TargetArgs;
+
+pub fn exec(a: Args) -> Result<()> {
+    let store = Store::find(a.store.as_deref(), a.manifest.as_deref())?;
+    let key = store.resolve_target(&a.target, a.manifest.as_deref())?;
+    let artifact = store.load_existing(&key)?;
+    let v = artifact_json(&store, &artifact);
+    if a.json {
+        println!("{v}");
+        return Ok(());
+    }
+    println!("stage    {}", artifact.stage);
+    println!("op       {} v{}", artifact.op, artifact.op_version);
+    println!("key      {}", artifact.key);
+    println!(
+        "built    {} on {} in {:.2}s (nemo-dag {})",
+        artifact.started_at, artifact.host, artifact.seconds, artifact.engine_version
+    );
+    println!("params   {}", artifact.params);
+    for (name, i) in &artifact.inputs {
+        match i {
+            InputRecord::File { path, digest } => {
+                println!("input    {name} = {path} ({})", short(digest))
+            }
+            InputRecord::Upstream {
+                stage,
+                output,
+                key,
+                digest,
+            } => {
+                println!(
+                    "input    {name} = {stage}:{output} [{}] ({})",
+                    short(key),
+                    short(digest)
+                )
+            }
+        }
+    }
+    for (name, o) in v["outputs"].as_object().into_iter().flatten() {
+        println!(
+            "output   {name} = {} ({} bytes)",
+            o["path"].as_str().unwrap_or(""),
+            o["bytes"]
+        );
+    }
+    Ok(())
+}

@@ -1,0 +1,145 @@
+//! Finding things without a manifest: which store a command works on, which published key a
+//! stage name or key prefix means, and an artifact's ancestors.
+
+use super::{Artifact, Store, short};
+use crate::diag::{Failure, InputError, Result};
+use serde_json::Value;
+use std::collections::{BTreeSet, VecDeque};
+use std::path::{Path, PathBuf};
+
+impl Store {
+    /// The store of a manifest: `explicit` (`--store`), else `$NEMO_DAG_STORE`, else
+    /// `.nemo-dag` beside the manifest.
+    pub fn for_manifest(explicit: Option<&Path>, manifest: &Path) -> Store {
+        let root = explicit
+            .map(Path::to_path_buf)
+            .or_else(|| std::env::var_os("NEMO_DAG_STORE").map(PathBuf::from))
+            .unwrap_or_else(|| beside(manifest));
+        Store::new(root)
+    }
+
+    /// The store a command without a manifest argument works on: `explicit`, else
+    /// `$NEMO_DAG_STORE`, else the one beside `manifest`, else the nearest `.nemo-dag` in the
+    /// working directory or a parent.
+    pub fn find(explicit: Option<&Path>, manifest: Option<&Path>) -> Result<Store> {
+        if explicit.is_some() || std::env::var_os("NEMO_DAG_STORE").is_some() {
+            return Ok(Store::for_manifest(explicit, Path::new("")));
+        }
+        if let Some(m) = manifest {
+            return Ok(Store::new(beside(m)));
+        }
+        let mut dir = std::env::current_dir().ok();
+        while let Some(d) = dir {
+            if d.join(".nemo-dag").is_dir() {
+                return Ok(Store::new(d.join(".nemo-dag")));
+            }
+            dir = d.parent().map(Path::to_path_buf);
+        }
+        Err(
+            InputError::new("no artifact store found (no .nemo-dag here or in a parent directory)")
+                .help("pass --store DIR, --manifest FILE, or set NEMO_DAG_STORE")
+                .into(),
+        )
+    }
+
+    /// A stage name (its key in the last run of the manifest) or a key prefix → a published
+    /// key. `manifest` narrows the runs searched when several manifests share the store.
+    pub fn resolve_target(&self, target: &str, manifest: Option<&Path>) -> Result<String> {
+        if let Some(key) = self.resolve_key(target)? {
+            return Ok(key);
+        }
+        let wanted = manifest.map(|m| {
+            std::path::absolute(m)
+                .unwrap_or_else(|_| m.to_path_buf())
+                .display()
+                .to_string()
+        });
+        let mut found: Vec<(String, String)> = self
+            .run_records()
+            .into_iter()
+            .filter(|(_, r)| wanted.as_ref().is_none_or(|w| &r.manifest == w))
+            .filter_map(|(_, r)| {
+                r.stages
+                    .get(target)
+                    .map(|k| (r.manifest.clone(), k.clone()))
+            })
+            .collect();
+        let manifests: BTreeSet<&String> = found.iter().map(|(m, _)| m).collect();
+        if manifests.len() > 1 {
+            let list: Vec<&str> = manifests.iter().map(|s| s.as_str()).collect();
+            return Err(InputError::new(format!(
+                "stage `{target}` is in several manifests: {}",
+                list.join(", ")
+            ))
+            .help("add --manifest FILE to say which")
+            .into());
+        }
+        match found.pop() {
+            Some((_, key)) if self.is_published(&key) => Ok(key),
+            Some((_, key)) => Err(InputError::new(format!(
+                "the last run's artifact for `{target}` ({}) is no longer in the store",
+                short(&key)
+            ))
+            .help("run the manifest again to rebuild it")
+            .into()),
+            None => Err(InputError::new(format!(
+                "no artifact for `{target}` in {}",
+                self.root.display()
+            ))
+            .help("give a stage name from a manifest that has been run, or a key (6+ hex digits)")
+            .into()),
+        }
+    }
+
+    /// A published artifact that must be there (a key from a record or a resolved target).
+    pub fn load_existing(&self, key: &str) -> Result<Artifact> {
+        self.load(key).ok_or_else(|| {
+            Failure::Other(miette::miette!(
+                "artifact {key} is missing or unreadable in {}",
+                self.root.display()
+            ))
+        })
+    }
+}
+
+/// `.nemo-dag` in the directory of `manifest`.
+fn beside(manifest: &Path) -> PathBuf {
+    let abs = std::path::absolute(manifest).unwrap_or_else(|_| manifest.to_path_buf());
+    abs.parent()
+        .map(Path::to_path_buf)
+        .unwrap_or_default()
+        .join(".nemo-dag")
+}
+
+/// Every ancestor of `artifact`, nearest first (breadth-first over `upstream_keys`), each once.
+pub fn lineage(store: &Store, artifact: &Artifact) -> Result<Vec<Artifact>> {
+    let mut ancestors = Vec::new();
+    let mut seen = BTreeSet::new();
+    let mut todo: VecDeque<String> = artifact.upstream_keys.iter().cloned().collect();
+    while let Some(k) = todo.pop_front() {
+        if !seen.insert(k.clone()) {
+            continue;
+        }
+        let a = store.load_existing(&k)?;
+        todo.extend(a.upstream_keys.iter().cloned());
+        ancestors.push(a);
+    }
+    Ok(ancestors)
+}
+
+/// The artifact as JSON, with output paths made absolute so they can be used directly, and
+/// its directory as `dir`.
+pub fn artifact_json(store: &Store, artifact: &Artifact) -> Value {
+    let dir = store.artifact_dir(&artifact.key);
+    let mut v = serde_json::to_value(artifact).unwrap_or(Value::Null);
+    if let Some(outputs) = v.get_mut("outputs").and_then(Value::as_object_mut) {
+        for out in outputs.values_mut() {
+            if let Some(p) = out.get("path").and_then(Value::as_str) {
+                let abs = dir.join(p).display().to_string();
+                out["path"] = Value::String(abs);
+            }
+        }
+    }
+    v["dir"] = Value::String(dir.display().to_string());
+    v
+}

@@ -1,0 +1,113 @@
+//! The list of ops a binary offers, and the nearest name to a misspelt one.
+//!
+//! The engine never names an op: the `nemo-dag` binary hands it a [`Registry`] built from the
+//! ops crate's static list, so the engine builds and tests without any ML code.
+
+use crate::Op;
+
+/// The ops a manifest may name, in the order `nemo-dag ops` lists them.
+#[derive(Clone, Copy)]
+pub struct Registry {
+    ops: &'static [&'static dyn Op],
+}
+
+impl Registry {
+    pub const fn new(ops: &'static [&'static dyn Op]) -> Self {
+        Registry { ops }
+    }
+
+    /// The op a manifest calls `name`.
+    pub fn get(&self, name: &str) -> Option<&'static dyn Op> {
+        self.ops.iter().copied().find(|op| op.name() == name)
+    }
+
+    pub fn iter(&self) -> impl Iterator<Item = &'static dyn Op> + '_ {
+        self.ops.iter().copied()
+    }
+
+    pub fn names(&self) -> Vec<&'static str> {
+        self.ops.iter().map(|op| op.name()).collect()
+    }
+
+    /// What to tell someone who wrote `op: name` for an op that does not exist: the nearest
+    /// name if one is close, and the whole list.
+    pub fn help_for_unknown(&self, name: &str) -> String {
+        let names = self.names();
+        match nearest(name, names.iter().copied()) {
+            Some(near) => format!("did you mean `{near}`? the ops are: {}", names.join(", ")),
+            None => format!("the ops are: {}", names.join(", ")),
+        }
+    }
+}
+
+impl std::fmt::Debug for Registry {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_list().entries(self.names()).finish()
+    }
+}
+
+/// The candidate closest to `wanted` by edit distance, if it is close enough to be a likely
+/// typo: at most a third of the longer name's length (at least one edit), as cargo and just
+/// suggest a command. Ties go to the first candidate.
+pub fn nearest<'a>(wanted: &str, candidates: impl IntoIterator<Item = &'a str>) -> Option<&'a str> {
+    let mut best: Option<(usize, &str)> = None;
+    for c in candidates {
+        let d = edit_distance(wanted, c);
+        let limit = (wanted.chars().count().max(c.chars().count()) / 3).max(1);
+        if d <= limit && best.is_none_or(|(bd, _)| d < bd) {
+            best = Some((d, c));
+        }
+    }
+    best.map(|(_, c)| c)
+}
+
+/// Edit distance over characters, a swap of two neighbours counting as one edit (optimal
+/// string alignment), so `gpro` is one edit from `grpo`.
+fn edit_distance(a: &str, b: &str) -> usize {
+    let a: Vec<char> = a.chars().collect();
+    let b: Vec<char> = b.chars().collect();
+    let mut d = vec![vec![0usize; b.len() + 1]; a.len() + 1];
+    for (i, row) in d.iter_mut().enumerate() {
+        row[0] = i;
+    }
+    d[0] = (0..=b.len()).collect();
+    for i in 1..=a.len() {
+        for j in 1..=b.len() {
+            let cost = usize::from(a[i - 1] != b[j - 1]);
+            let mut best = (d[i - 1][j] + 1)
+                .min(d[i][j - 1] + 1)
+                .min(d[i - 1][j - 1] + cost);
+            if i > 1 && j > 1 && a[i - 1] == b[j - 2] && a[i - 2] == b[j - 1] {
+                best = best.min(d[i - 2][j - 2] + 1);
+            }
+            d[i][j] = best;
+        }
+    }
+    d[a.len()][b.len()]
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn distances() {
+        assert_eq!(edit_distance("", "abc"), 3);
+        assert_eq!(edit_distance("pretrain", "pretrain"), 0);
+        assert_eq!(edit_distance("pretrian", "pretrain"), 1);
+        assert_eq!(edit_distance("gpro", "grpo"), 1);
+        assert_eq!(edit_distance("sft", "dpo"), 3);
+        assert_eq!(edit_distance("kitten", "sitting"), 3);
+    }
+
+    #[test]
+    fn the_nearest_name_is_suggested_only_when_close() {
+        let ops = ["cmd", "pretrain", "sft", "dpo", "grpo", "eval", "tokenize"];
+        assert_eq!(nearest("pretrian", ops), Some("pretrain"));
+        assert_eq!(nearest("tokenise", ops), Some("tokenize"));
+        assert_eq!(nearest("gpro", ops), Some("grpo"));
+        assert_eq!(nearest("evals", ops), Some("eval"));
+        assert_eq!(nearest("train_everything", ops), None);
+        assert_eq!(nearest("xyz", ops), None);
+    }
+}

@@ -1,0 +1,29 @@
+//! nemo-dag's integration tests: one binary (as ripgrep and uv do), one module per area.
+//! Most drive the built `nemo-dag` binary on a scratch project (`common::Project`); helpers
+//! they share live in `common/`, and the Python checks they call in `py/`.
+
+mod common;
+
+/// Incremental runs, early cutoff, YAML/TOML equivalence, the store, gc and pins.
+mod spine;
+
+/// Bad input: exit code 2, the place named, nothing written.
+mod errors;
+
+/// Crashes, kills, concurrent runs and interrupted builds leave the store consistent.
+mod robustness;
+
+/// The data ops against their Python references: tokenizers, Megatron's reader, packing.
+mod data;
+
+/// Training, checkpoints, resume, export, eval.
+mod train;
+
+/// The shipped recipes load, and the tiny ones run.
+mod recipes;
+
+/// Stage keys of every shipped manifest are what they were.
+mod keys;
+
+/// The Slurm executor against a real single-node cluster (scripts/slurm-up).
+mod slurm;
