@@ -5,7 +5,7 @@
 //! `NEMO_DAG_PYTHON` at it (and sets `NEMO_DAG_REQUIRE_PYTHON=1`); run alone without one, the
 //! Python comparisons say they skip.
 
-use nemo_dag_ops::megatron::IndexedReader;
+use nemo_dag_data::megatron::IndexedReader;
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -534,7 +534,7 @@ stages:
         for entry in std::fs::read_dir(data.join("splits").join(split)).unwrap() {
             let path = entry.unwrap().path();
             assert!(path.symlink_metadata().unwrap().file_type().is_symlink());
-            for row in nemo_dag_ops::packed_parquet::read(&path).unwrap() {
+            for row in nemo_dag_data::sft::parquet::read(&path).unwrap() {
                 let n = row.input_ids.len();
                 assert!(n <= 96 && n == row.loss_mask.len());
                 assert_eq!(row.seq_start_id[0], 0);

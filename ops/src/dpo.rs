@@ -66,7 +66,6 @@
 //!
 //! Outputs as `sft`: `model` (weights, config, tokenizer) and `checkpoint` (resumable).
 
-use crate::chat::{ChatTemplate, Json, Message, RenderFlags, Role, TemplateSource};
 use crate::model::layers::Layout;
 use crate::model::net::Model;
 use crate::pretrain::{check_training, input, model_outputs, model_tokenizer, train_and_publish};
@@ -75,6 +74,7 @@ use crate::train::{
     self, MicroLoss, Objective, Schedule, Tally, Trainer, checkpoint, token_logprobs,
 };
 use candle_core::{DType, Tensor};
+use nemo_dag_data::chat::{ChatTemplate, Json, Message, RenderFlags, Role, TemplateSource};
 use nemo_dag_op::{DeclError, Metrics, Op, RunContext, RunError, StageDecl, typed_params};
 use serde::Deserialize;
 use serde_json::Value;

@@ -28,21 +28,21 @@
 //! sample, row `i` of the file from its own generator seeded by `seed` and `i`) until
 //! `<|im_end|>`/`<|endoftext|>`, a `stop` string, or `max_tokens`; the response (cut before a
 //! stop string) is scored against `expected_answer` by the row's `env` (default `env` param,
-//! `math`) with [`crate::reward`]. Accuracy is the mean score. Decoding is cached (KV caches for
+//! `math`) with [`nemo_dag_data::reward`]. Accuracy is the mean score. Decoding is cached (KV caches for
 //! attention, conv/SSM states for Mamba: [`crate::model::decode`]), batched `batch` prompts at a
 //! time with left padding that no row can see.
 //!
 //! Output `results/results.json`; the same numbers are the artifact's metrics, and the log ends
 //! with a small table.
 
-use crate::chat::{ChatTemplate, Message, RenderFlags, Role, TemplateSource};
-use crate::megatron::IndexedReader;
 use crate::model::layers::Layout;
 use crate::model::net::{Batch, Model};
 use crate::model::params::Rng;
 use crate::model::sampling::{Sampling, StopStrings, generate, generate_until};
 use crate::pretrain::{blend_split, input, model_tokenizer};
 use crate::train::{self, checkpoint};
+use nemo_dag_data::chat::{ChatTemplate, Message, RenderFlags, Role, TemplateSource};
+use nemo_dag_data::megatron::IndexedReader;
 use nemo_dag_op::{DeclError, Metrics, Op, RunContext, RunError, StageDecl, typed_params};
 use serde::Deserialize;
 use serde_json::{Value, json};
@@ -246,7 +246,7 @@ impl Op for Eval {
                     "an empty string is in every response: name what to look for",
                 );
             }
-            crate::reward::score(&g.env, "", "")
+            nemo_dag_data::reward::score(&g.env, "", "")
                 .map_err(|e| DeclError::new(&["params", "generation", "env"], e))?;
         }
         if !stage.outputs.is_empty() {
@@ -506,7 +506,7 @@ fn generation(
             let (q, expected, env) = &rows[i * g.batch + k];
             let (response, _) = stop_strings.cut(&out.ids).map_err(RunError::new)?;
             let reward =
-                crate::reward::score(env.as_deref().unwrap_or(&g.env), &response, expected)
+                nemo_dag_data::reward::score(env.as_deref().unwrap_or(&g.env), &response, expected)
                     .map_err(RunError::new)?;
             total += reward;
             for (hit, holds) in hits.iter_mut().zip(holds(tokenizer, &out.ids, g)?) {

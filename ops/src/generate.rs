@@ -27,7 +27,7 @@
 //! The same seed gives byte-identical files (CPython's `random.Random(seed)` drives it, so a
 //! Python script can reproduce the data exactly).
 
-use crate::pyrandom::PyRandom;
+use nemo_dag_data::random::PyRandom;
 use nemo_dag_op::{DeclError, Metrics, Op, RunContext, RunError, StageDecl, typed_params};
 use serde::Deserialize;
 use serde_json::{Value, json};

@@ -43,7 +43,6 @@
 //! scoring 1), `response_length` (mean new tokens), `truncated` (fraction that hit the limit),
 //! `kl` (mean k3 per response token, only when the KL term is on).
 
-use crate::chat::{ChatTemplate, Message, RenderFlags, TemplateSource};
 use crate::model::layers::Layout;
 use crate::model::net::Model;
 use crate::model::params::Rng;
@@ -54,6 +53,7 @@ use crate::train::{
     self, MicroLoss, Objective, Schedule, Tally, Trainer, checkpoint, token_logprobs,
 };
 use candle_core::{Device, Tensor};
+use nemo_dag_data::chat::{ChatTemplate, Message, RenderFlags, TemplateSource};
 use nemo_dag_op::{DeclError, Metrics, Op, RunContext, RunError, StageDecl, typed_params};
 use serde::Deserialize;
 use serde_json::Value;
@@ -210,7 +210,7 @@ impl Params {
                 "must be <= advantage_clip_high".into(),
             );
         }
-        crate::reward::score(&self.env, "", "")
+        nemo_dag_data::reward::score(&self.env, "", "")
             .map_err(|e| DeclError::new(&["params", "env"], e))?;
         Ok(())
     }
@@ -283,7 +283,7 @@ impl Op for Grpo {
         let score = |prompt: &Prompt, response: &[u32]| -> f64 {
             let text = tokenizer.decode(response, true).unwrap_or_default();
             // An environment that cannot score the response gives it 0 (reference §4.4).
-            crate::reward::score(&prompt.env, &text, &prompt.expected).unwrap_or(0.0)
+            nemo_dag_data::reward::score(&prompt.env, &text, &prompt.expected).unwrap_or(0.0)
         };
         let mut objective = Rollouts::new(&p, prompts, reference, stops, &score);
         let tokens = objective.tokens.clone();
@@ -333,7 +333,9 @@ fn read_prompts(
         let messages: Vec<Message> = match (p.prompt, row["question"].as_str()) {
             (PromptField::Messages, _) if input.is_array() => serde_json::from_value(input.clone())
                 .map_err(|e| at(format!("responses_create_params.input: {e}")))?,
-            (PromptField::Question, Some(q)) => vec![Message::new(crate::chat::Role::User, q)],
+            (PromptField::Question, Some(q)) => {
+                vec![Message::new(nemo_dag_data::chat::Role::User, q)]
+            }
             (PromptField::Messages, _) => {
                 return Err(at(
                     "a prompt row needs `responses_create_params.input` (messages): \
@@ -353,7 +355,7 @@ fn read_prompts(
             _ => return Err(at("a prompt row needs `expected_answer`".into())),
         };
         let env = row["env"].as_str().unwrap_or(&p.env).to_string();
-        crate::reward::score(&env, "", "").map_err(at)?;
+        nemo_dag_data::reward::score(&env, "", "").map_err(at)?;
         let rendered = template
             .render(&messages, None, true, RenderFlags::default())
             .map_err(at)?;

@@ -26,28 +26,19 @@
 //! of training and generation side by side, one thread each; [`simd`] is the element-wise
 //! math of the fused ops and the optimizer, vectorised for the CPU at hand.
 
-pub mod bpe;
-pub mod chat;
 pub mod choice;
 pub mod cmd;
 pub mod dpo;
 pub mod eval;
 pub mod export;
 pub mod generate;
-pub mod gpt_dataset;
 pub mod grpo;
-pub mod megatron;
 pub mod model;
 pub mod pack;
-pub mod packed_parquet;
-pub mod packing;
 pub mod pretrain;
-pub mod pyrandom;
-pub mod reward;
 pub mod rl_data;
 pub mod sft;
 pub mod simd;
-pub mod text;
 pub mod tokenize;
 pub mod train;
 pub mod train_tokenizer;

@@ -8,14 +8,14 @@
 //!   params: {chat_template: nano3, pack_size: 4096, algorithm: first_fit_shuffle}
 //! ```
 //!
-//! For every conversation ([`crate::chat`]): render it with the chat template, cut it into role
+//! For every conversation ([`nemo_dag_data::chat`]): render it with the chat template, cut it into role
 //! chunks by incremental rendering, expand reasoning conversations into one sequence per user
 //! turn, tokenize each chunk on its own and set the loss mask to 1 exactly on assistant tokens.
 //! Rows that fail validation or render inconsistently are dropped and counted. Then, per shard
-//! ([`crate::packing`]): pack the sequences into bins of at most `pack_size` tokens (a
+//! ([`nemo_dag_data::sft::packing`]): pack the sequences into bins of at most `pack_size` tokens (a
 //! conversation is never split; an over-long one is truncated and counted), materialize each
 //! bin with `seq_start_id` and the label-aligned mask, and write
-//! `shards/<dataset>/shard_<i:06d>.parquet` ([`crate::packed_parquet`]). Shards never mix
+//! `shards/<dataset>/shard_<i:06d>.parquet` ([`nemo_dag_data::sft::parquet`]). Shards never mix
 //! datasets. Finally whole shards are split into train/valid/test by the ratio rule and a seeded
 //! shuffle, and `splits/<split>/<position:06d>__<dataset>__shard_<i:06d>.parquet` relative
 //! symlinks plus `blend.json` record the result.
@@ -24,12 +24,12 @@
 //! `tokenizer_config` (a Hugging Face tokenizer_config.json with `chat_template`); every other
 //! input is a chat JSONL dataset.
 
-use crate::chat::{
+use nemo_dag_data::chat::{
     self, ChatOptions, ChatStats, ChatTemplate, RowConfig, RowFields, TemplateSource,
 };
-use crate::packed_parquet;
-use crate::packing::{self, Algorithm, PackStats, Sequence};
-use crate::text::files_of;
+use nemo_dag_data::sft::packing::{self, Algorithm, PackStats, Sequence};
+use nemo_dag_data::sft::parquet as packed_parquet;
+use nemo_dag_data::text::files_of;
 use nemo_dag_op::{DeclError, Metrics, Op, RunContext, RunError, StageDecl, typed_params};
 use rayon::prelude::*;
 use serde::Deserialize;

@@ -26,12 +26,14 @@
 //! model plus AdamW state and progress). The op is resumable: a stage killed or preempted
 //! after a checkpoint continues from it on the next run and ends with the same weights.
 
-use crate::gpt_dataset::{GptIndices, blend_indices, build_gpt_indices, sample_tokens};
-use crate::megatron::IndexedReader;
 use crate::model::config::ModelConfig;
 use crate::model::layers::Layout;
 use crate::model::net::{Batch, Model};
 use crate::train::{self, BatchSource, NextToken, Objective, Schedule, Trainer, checkpoint};
+use nemo_dag_data::megatron::IndexedReader;
+use nemo_dag_data::megatron::gpt_dataset::{
+    GptIndices, blend_indices, build_gpt_indices, sample_tokens,
+};
 use nemo_dag_op::{DeclError, Metrics, Op, RunContext, RunError, StageDecl, typed_params};
 use serde::Deserialize;
 use serde_json::Value;

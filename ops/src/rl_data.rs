@@ -24,8 +24,8 @@
 //! `random.Random(seed)`). Output: `train.jsonl`, `val.jsonl`, `test.jsonl` and `manifest.json`
 //! (`{"train": "train.jsonl", "val": …, "test": …}`, paths relative to it).
 
-use crate::pyrandom::PyRandom;
-use crate::text::files_of;
+use nemo_dag_data::random::PyRandom;
+use nemo_dag_data::text::files_of;
 use nemo_dag_op::{DeclError, Metrics, Op, RunContext, RunError, StageDecl, typed_params};
 use serde::Deserialize;
 use serde_json::{Map, Value, json};

@@ -19,15 +19,15 @@
 //! The loss is per token over the global batch: Σ masked cross-entropy / Σ loss mask.
 //! Rows are visited in a seeded shuffled order, epoch after epoch.
 
-use crate::gpt_dataset::NumpyRandomState;
 use crate::model::layers::Layout;
 use crate::model::net::Batch;
-use crate::packed_parquet;
-use crate::packing::PackedRow;
 use crate::pretrain::{
     blend_split, check_training, input, model_outputs, model_tokenizer, train_and_publish,
 };
 use crate::train::{BatchSource, NextToken, Schedule, Trainer, checkpoint};
+use nemo_dag_data::random::NumpyRandomState;
+use nemo_dag_data::sft::packing::PackedRow;
+use nemo_dag_data::sft::parquet as packed_parquet;
 use nemo_dag_op::{DeclError, Metrics, Op, RunContext, RunError, StageDecl, typed_params};
 use serde::Deserialize;
 use std::collections::BTreeMap;

@@ -28,10 +28,10 @@
 //! 2. **Tokenize** every shard (all shards in parallel, each with batch encoding): drop documents
 //!    shorter than `min_doc_chars` characters, encode without special tokens, prepend BOS if
 //!    `add_bos`, append EOS if `add_eos`, then truncate to `max_doc_tokens`; documents that end
-//!    up empty are never written. Encoding is [`crate::bpe::FastBpe`] when the tokenizer.json
+//!    up empty are never written. Encoding is [`nemo_dag_data::tokenizer::FastBpe`] when the tokenizer.json
 //!    is a byte-level BPE configuration it reproduces exactly (the same ids as the `tokenizers`
 //!    crate), else the `tokenizers` crate itself; the stage log says which (`encoder: …`).
-//! 3. **Write** `datasets/<name>/shard_<i:06d>.{bin,idx}` (MMIDIDX v1; see [`crate::megatron`]).
+//! 3. **Write** `datasets/<name>/shard_<i:06d>.{bin,idx}` (MMIDIDX v1; see [`nemo_dag_data::megatron`]).
 //! 4. **Split and blend**: in single-blend mode all shards of all datasets are shuffled together
 //!    with Python's `random.Random(seed)` (seed 42 by default, as Nemotron); the first
 //!    `test_shards` go to test, the next `valid_shards` to valid, the rest to train. Each shard
@@ -44,8 +44,8 @@
 //! the size and is allowed when every id fits: the tokenizer's vocabulary, added tokens included,
 //! must be below 65,500 (Megatron's `preprocess_data.py` rule); `auto` picks uint16 exactly then.
 
-use crate::megatron::{DType, IndexedWriter, smallest_for_vocab};
-use crate::text::{self, OnBadRow, ReadStats};
+use nemo_dag_data::megatron::{DType, IndexedWriter, smallest_for_vocab};
+use nemo_dag_data::text::{self, OnBadRow, ReadStats};
 use nemo_dag_op::{DeclError, Metrics, Op, RunContext, RunError, StageDecl, typed_params};
 use rayon::prelude::*;
 use serde::Deserialize;
@@ -383,20 +383,22 @@ impl Op for Tokenize {
         };
         let out_dir = ctx.out_dir.join("data");
         // Our own byte-level BPE where it reproduces this tokenizer.json exactly, else the
-        // `tokenizers` crate (see `crate::bpe`).
-        let fast = match crate::bpe::FastBpe::from_json(&std::fs::read_to_string(tok_path)?) {
-            Ok(fast) => {
-                writeln!(ctx.log, "encoder: nemo-dag's byte-level BPE (fast path)")?;
-                Some(fast)
-            }
-            Err(why) => {
-                writeln!(
-                    ctx.log,
-                    "encoder: the tokenizers crate (fast path unsupported: {why})"
-                )?;
-                None
-            }
-        };
+        // `tokenizers` crate (see `nemo_dag_data::tokenizer`).
+        let fast =
+            match nemo_dag_data::tokenizer::FastBpe::from_json(&std::fs::read_to_string(tok_path)?)
+            {
+                Ok(fast) => {
+                    writeln!(ctx.log, "encoder: nemo-dag's byte-level BPE (fast path)")?;
+                    Some(fast)
+                }
+                Err(why) => {
+                    writeln!(
+                        ctx.log,
+                        "encoder: the tokenizers crate (fast path unsupported: {why})"
+                    )?;
+                    None
+                }
+            };
         let encoder = Encoder {
             tokenizer: &tokenizer,
             fast: fast.as_ref(),
@@ -415,8 +417,12 @@ impl Op for Tokenize {
             BTreeMap::from([("train", vec![]), ("valid", vec![]), ("test", vec![])]);
         let written: Vec<&ShardResult> = shards.iter().filter(|s| s.weight > 0.0).collect();
         if blend.single.is_some() {
-            let (train, valid, test) =
-                crate::packing::assign_splits(written, p.seed, p.valid_shards, p.test_shards);
+            let (train, valid, test) = nemo_dag_data::sft::packing::assign_splits(
+                written,
+                p.seed,
+                p.valid_shards,
+                p.test_shards,
+            );
             splits.insert("train", train);
             splits.insert("valid", valid);
             splits.insert("test", test);
@@ -622,7 +628,7 @@ const BATCH: usize = 1000;
 /// The tokenizer, and our fast encoder of it when it has one.
 struct Encoder<'a> {
     tokenizer: &'a tokenizers::Tokenizer,
-    fast: Option<&'a crate::bpe::FastBpe>,
+    fast: Option<&'a nemo_dag_data::tokenizer::FastBpe>,
 }
 
 impl Encoder<'_> {
@@ -703,7 +709,7 @@ fn tokenize_shard(
     let limit = s.sample;
     for read in &job.reads {
         let mut row = 0usize;
-        text::read_documents(
+        text::read_documents::<RunError>(
             &read.file,
             &job.text_field,
             s.on_bad,

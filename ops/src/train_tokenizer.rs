@@ -17,7 +17,7 @@
 //! `tokenizers` (and `transformers`) load. Training is deterministic for a fixed corpus: inputs
 //! are read in input-name order, files in path order.
 
-use crate::text::{self, OnBadRow, ReadStats};
+use nemo_dag_data::text::{self, OnBadRow, ReadStats};
 use nemo_dag_op::{DeclError, Metrics, Op, RunContext, RunError, StageDecl, typed_params};
 use serde::Deserialize;
 use serde_json::Value;
@@ -119,7 +119,7 @@ impl Op for TrainTokenizer {
         for (name, path) in ctx.inputs {
             let mut input_stats = ReadStats::default();
             for file in text::files_of(path)? {
-                text::read_documents(
+                text::read_documents::<RunError>(
                     &file,
                     &p.text_field,
                     p.on_bad_row,

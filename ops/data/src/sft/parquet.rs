@@ -4,7 +4,7 @@
 //!
 //! ```text
 //! input_ids:    list<int32>   the concatenated token ids of the bin (unpadded)
-//! loss_mask:    list<uint8>   label-aligned per subsequence (see crate::packing)
+//! loss_mask:    list<uint8>   label-aligned per subsequence (see crate::sft::packing)
 //! seq_start_id: list<int32>   where each packed sequence starts
 //! ```
 //!
@@ -13,7 +13,7 @@
 //! (no Arrow): a list column is one leaf column of values with repetition levels (0 starts a
 //! row, 1 continues it) and definition levels (1 for a value, 0 for an empty list).
 
-use crate::packing::PackedRow;
+use crate::sft::packing::PackedRow;
 use parquet::basic::{Compression, ZstdLevel};
 use parquet::data_type::Int32Type;
 use parquet::file::properties::WriterProperties;

@@ -21,7 +21,7 @@
 //! `src/nemotron/data_prep/packing/` and `utils/splits.py`, read through the code index); those
 //! points are called out in the item docs below.
 
-use crate::pyrandom::PyRandom;
+use crate::random::PyRandom;
 use serde::{Deserialize, Serialize};
 
 // ---------------------------------------------------------------------------------------------

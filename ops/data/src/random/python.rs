@@ -8,7 +8,7 @@
 //!   pretraining and `random.Random(packing_seed)` for SFT (§1.7 steps 8 and 12).
 //!
 //! What CPython does, and what this module reproduces:
-//! - The generator is the 32-bit Mersenne Twister MT19937.
+//! - The generator is the 32-bit Mersenne Twister MT19937 ([`Mt19937`]).
 //! - An integer seed is made non-negative (`abs`), cut into 32-bit words, least significant
 //!   first (at least one word, so seed 0 is the key `[0]`), and fed to the reference
 //!   `init_by_array` routine (itself started from `init_genrand(19650218)`).
@@ -23,28 +23,12 @@
 //!
 //! The unit tests compare against values printed by CPython 3.11.
 
-/// Degree of recurrence (state size in 32-bit words).
-const N: usize = 624;
-/// Middle word offset.
-const M: usize = 397;
-const MATRIX_A: u32 = 0x9908_b0df;
-const UPPER_MASK: u32 = 0x8000_0000;
-const LOWER_MASK: u32 = 0x7fff_ffff;
+use super::Mt19937;
 
 /// A generator in the same state as CPython's `random.Random(seed)`.
-#[derive(Clone)]
+#[derive(Clone, Debug)]
 pub struct PyRandom {
-    state: [u32; N],
-    /// Index of the next word to temper; `N` means the state must be regenerated first.
-    index: usize,
-}
-
-impl std::fmt::Debug for PyRandom {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("PyRandom")
-            .field("index", &self.index)
-            .finish_non_exhaustive()
-    }
+    mt: Mt19937,
 }
 
 impl PyRandom {
@@ -67,78 +51,14 @@ impl PyRandom {
     /// Seed from the 32-bit words of `abs(seed)`, least significant first, as CPython does for
     /// integers of any size. An empty key is treated as `[0]` (CPython always uses one word).
     pub fn from_key(key: &[u32]) -> Self {
-        let key: &[u32] = if key.is_empty() { &[0] } else { key };
-        let mut rng = PyRandom {
-            state: [0; N],
-            index: N,
-        };
-        rng.init_genrand(19_650_218);
-        let mt = &mut rng.state;
-        let mut i = 1usize;
-        let mut j = 0usize;
-        for _ in 0..N.max(key.len()) {
-            let prev = mt[i - 1] ^ (mt[i - 1] >> 30);
-            mt[i] = (mt[i] ^ prev.wrapping_mul(1_664_525))
-                .wrapping_add(key[j])
-                .wrapping_add(j as u32);
-            i += 1;
-            j += 1;
-            if i >= N {
-                mt[0] = mt[N - 1];
-                i = 1;
-            }
-            if j >= key.len() {
-                j = 0;
-            }
+        PyRandom {
+            mt: Mt19937::from_key(key),
         }
-        for _ in 0..N - 1 {
-            let prev = mt[i - 1] ^ (mt[i - 1] >> 30);
-            mt[i] = (mt[i] ^ prev.wrapping_mul(1_566_083_941)).wrapping_sub(i as u32);
-            i += 1;
-            if i >= N {
-                mt[0] = mt[N - 1];
-                i = 1;
-            }
-        }
-        mt[0] = 0x8000_0000; // MSB is 1, assuring a non-zero initial array
-        rng
-    }
-
-    /// The reference `init_genrand`: fill the state from a single 32-bit value.
-    fn init_genrand(&mut self, s: u32) {
-        self.state[0] = s;
-        for i in 1..N {
-            let prev = self.state[i - 1];
-            self.state[i] = 1_812_433_253u32
-                .wrapping_mul(prev ^ (prev >> 30))
-                .wrapping_add(i as u32);
-        }
-        self.index = N;
-    }
-
-    /// Regenerate all `N` words of the state (the reference "twist").
-    fn twist(&mut self) {
-        let mt = &mut self.state;
-        for k in 0..N {
-            let y = (mt[k] & UPPER_MASK) | (mt[(k + 1) % N] & LOWER_MASK);
-            let mag = if y & 1 == 1 { MATRIX_A } else { 0 };
-            mt[k] = mt[(k + M) % N] ^ (y >> 1) ^ mag;
-        }
-        self.index = 0;
     }
 
     /// The next 32-bit output (`genrand_uint32`).
     pub fn next_u32(&mut self) -> u32 {
-        if self.index >= N {
-            self.twist();
-        }
-        let mut y = self.state[self.index];
-        self.index += 1;
-        y ^= y >> 11;
-        y ^= (y << 7) & 0x9d2c_5680;
-        y ^= (y << 15) & 0xefc6_0000;
-        y ^= y >> 18;
-        y
+        self.mt.next_u32()
     }
 
     /// `getrandbits(k)` for `k <= 64`.

@@ -34,6 +34,7 @@
 //! Megatron's shuffle index too (same stream continued), use [`build_gpt_indices`] or the
 //! `*_with` variants with one shared [`NumpyRandomState`].
 
+use crate::random::NumpyRandomState;
 use std::fmt;
 
 /// Megatron's threshold for shuffling the final epoch separately (§2.4 step 2).
@@ -53,114 +54,6 @@ impl std::error::Error for GptDatasetError {}
 
 fn err<T>(message: impl Into<String>) -> Result<T, GptDatasetError> {
     Err(GptDatasetError(message.into()))
-}
-
-/// numpy's legacy `numpy.random.RandomState(seed)` for an integer seed in `[0, 2^32)`:
-/// only the parts Megatron uses (`shuffle`, hence `permutation`).
-#[derive(Clone)]
-pub struct NumpyRandomState {
-    mt: [u32; 624],
-    index: usize,
-}
-
-impl fmt::Debug for NumpyRandomState {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("NumpyRandomState")
-            .field("index", &self.index)
-            .finish_non_exhaustive()
-    }
-}
-
-impl NumpyRandomState {
-    /// `RandomState(seed)`: numpy's `mt19937_seed`, which is the reference `init_genrand`.
-    pub fn new(seed: u32) -> Self {
-        let mut mt = [0u32; 624];
-        mt[0] = seed;
-        for i in 1..624 {
-            let prev = mt[i - 1];
-            mt[i] = 1_812_433_253u32
-                .wrapping_mul(prev ^ (prev >> 30))
-                .wrapping_add(i as u32);
-        }
-        NumpyRandomState { mt, index: 624 }
-    }
-
-    fn twist(&mut self) {
-        for i in 0..624 {
-            let y = (self.mt[i] & 0x8000_0000) | (self.mt[(i + 1) % 624] & 0x7fff_ffff);
-            let mut next = self.mt[(i + 397) % 624] ^ (y >> 1);
-            if y & 1 != 0 {
-                next ^= 0x9908_b0df;
-            }
-            self.mt[i] = next;
-        }
-        self.index = 0;
-    }
-
-    /// One tempered MT19937 output.
-    pub fn next_u32(&mut self) -> u32 {
-        if self.index >= 624 {
-            self.twist();
-        }
-        let mut y = self.mt[self.index];
-        self.index += 1;
-        y ^= y >> 11;
-        y ^= (y << 7) & 0x9d2c_5680;
-        y ^= (y << 15) & 0xefc6_0000;
-        y ^= y >> 18;
-        y
-    }
-
-    /// numpy's `next_uint64` for MT19937: two outputs, the first one high.
-    fn next_u64(&mut self) -> u64 {
-        let high = u64::from(self.next_u32());
-        (high << 32) | u64::from(self.next_u32())
-    }
-
-    /// numpy's `random_interval(max)`: uniform in `[0, max]` by masked rejection.
-    pub fn random_interval(&mut self, max: u64) -> u64 {
-        if max == 0 {
-            return 0;
-        }
-        let mut mask = max;
-        mask |= mask >> 1;
-        mask |= mask >> 2;
-        mask |= mask >> 4;
-        mask |= mask >> 8;
-        mask |= mask >> 16;
-        mask |= mask >> 32;
-        if max <= u64::from(u32::MAX) {
-            loop {
-                let value = u64::from(self.next_u32()) & mask;
-                if value <= max {
-                    return value;
-                }
-            }
-        } else {
-            loop {
-                let value = self.next_u64() & mask;
-                if value <= max {
-                    return value;
-                }
-            }
-        }
-    }
-
-    /// `RandomState.shuffle(x)` for a 1-D array: for `i` from `len−1` down to 1,
-    /// swap `x[i]` with `x[random_interval(i)]`.
-    pub fn shuffle<T>(&mut self, x: &mut [T]) {
-        for i in (1..x.len()).rev() {
-            let j = self.random_interval(i as u64) as usize;
-            x.swap(i, j);
-        }
-    }
-
-    /// `RandomState.permutation(n)`: `arange(n)` shuffled.
-    pub fn permutation(&mut self, n: usize) -> Vec<usize> {
-        let mut x: Vec<usize> = (0..n).collect();
-        self.shuffle(&mut x);
-        x
-    }
 }
 
 /// Number of epochs needed to draw `num_samples` samples of `seq_length` tokens

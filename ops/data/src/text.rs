@@ -10,7 +10,6 @@
 //! invalid UTF-8 is an error naming the file and line — or, with [`OnBadRow::Skip`], a skip that
 //! is counted and reported in the artifact's metrics.
 
-use nemo_dag_op::RunError;
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 
@@ -34,19 +33,16 @@ pub struct Document {
 }
 
 /// The files of an input (a file, or every file under a directory), sorted by path.
-pub fn files_of(path: &Path) -> Result<Vec<PathBuf>, RunError> {
-    let meta =
-        std::fs::metadata(path).map_err(|e| RunError::new(format!("{}: {e}", path.display())))?;
+pub fn files_of(path: &Path) -> Result<Vec<PathBuf>, String> {
+    let meta = std::fs::metadata(path).map_err(|e| format!("{}: {e}", path.display()))?;
     if !meta.is_dir() {
         return Ok(vec![path.to_path_buf()]);
     }
     let mut out = Vec::new();
     let mut stack = vec![path.to_path_buf()];
     while let Some(dir) = stack.pop() {
-        for entry in
-            std::fs::read_dir(&dir).map_err(|e| RunError::new(format!("{}: {e}", dir.display())))?
-        {
-            let entry = entry.map_err(|e| RunError::new(format!("{}: {e}", dir.display())))?;
+        for entry in std::fs::read_dir(&dir).map_err(|e| format!("{}: {e}", dir.display()))? {
+            let entry = entry.map_err(|e| format!("{}: {e}", dir.display()))?;
             if entry.file_name().to_string_lossy().starts_with('.') {
                 continue;
             }
@@ -81,30 +77,29 @@ pub struct ReadStats {
 }
 
 /// Call `each` with every document of `file`, in order, stopping after `limit` documents.
-pub fn read_documents(
+pub fn read_documents<E: From<String>>(
     file: &Path,
     text_field: &str,
     on_bad: OnBadRow,
     limit: Option<u64>,
     stats: &mut ReadStats,
-    mut each: impl FnMut(Document) -> Result<(), RunError>,
-) -> Result<(), RunError> {
+    mut each: impl FnMut(Document) -> Result<(), E>,
+) -> Result<(), E> {
     let reached = |stats: &ReadStats| limit.is_some_and(|l| stats.rows >= l);
     if is_parquet(file) {
         return read_parquet(file, text_field, on_bad, limit, stats, each);
     }
-    let bytes =
-        std::fs::read(file).map_err(|e| RunError::new(format!("{}: {e}", file.display())))?;
+    let bytes = std::fs::read(file).map_err(|e| format!("{}: {e}", file.display()))?;
     if !is_jsonl(file) {
         if reached(stats) {
             return Ok(());
         }
         let text = String::from_utf8(bytes).map_err(|e| {
-            RunError::new(format!(
+            format!(
                 "{}: invalid UTF-8 at byte {}",
                 file.display(),
                 e.utf8_error().valid_up_to()
-            ))
+            )
         });
         match (text, on_bad) {
             (Ok(text), _) => {
@@ -116,7 +111,7 @@ pub fn read_documents(
                 })?;
             }
             (Err(_), OnBadRow::Skip) => stats.skipped += 1,
-            (Err(e), OnBadRow::Fail) => return Err(e),
+            (Err(e), OnBadRow::Fail) => return Err(E::from(e)),
         }
         return Ok(());
     }
@@ -140,7 +135,7 @@ pub fn read_documents(
             Err(why) => match on_bad {
                 OnBadRow::Skip => stats.skipped += 1,
                 OnBadRow::Fail => {
-                    return Err(RunError::new(format!(
+                    return Err(E::from(format!(
                         "{}:{line}: {why} (set `on_bad_row: skip` to skip and count such rows)",
                         file.display()
                     )));
@@ -151,17 +146,17 @@ pub fn read_documents(
     Ok(())
 }
 
-fn read_parquet(
+fn read_parquet<E: From<String>>(
     file: &Path,
     text_field: &str,
     on_bad: OnBadRow,
     limit: Option<u64>,
     stats: &mut ReadStats,
-    mut each: impl FnMut(Document) -> Result<(), RunError>,
-) -> Result<(), RunError> {
+    mut each: impl FnMut(Document) -> Result<(), E>,
+) -> Result<(), E> {
     use parquet::file::reader::{FileReader, SerializedFileReader};
     use parquet::record::Field;
-    let at = |e: &dyn std::fmt::Display| RunError::new(format!("{}: {e}", file.display()));
+    let at = |e: &dyn std::fmt::Display| format!("{}: {e}", file.display());
     let f = std::fs::File::open(file).map_err(|e| at(&e))?;
     let reader = SerializedFileReader::new(f).map_err(|e| at(&e))?;
     let columns: Vec<String> = reader
@@ -174,10 +169,10 @@ fn read_parquet(
         .map(|c| c.name().to_string())
         .collect();
     if !columns.iter().any(|c| c == text_field) {
-        return Err(at(&format!(
+        return Err(E::from(at(&format!(
             "no column `{text_field}` (columns: {})",
             columns.join(", ")
-        )));
+        ))));
     }
     for (i, row) in reader.get_row_iter(None).map_err(|e| at(&e))?.enumerate() {
         if limit.is_some_and(|l| stats.rows >= l) {
@@ -202,7 +197,7 @@ fn read_parquet(
             }
             (None, OnBadRow::Skip) => stats.skipped += 1,
             (None, OnBadRow::Fail) => {
-                return Err(RunError::new(format!(
+                return Err(E::from(format!(
                     "{} row {}: `{text_field}` is null or not a string (set `on_bad_row: skip` to skip and count such rows)",
                     file.display(),
                     i + 1
@@ -250,10 +245,10 @@ mod tests {
         p
     }
 
-    fn read(p: &Path, on_bad: OnBadRow) -> Result<(Vec<String>, ReadStats), RunError> {
+    fn read(p: &Path, on_bad: OnBadRow) -> Result<(Vec<String>, ReadStats), String> {
         let mut docs = Vec::new();
         let mut stats = ReadStats::default();
-        read_documents(p, "text", on_bad, None, &mut stats, |d| {
+        read_documents::<String>(p, "text", on_bad, None, &mut stats, |d| {
             docs.push(d.text);
             Ok(())
         })?;
@@ -266,7 +261,7 @@ mod tests {
             "a.jsonl",
             b"{\"text\": \"one\"}\n\n{\"txt\": \"x\"}\n{bad\n{\"text\": 5}\n{\"text\": \"two\"}\n",
         );
-        let err = read(&p, OnBadRow::Fail).unwrap_err().message;
+        let err = read(&p, OnBadRow::Fail).unwrap_err();
         assert!(err.contains("a.jsonl:3: no `text` field"), "{err}");
         let (docs, stats) = read(&p, OnBadRow::Skip).unwrap();
         assert_eq!(docs, vec!["one", "two"]);
@@ -282,13 +277,12 @@ mod tests {
     #[test]
     fn invalid_utf8_is_an_error() {
         let p = tmp("b.jsonl", b"{\"text\": \"ok\"}\n{\"text\": \"\xff\"}\n");
-        let err = read(&p, OnBadRow::Fail).unwrap_err().message;
+        let err = read(&p, OnBadRow::Fail).unwrap_err();
         assert!(err.contains("b.jsonl:2: invalid UTF-8"), "{err}");
         let p = tmp("c.txt", b"ab\xffcd");
         assert!(
             read(&p, OnBadRow::Fail)
                 .unwrap_err()
-                .message
                 .contains("invalid UTF-8")
         );
     }
@@ -319,7 +313,7 @@ mod tests {
         col.close().unwrap();
         rg.close().unwrap();
         w.close().unwrap();
-        let err = read(&p, OnBadRow::Fail).unwrap_err().message;
+        let err = read(&p, OnBadRow::Fail).unwrap_err();
         assert!(err.contains("f.parquet row 2"), "{err}");
         let (docs, stats) = read(&p, OnBadRow::Skip).unwrap();
         assert_eq!(docs, vec!["first doc", "third doc"]);
@@ -331,9 +325,8 @@ mod tests {
             }
         );
         let mut s = ReadStats::default();
-        let e = read_documents(&p, "body", OnBadRow::Fail, None, &mut s, |_| Ok(()))
-            .unwrap_err()
-            .message;
+        let e = read_documents::<String>(&p, "body", OnBadRow::Fail, None, &mut s, |_| Ok(()))
+            .unwrap_err();
         assert!(e.contains("no column `body` (columns: text)"), "{e}");
     }
 
@@ -350,7 +343,7 @@ mod tests {
         );
         let mut stats = ReadStats::default();
         let mut n = 0;
-        read_documents(&p, "text", OnBadRow::Fail, Some(2), &mut stats, |_| {
+        read_documents::<String>(&p, "text", OnBadRow::Fail, Some(2), &mut stats, |_| {
             n += 1;
             Ok(())
         })
