@@ -490,7 +490,7 @@ fn generation(
     let mut examples = Vec::new();
     // Batches of `g.batch` prompts, side by side on the workers; scored in order.
     let batches: Vec<&[Vec<u32>]> = prompts.chunks(g.batch).collect();
-    let outputs = crate::workers::map(batches.len(), crate::workers::threads(), |i| {
+    let outputs = kernels::workers::map(batches.len(), kernels::workers::threads(), |i| {
         let start = i * g.batch;
         let mut rngs: Vec<Rng> = (start..start + batches[i].len())
             .map(|r| row_rng(g.seed, r))

@@ -560,7 +560,7 @@ impl Objective for Rollouts<'_> {
             &self.sampling,
             &[],
             &mut rngs,
-            crate::workers::threads(),
+            kernels::workers::threads(),
             |_, ids| ids.last().is_some_and(|t| stops.contains(t)),
         )
         .map_err(train::err)?;

@@ -38,11 +38,9 @@ pub mod pack;
 pub mod pretrain;
 pub mod rl_data;
 pub mod sft;
-pub mod simd;
 pub mod tokenize;
 pub mod train;
 pub mod train_tokenizer;
-pub mod workers;
 
 use nemo_dag_op::{Op, Registry, RunError};
 use std::collections::BTreeMap;

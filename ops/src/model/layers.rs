@@ -4,53 +4,15 @@
 //! Packed sequences: a row may hold several independent subsequences (SFT packing). Each token
 //! carries its subsequence id (`segments`) and its position inside that subsequence
 //! (`positions`); attention only looks back inside the same subsequence, and rotary
-//! positions restart at 0 for each (reference §3.3). Pretraining rows are one segment with
+//! positions restart at 0 for each (as Megatron-Bridge packs SFT sequences). Pretraining rows are one segment with
 //! positions 0..T.
 
 use super::config::{Activation, ModelConfig, Position};
 use super::params::{Init, constant_f32};
-use candle_core::{D, DType, Result, Tensor};
+use candle_core::{DType, Result, Tensor};
+use kernels::RopeTables;
 
-/// `x @ wᵀ` for `x` of any rank ≥ 2 and a weight stored `(out, in)` as in PyTorch: one fused
-/// graph node on the CPU ([`super::fused::linear`]), [`linear_plain`] elsewhere.
-pub fn linear(x: &Tensor, w: &Tensor) -> Result<Tensor> {
-    if x.device().is_cpu() && w.device().is_cpu() {
-        return super::fused::linear(x, w);
-    }
-    linear_plain(x, w)
-}
-
-/// `x @ wᵀ` from candle ops: the reference [`super::fused::linear`] is tested against.
-pub fn linear_plain(x: &Tensor, w: &Tensor) -> Result<Tensor> {
-    let dims = x.dims();
-    let last = dims[dims.len() - 1];
-    let rows = x.elem_count() / last;
-    let y = x.reshape((rows, last))?.matmul(&w.t()?)?;
-    let mut out = dims.to_vec();
-    let n = out.len();
-    out[n - 1] = w.dim(0)?;
-    y.reshape(out)
-}
-
-/// RMSNorm over the last dimension: `x / sqrt(mean(x²) + eps) * weight` (the fused op).
-pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
-    super::fused::rms_norm(x, weight, eps)
-}
-
-/// RMSNorm from candle primitives: the reference the fused op is tested against.
-pub fn rms_norm_plain(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
-    let ms = x.sqr()?.mean_keepdim(D::Minus1)?;
-    let inv = (ms + eps)?.sqrt()?.recip()?;
-    x.broadcast_mul(&inv)?.broadcast_mul(weight)
-}
-
-/// Softmax over the last dimension, from primitives (differentiable). The max is subtracted
-/// for stability and detached: it cancels out of the result, so it needs no gradient.
-pub fn softmax(x: &Tensor) -> Result<Tensor> {
-    let max = x.max_keepdim(D::Minus1)?.detach();
-    let e = x.broadcast_sub(&max)?.exp()?;
-    e.broadcast_div(&e.sum_keepdim(D::Minus1)?)
-}
+pub use kernels::{linear, rms_norm, softmax, split_heads};
 
 /// Where each token sits in a batch of packed rows.
 #[derive(Debug, Clone)]
@@ -102,17 +64,8 @@ pub struct Rope {
 
 impl Rope {
     pub fn new(head_dim: usize, max_seq: usize, theta: f64) -> Result<Rope> {
-        let half = head_dim / 2;
-        let mut cos = Vec::with_capacity(max_seq * head_dim);
-        let mut sin = Vec::with_capacity(max_seq * head_dim);
-        for p in 0..max_seq {
-            for i in 0..head_dim {
-                let freq = 1.0 / theta.powf((2 * (i % half)) as f64 / head_dim as f64);
-                let angle = p as f64 * freq;
-                cos.push(angle.cos() as f32);
-                sin.push(angle.sin() as f32);
-            }
-        }
+        let positions: Vec<u32> = (0..max_seq as u32).collect();
+        let (cos, sin) = kernels::rope_angles(head_dim, theta, &positions);
         Ok(Rope {
             cos: constant_f32(cos, &[max_seq, head_dim])?,
             sin: constant_f32(sin, &[max_seq, head_dim])?,
@@ -140,33 +93,18 @@ impl Rope {
 }
 
 impl Rope {
-    /// The same tables as [`Rope::tables`], as the fused [`super::fused::rope`] op takes them.
-    pub fn fused_tables(&self, layout: &Layout) -> Result<super::fused::RopeTables> {
+    /// The same tables as [`Rope::tables`], as the [`kernels::rope`] kernel takes them.
+    pub fn fused_tables(&self, layout: &Layout) -> Result<RopeTables> {
         let (cos, sin) = self.tables(layout)?;
-        Ok(super::fused::RopeTables {
-            cos: std::sync::Arc::new(cos.flatten_all()?.to_vec1::<f32>()?),
-            sin: std::sync::Arc::new(sin.flatten_all()?.to_vec1::<f32>()?),
-            batch: layout.batch,
-            len: layout.len,
-            dim: cos.dim(D::Minus1)?,
-        })
+        RopeTables::new(&cos, &sin)
     }
-}
-
-/// `x·cos + rotate_half(x)·sin` (the plain reference of [`super::fused::rope`]) with `rotate_half([a, b]) = [−b, a]`; `x` is `(B, H, T, D)`.
-pub fn apply_rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
-    let d = x.dim(D::Minus1)?;
-    let a = x.narrow(D::Minus1, 0, d / 2)?;
-    let b = x.narrow(D::Minus1, d / 2, d / 2)?;
-    let rotated = Tensor::cat(&[&b.neg()?, &a], D::Minus1)?;
-    x.broadcast_mul(cos)? + rotated.broadcast_mul(sin)?
 }
 
 /// What every block of one forward pass shares: the layout, its mask and rotary tables.
 pub struct Context<'a> {
     pub layout: &'a Layout,
     pub mask: Option<Tensor>,
-    pub rope: Option<super::fused::RopeTables>,
+    pub rope: Option<RopeTables>,
     /// A training forward: MoE routers count tokens for load balancing.
     pub training: bool,
     /// Per token: false for padding (MoE routers do not count it).
@@ -195,18 +133,11 @@ impl Attention {
         })
     }
 
-    /// `x (B, T, hidden) → (B, T, hidden)`: the `qkv` projection, the fused
-    /// [`super::fused::attention`] (one graph node from `qkv` to the heads' outputs; the
-    /// composition [`attention_plain`] off the CPU or in another dtype) and the output
-    /// projection.
+    /// `x (B, T, hidden) → (B, T, hidden)`: the `qkv` projection, [`kernels::attention`] and
+    /// the output projection.
     pub fn forward(&self, x: &Tensor, ctx: &Context) -> Result<Tensor> {
-        let attend = if x.device().is_cpu() && x.dtype() == DType::F32 {
-            super::fused::attention
-        } else {
-            attention_plain
-        };
         let qkv = linear(x, &self.qkv)?;
-        let y = attend(
+        let y = kernels::attention(
             &qkv,
             ctx.mask.as_ref(),
             ctx.rope.as_ref(),
@@ -216,66 +147,6 @@ impl Attention {
         )?;
         linear(&y, &self.proj)
     }
-}
-
-/// The `qkv` projection's output `(B, T, (h + 2k)·d)` as query, key and value heads
-/// `(B, heads, T, d)`, RoPE applied to the queries and keys.
-fn split_heads(
-    qkv: &Tensor,
-    h: usize,
-    k: usize,
-    d: usize,
-    rope: Option<&super::fused::RopeTables>,
-) -> Result<(Tensor, Tensor, Tensor)> {
-    let (b, t, _) = qkv.dims3()?;
-    // (B, T, heads, D) → (B, heads, T, D)
-    let split = |start: usize, n: usize| -> Result<Tensor> {
-        qkv.narrow(D::Minus1, start * d, n * d)?
-            .reshape((b, t, n, d))?
-            .transpose(1, 2)?
-            .contiguous()
-    };
-    let (mut q, mut kk, v) = (split(0, h)?, split(h, k)?, split(h + k, k)?);
-    if let Some(tables) = rope {
-        q = super::fused::rope(&q, tables)?;
-        kk = super::fused::rope(&kk, tables)?;
-    }
-    Ok((q, kk, v))
-}
-
-/// Attention from the `qkv` projection's output `(B, T, (h + 2k)·d)` to the output
-/// projection's input `(B, T, h·d)` as a composition of candle ops (heads split and copied,
-/// fused RoPE, kv heads repeated, `q·kᵀ`, fused masked softmax, `p·v`): the reference
-/// [`super::fused::attention`] is tested against.
-pub fn attention_plain(
-    qkv: &Tensor,
-    mask: Option<&Tensor>,
-    rope: Option<&super::fused::RopeTables>,
-    h: usize,
-    k: usize,
-    d: usize,
-) -> Result<Tensor> {
-    let (b, t, _) = qkv.dims3()?;
-    let (q, kk, v) = split_heads(qkv, h, k, d, rope)?;
-    // Each key/value head serves heads/kv_heads query heads.
-    let repeat = |x: Tensor| -> Result<Tensor> {
-        if h == k {
-            return Ok(x);
-        }
-        x.unsqueeze(2)?
-            .broadcast_as((b, k, h / k, t, d))?
-            .reshape((b, h, t, d))
-    };
-    let (kk, v) = (repeat(kk)?, repeat(v)?);
-    let scale = 1.0 / (d as f64).sqrt();
-    let scores = q.matmul(&kk.t()?)?;
-    let probs = match mask {
-        // One fused pass for scale + mask + softmax (and one backward).
-        Some(mask) => super::fused::masked_softmax(&scores, mask, scale)?,
-        None => softmax(&(scores * scale)?)?,
-    };
-    let y = probs.matmul(&v)?; // (B, heads, T, D)
-    y.transpose(1, 2)?.reshape((b, t, h * d))
 }
 
 /// What one attention block keeps while decoding: the keys (after RoPE) and values of every
@@ -306,7 +177,7 @@ impl Attention {
         &self,
         x: &Tensor,
         cache: &mut KvCache,
-        rope: Option<&super::fused::RopeTables>,
+        rope: Option<&RopeTables>,
         mask: &Tensor,
     ) -> Result<Tensor> {
         let (b, one, _) = x.dims3()?;
@@ -375,38 +246,12 @@ impl Mlp {
     }
 }
 
-/// The MLP activation on `fc1`'s output (for SwiGLU: gate half, then up half); the fused ops
-/// on the CPU.
+/// The MLP activation on `fc1`'s output (for SwiGLU: gate half, then up half).
 pub fn activate(h: &Tensor, activation: Activation) -> Result<Tensor> {
     match activation {
-        _ if h.dtype() != DType::F32 || !h.device().is_cpu() => activate_plain(h, activation),
-        Activation::Swiglu => super::fused::swiglu(h),
-        Activation::Relu2 => super::fused::relu2(h),
+        Activation::Swiglu => kernels::swiglu(h),
+        Activation::Relu2 => kernels::relu2(h),
     }
-}
-
-/// [`activate`] from candle primitives: the reference the fused SwiGLU is tested against.
-pub fn activate_plain(h: &Tensor, activation: Activation) -> Result<Tensor> {
-    match activation {
-        Activation::Swiglu => {
-            let n = h.dim(D::Minus1)? / 2;
-            h.narrow(D::Minus1, 0, n)?
-                .silu()?
-                .mul(&h.narrow(D::Minus1, n, n)?)
-        }
-        Activation::Relu2 => h.relu()?.sqr(),
-    }
-}
-
-/// Cross-entropy `-log softmax(logits)[label]` per position, `(N,)`, from candle primitives:
-/// the plain reference of [`super::fused::cross_entropy`]. `logits` is `(N, vocab)`, `labels`
-/// `(N,)` u32.
-pub fn token_losses(logits: &Tensor, labels: &Tensor) -> Result<Tensor> {
-    let max = logits.max_keepdim(D::Minus1)?.detach();
-    let shifted = logits.broadcast_sub(&max)?;
-    let lse = shifted.exp()?.sum_keepdim(D::Minus1)?.log()?;
-    let picked = shifted.gather(&labels.unsqueeze(1)?, 1)?;
-    (lse - picked)?.squeeze(1)
 }
 
 /// Whether the config uses rotary embeddings on attention blocks.
@@ -453,7 +298,7 @@ mod tests {
     fn rms_norm_and_softmax_match_their_formulas() {
         let x = Tensor::new(&[[3.0f32, 4.0], [1.0, -1.0]], &Device::Cpu).unwrap();
         let w = Tensor::new(&[1.0f32, 2.0], &Device::Cpu).unwrap();
-        let y = rms_norm_plain(&x, &w, 0.0)
+        let y = kernels::rms_norm_plain(&x, &w, 0.0)
             .unwrap()
             .to_vec2::<f32>()
             .unwrap();
@@ -468,7 +313,7 @@ mod tests {
     fn cross_entropy_is_minus_log_softmax_at_the_label() {
         let logits = Tensor::new(&[[1.0f32, 2.0, 3.0], [0.0, 0.0, 0.0]], &Device::Cpu).unwrap();
         let labels = Tensor::new(&[2u32, 0], &Device::Cpu).unwrap();
-        let l = token_losses(&logits, &labels)
+        let l = kernels::cross_entropy_plain(&logits, &labels)
             .unwrap()
             .to_vec1::<f32>()
             .unwrap();
@@ -559,7 +404,7 @@ mod tests {
             .unwrap()
             .contiguous()
             .unwrap();
-        let y = apply_rope(&x, &cos, &sin)
+        let y = kernels::rope_plain(&x, &cos, &sin)
             .unwrap()
             .flatten_all()
             .unwrap()

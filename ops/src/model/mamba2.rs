@@ -40,7 +40,6 @@
 //! window rolls left, newest last) and the `(H, P, N)` state, and advances both by one token.
 
 use super::config::MambaConfig;
-use super::fused_mamba;
 use super::layers::linear;
 use super::params::{Init, constant_f32};
 use candle_core::{D, DType, Result, Tensor};
@@ -358,46 +357,8 @@ impl Mamba2 {
         let xbc = zxbcdt.narrow(2, di, ch)?;
         let dt = zxbcdt.narrow(2, di + ch, self.heads)?;
 
-        let xbc = if u.device().is_cpu() && u.dtype() == DType::F32 {
-            fused_mamba::causal_conv_silu(&xbc, &self.conv_weight, &self.conv_bias, starts)?
-        } else {
-            self.conv_plain(&xbc, starts)?
-        };
+        let xbc = kernels::causal_conv_silu(&xbc, &self.conv_weight, &self.conv_bias, starts)?;
         self.split(&z, &xbc, &dt)
-    }
-
-    /// Step 2 from candle primitives, `(B, T, channels)` → the same: the depthwise causal
-    /// convolution, each tap masked where it would reach before the sequence or the token's
-    /// run, then SiLU. The reference [`fused_mamba::causal_conv_silu`] is tested against.
-    fn conv_plain(&self, xbc: &Tensor, starts: &[usize]) -> Result<Tensor> {
-        let (batch, len, ch) = xbc.dims3()?;
-        // out_t = bias + Σ_j w_j · in_{t−(K−1−j)}, each tap masked where it would reach
-        // before the sequence or before the token's run.
-        let mut conv = self
-            .conv_bias
-            .reshape((1, 1, ch))?
-            .broadcast_as((batch, len, ch))?;
-        for j in 0..self.conv {
-            let shift = self.conv - 1 - j;
-            if shift >= len {
-                continue;
-            }
-            let mask: Vec<f32> = (0..batch * len)
-                .map(|i| {
-                    let t = i % len;
-                    (t >= shift && t - shift >= starts[i]) as u8 as f32
-                })
-                .collect();
-            let mask = constant_f32(mask, &[batch, len, 1])?;
-            let shifted = if shift == 0 {
-                xbc.clone()
-            } else {
-                xbc.narrow(1, 0, len - shift)?.pad_with_zeros(1, shift, 0)?
-            };
-            let w = self.conv_weight.narrow(1, j, 1)?.reshape((1, 1, ch))?;
-            conv = conv.add(&shifted.broadcast_mul(&mask)?.broadcast_mul(&w)?)?;
-        }
-        conv.silu()
     }
 
     /// Split the convolved `[x, B, C]` into heads and groups; `Δ = softplus(dt + dt_bias)`.
@@ -430,33 +391,8 @@ impl Mamba2 {
         let lead = &y.dims()[..y.rank() - 2];
         let flat: Vec<usize> = lead.iter().copied().chain([self.d_inner()]).collect();
         let y = y.reshape(flat)?;
-        let v = if y.device().is_cpu() && y.dtype() == DType::F32 {
-            fused_mamba::gated_rms_norm(&y, &m.z, &self.norm, self.groups, self.norm_eps)?
-        } else {
-            self.gated_norm_plain(&y, &m.z)?
-        };
+        let v = kernels::gated_rms_norm(&y, &m.z, &self.norm, self.groups, self.norm_eps)?;
         linear(&v, &self.out_proj)
-    }
-
-    /// Step 5 from candle primitives, `y` and `z` `(…, d_inner)`: `v = y ⊙ silu(z)`,
-    /// RMS-normalised within each group, times `norm`. The reference
-    /// [`fused_mamba::gated_rms_norm`] is tested against.
-    fn gated_norm_plain(&self, y: &Tensor, z: &Tensor) -> Result<Tensor> {
-        let lead = &y.dims()[..y.rank() - 1];
-        let grouped: Vec<usize> = lead
-            .iter()
-            .copied()
-            .chain([self.groups, self.d_inner() / self.groups])
-            .collect();
-        let v = y
-            .reshape(grouped.as_slice())?
-            .mul(&z.silu()?.reshape(grouped.as_slice())?)?;
-        let inv = (v.sqr()?.mean_keepdim(D::Minus1)? + self.norm_eps)?
-            .sqrt()?
-            .recip()?;
-        v.broadcast_mul(&inv)?
-            .reshape(y.shape())?
-            .broadcast_mul(&self.norm)
     }
 
     /// x: (B, T, hidden) f32 (already RMS-normed by the surrounding block; no residual added).
@@ -544,7 +480,6 @@ impl Mamba2 {
 mod tests {
     use super::*;
     use crate::model::params::{ParamStore, Rng, to_f32_vec};
-    use candle_core::Var;
     use std::time::Instant;
 
     fn config(
@@ -648,93 +583,6 @@ mod tests {
             values(&again, "in_proj"),
             "same seed, same model"
         );
-    }
-
-    /// `Σ (y ⊙ w)`'s gradients for `vars`, from the two outputs `a` and `b`: the largest
-    /// difference per var.
-    fn grad_diffs(a: &Tensor, b: &Tensor, w: &Tensor, vars: &[&Tensor]) -> Vec<f32> {
-        let grads = |y: &Tensor| (y * w).unwrap().sum_all().unwrap().backward().unwrap();
-        let (ga, gb) = (grads(a), grads(b));
-        vars.iter()
-            .map(|t| max_diff(ga.get(t).unwrap(), gb.get(t).unwrap()))
-            .collect()
-    }
-
-    /// The fused convolution + SiLU against the plain taps, values and gradients (input,
-    /// weight, bias), with packed runs (a run starting mid-row, and one of a single token),
-    /// for widths 1, 2 and 4 and a sequence shorter than the window.
-    #[test]
-    fn fused_conv_matches_the_plain_taps_forward_and_backward() {
-        for (k, len, segments) in [
-            (
-                4,
-                9,
-                vec![1, 1, 1, 2, 2, 2, 2, 3, 4, 5, 5, 5, 5, 5, 5, 5, 5, 5],
-            ),
-            (2, 9, vec![]),
-            (1, 5, vec![]),
-            (4, 2, vec![1, 2, 3, 3]),
-        ] {
-            let cfg = config(2, 3, 2, 1, k, 4);
-            let (m, store) = build(4, &cfg, 11 + k as u64);
-            let ch = m.conv_channels();
-            let x = Var::from_tensor(&randn(&[2, len, ch], 3)).unwrap();
-            let starts = run_starts(&segments, 2, len).unwrap();
-            let fused =
-                fused_mamba::causal_conv_silu(x.as_tensor(), &m.conv_weight, &m.conv_bias, &starts)
-                    .unwrap();
-            let plain = m.conv_plain(x.as_tensor(), &starts).unwrap();
-            assert!(
-                max_diff(&fused, &plain) < 1e-6,
-                "k {k}: {}",
-                max_diff(&fused, &plain)
-            );
-            let w = store.get("conv_weight").unwrap().as_tensor();
-            let b = store.get("conv_bias").unwrap().as_tensor();
-            let g = randn(&[2, len, ch], 4);
-            for diff in grad_diffs(&fused, &plain, &g, &[x.as_tensor(), w, b]) {
-                assert!(diff < 1e-5, "k {k}: gradient off by {diff}");
-            }
-        }
-        let (m, _) = build(4, &config(2, 3, 2, 1, 4, 4), 1);
-        let x = randn(&[1, 3, m.conv_channels()], 1);
-        let err = fused_mamba::causal_conv_silu(&x, &m.conv_weight, &m.conv_bias, &[0, 0]);
-        assert!(err.is_err(), "run starts for 2 tokens, not 3");
-    }
-
-    /// The fused gated RMSNorm against the plain ops, values and gradients (y, z, weight), with
-    /// one group and with several.
-    #[test]
-    fn fused_gated_norm_matches_the_plain_ops_forward_and_backward() {
-        for groups in [1, 2, 4] {
-            let cfg = config(4, 6, 2, groups, 2, 4);
-            let (m, store) = build(4, &cfg, 21);
-            let di = m.d_inner();
-            let y = Var::from_tensor(&randn(&[2, 7, di], 5)).unwrap();
-            let z = Var::from_tensor(&randn(&[2, 7, di], 6)).unwrap();
-            // A weight that is not all ones, so its gradient and its product both count.
-            let norm = store.get("norm").unwrap();
-            norm.set(&randn(&[di], 7)).unwrap();
-            let fused = fused_mamba::gated_rms_norm(
-                y.as_tensor(),
-                z.as_tensor(),
-                &m.norm,
-                groups,
-                m.norm_eps,
-            )
-            .unwrap();
-            let plain = m.gated_norm_plain(y.as_tensor(), z.as_tensor()).unwrap();
-            assert!(
-                max_diff(&fused, &plain) < 1e-5,
-                "{groups} groups: {}",
-                max_diff(&fused, &plain)
-            );
-            let g = randn(&[2, 7, di], 8);
-            let vars = [y.as_tensor(), z.as_tensor(), norm.as_tensor()];
-            for diff in grad_diffs(&fused, &plain, &g, &vars) {
-                assert!(diff < 1e-4, "{groups} groups: gradient off by {diff}");
-            }
-        }
     }
 
     /// The scan alone, on numbers small enough to follow by hand:

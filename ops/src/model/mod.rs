@@ -3,23 +3,19 @@
 //! - [`config`]: what a manifest declares (sizes, the `M*-E/…` layer pattern).
 //! - [`params`]: named parameters and their seeded initialisation.
 //! - [`layers`]: RMSNorm, rotary embeddings, attention and the MLP.
-//! - [`fused`]: one-pass CPU kernels with their backward (linear, RMSNorm, RoPE, SwiGLU,
-//!   squared ReLU, attention, cross-entropy), each tested against the plain ops it replaces.
-//! - [`fused_mamba`]: the same for Mamba-2's causal conv + SiLU and its gated RMSNorm.
 //! - [`mamba2`]: the Mamba-2 (SSD) mixer, with its sequential reference.
 //! - [`moe`]: the mixture of experts with a sigmoid router and aux-loss-free balancing.
 //! - [`net`]: the whole network (embedding, the pattern's blocks, MTP depths) and its loss.
 //! - [`decode`]: cached decoding, one token per row and step (KV caches, Mamba states).
 //! - [`sampling`]: temperature / top-k / top-p sampling, stop ids and strings, `generate`.
 //!
-//! Everything is built from candle-core primitives and our own fused ops with explicit
-//! backward passes, so autograd reaches every parameter (candle-nn's fused norms and softmax
-//! silently train without a gradient).
+//! Everything is built from candle-core primitives and the kernels of the `nemo-dag-kernels`
+//! crate (each a fused op with an explicit backward, beside its plain reference), so autograd
+//! reaches every parameter (candle-nn's fused norms and softmax silently train without a
+//! gradient).
 
 pub mod config;
 pub mod decode;
-pub mod fused;
-pub mod fused_mamba;
 pub mod layers;
 pub mod mamba2;
 pub mod moe;

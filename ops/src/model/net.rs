@@ -14,12 +14,12 @@
 //! gradients summed over micro-batches are exactly those of the global batch.
 
 use super::config::{BlockKind, ModelConfig, Pattern};
-use super::fused::cross_entropy;
 use super::layers::{Attention, Context, Layout, Mlp, Rope, linear, rms_norm};
 use super::mamba2::Mamba2;
 use super::moe::Moe;
 use super::params::{Init, ParamStore, Rng};
 use candle_core::{Device, Result, Tensor};
+use kernels::cross_entropy;
 
 /// One pre-norm residual block.
 pub struct Block {

@@ -191,7 +191,7 @@ pub fn generate_until(
 }
 
 /// [`generate_until`] with the rows cut into `threads` contiguous chunks, each generated on
-/// its own single-threaded worker ([`crate::workers`]): for a small model, batches side by
+/// its own single-threaded worker ([`kernels::workers`]): for a small model, batches side by
 /// side use the cores better than candle's threads inside one batch. Rows are independent and
 /// each samples from its own generator, so the chunking does not change a row's completion.
 /// `done` gets the row's index in `prompts`.
@@ -215,7 +215,7 @@ pub fn generate_split(
     let chunks: Vec<std::sync::Mutex<&mut [Rng]>> =
         rngs.chunks_mut(size).map(std::sync::Mutex::new).collect();
     let done = &done;
-    let parts = crate::workers::map(chunks.len(), threads, |c| {
+    let parts = kernels::workers::map(chunks.len(), threads, |c| {
         let mut rngs = chunks[c].lock().unwrap_or_else(|p| p.into_inner());
         let from = c * size;
         let rows = &prompts[from..(from + size).min(prompts.len())];

@@ -223,7 +223,7 @@ pub fn token_logprobs(
     let n = layout.batch * layout.len;
     let logits = model.logits(ids, layout)?.reshape((n, model.vocab))?;
     let labels = Tensor::from_vec(labels.to_vec(), n, logits.device())?;
-    crate::model::fused::cross_entropy(&logits, &labels)?
+    kernels::cross_entropy(&logits, &labels)?
         .neg()?
         .reshape((layout.batch, layout.len))
 }
@@ -251,7 +251,7 @@ pub struct Trainer {
     /// The objective's figures for the last step.
     pub last_metrics: BTreeMap<String, f64>,
     /// Micro-batches computed at once, each on its own single-threaded worker
-    /// ([`crate::workers`]); starts at candle's thread count. With 1 (or a step of one
+    /// ([`kernels::workers`]); starts at candle's thread count. With 1 (or a step of one
     /// micro-batch) they run on the calling thread, with candle's own threads.
     pub threads: usize,
     decay: Vec<bool>,
@@ -297,7 +297,7 @@ impl Trainer {
             step: 0,
             curve: Vec::new(),
             last_metrics: BTreeMap::new(),
-            threads: crate::workers::threads(),
+            threads: kernels::workers::threads(),
             decay,
         }
     }
@@ -316,7 +316,7 @@ impl Trainer {
         let wave = self.threads.max(1);
         for start in (0..micro).step_by(wave) {
             let (model, objective) = (&self.model, &*objective);
-            let done = crate::workers::map(wave.min(micro - start), wave, |k| {
+            let done = kernels::workers::map(wave.min(micro - start), wave, |k| {
                 micro_grads(objective, model, start + k)
             })
             .map_err(|e| RunError::new(format!("cannot start a training thread: {e}")))?;
@@ -452,7 +452,7 @@ fn add_into(acc: &mut [f32], g: &Tensor) -> candle_core::Result<()> {
     if g.elem_count() != acc.len() {
         candle_core::bail!("gradient of {} values for {}", g.elem_count(), acc.len())
     }
-    crate::model::fused::with_values(g, |values| crate::simd::add_assign(acc, values))
+    kernels::rows::with_values(g, |values| kernels::simd::add_assign(acc, values))
 }
 
 /// `NEMO_DAG_STOP_AFTER_STEP=N`: end a training stage after step N's checkpoint, as a

@@ -82,7 +82,7 @@ impl AdamW {
             let (w, g, m, v) = (&mut weights[i], &grads[i], &mut self.m[i], &mut self.v[i]);
             let (lr, eps) = (lr as f32, c.eps as f32);
             let bc = (bc1 as f32, bc2 as f32);
-            crate::simd::adamw(w, g, m, v, (b1, b2), bc, lr, eps, wd);
+            kernels::simd::adamw(w, g, m, v, (b1, b2), bc, lr, eps, wd);
         }
     }
 }

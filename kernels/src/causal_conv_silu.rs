@@ -1,24 +1,61 @@
-//! Fused CPU ops for the Mamba-2 mixer ([`super::mamba2`]), each one graph node with its own
-//! backward and each tested against the plain composition of candle ops it replaces (kept in
-//! `mamba2.rs` as the reference, and used off the CPU).
+//! Mamba-2's depthwise causal convolution of width `K` over `[x, B, C]`, with bias, each tap
+//! cut where it would reach before the token's run, then SiLU (step 2 of the mixer in
+//! `mamba_ssm/modules/mamba2.py` and Megatron-LM's `megatron/core/ssm/mamba_mixer.py`):
+//! `y_t = silu(bias + Σ_j w_j ⊙ x_{t−(K−1−j)})`.
 //!
-//! - [`causal_conv_silu`] (step 2 of the mixer): the depthwise causal convolution of width `K`
-//!   over `[x, B, C]`, with bias, each tap cut where it would reach before the token's run,
-//!   then SiLU: `y_t = silu(bias + Σ_j w_j ⊙ x_{t−(K−1−j)})`. Written out of candle ops it is
-//!   five nodes per tap (shift, pad, two broadcast products, a sum), and every broadcast
-//!   product's backward is a reduction over all tokens. Backward:
-//!   `dpre = dy ⊙ silu'(pre)`, `dx_s = Σ_j dpre_{s+K−1−j} ⊙ w_j` (over the taps that reached
-//!   `s`; computed by scattering each token's `dpre` back along its taps),
-//!   `dw_j = Σ_t dpre_t ⊙ x_{t−(K−1−j)}`, `dbias = Σ_t dpre_t`.
-//! - [`gated_rms_norm`] (step 5): `v = y ⊙ silu(z)`, RMS-normalised within each of `G`
-//!   contiguous groups, times the weight; backward as [`crate::simd::gated_norm_grad`] says.
+//! Written out of candle ops it is five nodes per tap (shift, pad, two broadcast products, a
+//! sum), and every broadcast product's backward is a reduction over all tokens. Backward:
+//! `dpre = dy ⊙ silu'(pre)`, `dx_s = Σ_j dpre_{s+K−1−j} ⊙ w_j` (over the taps that reached
+//! `s`; computed by scattering each token's `dpre` back along its taps),
+//! `dw_j = Σ_t dpre_t ⊙ x_{t−(K−1−j)}`, `dbias = Σ_t dpre_t`. It runs on the calling thread
+//! and sums over tokens in token order: the bytes never depend on the thread count.
 //!
-//! Both run on the calling thread (training runs each micro-batch on a worker of its own), and
-//! every sum over tokens runs in token order: the bytes never depend on the thread count.
+//! Must match: [`causal_conv_silu_plain`] within 1e-6 forward, 1e-5 in gradients.
 
-use super::fused::{slice, with_values};
+use crate::rows::{slice, with_values};
 use crate::simd;
 use candle_core::{CpuStorage, CustomOp3, Layout, Result, Shape, Tensor, bail};
+
+// 1. Reference ----------------------------------------------------------------------------
+
+/// The convolution from candle primitives, `x (B, T, C)`, `weight (C, K)`, `bias (C)`: each
+/// tap masked where it would reach before the sequence or the token's run, then SiLU. The spec
+/// the fused op is tested against.
+pub fn causal_conv_silu_plain(
+    x: &Tensor,
+    weight: &Tensor,
+    bias: &Tensor,
+    starts: &[usize],
+) -> Result<Tensor> {
+    let (batch, len, ch) = x.dims3()?;
+    let taps = weight.dim(1)?;
+    // out_t = bias + Σ_j w_j · in_{t−(K−1−j)}, each tap masked where it would reach
+    // before the sequence or before the token's run.
+    let mut conv = bias.reshape((1, 1, ch))?.broadcast_as((batch, len, ch))?;
+    for j in 0..taps {
+        let shift = taps - 1 - j;
+        if shift >= len {
+            continue;
+        }
+        let mask: Vec<f32> = (0..batch * len)
+            .map(|i| {
+                let t = i % len;
+                (t >= shift && t - shift >= starts[i]) as u8 as f32
+            })
+            .collect();
+        let mask = Tensor::from_vec(mask, (batch, len, 1), x.device())?;
+        let shifted = if shift == 0 {
+            x.clone()
+        } else {
+            x.narrow(1, 0, len - shift)?.pad_with_zeros(1, shift, 0)?
+        };
+        let w = weight.narrow(1, j, 1)?.reshape((1, 1, ch))?;
+        conv = conv.add(&shifted.broadcast_mul(&mask)?.broadcast_mul(&w)?)?;
+    }
+    conv.silu()
+}
+
+// 2. CPU, one graph node with its backward -------------------------------------------------
 
 struct CausalConvSilu {
     /// For every token (row-major over `(batch, len)`), the index inside its row of the first
@@ -148,16 +185,21 @@ impl CustomOp3 for CausalConvSilu {
     }
 }
 
+// 3. The kernel ---------------------------------------------------------------------------
+
 /// Mamba-2's depthwise causal convolution and SiLU as one node: `x (B, T, C)`, `weight (C, K)`
 /// (tap `K−1` multiplies the current token), `bias (C)`; `starts[b·T + t]` is the first token
-/// of token `t`'s run in row `b` (taps reaching before it read zero). Must match the plain
-/// composition in `Mamba2::conv_plain`.
+/// of token `t`'s run in row `b` (taps reaching before it read zero). One fused node for f32
+/// on the CPU, [`causal_conv_silu_plain`] elsewhere.
 pub fn causal_conv_silu(
     x: &Tensor,
     weight: &Tensor,
     bias: &Tensor,
     starts: &[usize],
 ) -> Result<Tensor> {
+    if !crate::fused_here(x) {
+        return causal_conv_silu_plain(x, weight, bias, starts);
+    }
     let len = x.dim(1)?;
     x.contiguous()?.apply_op3(
         &weight.contiguous()?,
@@ -169,116 +211,59 @@ pub fn causal_conv_silu(
     )
 }
 
-struct GatedRmsNorm {
-    groups: usize,
-    eps: f32,
-}
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testing::*;
 
-impl GatedRmsNorm {
-    /// `(rows, channels)` from `y`, `z` (same shape) and the weight `(channels)`.
-    fn dims(&self, y: &Shape, z: &Shape, w: &Shape) -> Result<(usize, usize)> {
-        let d = w.elem_count();
-        if y != z
-            || y.dims().last() != Some(&d)
-            || d == 0
-            || self.groups == 0
-            || !d.is_multiple_of(self.groups)
-        {
-            bail!(
-                "gated-rms-norm: y {y:?}, z {z:?}, weight {w:?}, {} groups",
-                self.groups
-            )
-        }
-        Ok((y.elem_count() / d, d))
-    }
-}
-
-impl CustomOp3 for GatedRmsNorm {
-    fn name(&self) -> &'static str {
-        "gated-rms-norm"
-    }
-
-    fn cpu_fwd(
-        &self,
-        s1: &CpuStorage,
-        l1: &Layout,
-        s2: &CpuStorage,
-        l2: &Layout,
-        s3: &CpuStorage,
-        l3: &Layout,
-    ) -> Result<(CpuStorage, Shape)> {
-        let (rows, d) = self.dims(l1.shape(), l2.shape(), l3.shape())?;
-        let (y, z, w) = (slice(s1, l1)?, slice(s2, l2)?, slice(s3, l3)?);
-        let mut out = vec![0f32; rows * d];
-        let mut v = vec![0f32; d];
-        for (r, o) in out.chunks_mut(d).enumerate() {
-            let at = r * d..(r + 1) * d;
-            simd::gated_norm(
-                &y[at.clone()],
-                &z[at],
-                w,
-                (self.groups, self.eps),
-                &mut v,
-                o,
-            );
-        }
-        Ok((CpuStorage::F32(out), l1.shape().clone()))
-    }
-
-    fn bwd(
-        &self,
-        y: &Tensor,
-        z: &Tensor,
-        w: &Tensor,
-        _res: &Tensor,
-        grad: &Tensor,
-    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
-        let (rows, d) = self.dims(y.shape(), z.shape(), w.shape())?;
-        let wv = w.flatten_all()?.to_vec1::<f32>()?;
-        let (mut dy, mut dz, mut dw) = (vec![0f32; rows * d], vec![0f32; rows * d], vec![0f32; d]);
-        let (mut v, mut gw) = (vec![0f32; d], vec![0f32; d]);
-        with_values(y, |yv| {
-            with_values(z, |zv| {
-                with_values(grad, |gv| {
-                    for r in 0..rows {
-                        let at = r * d..(r + 1) * d;
-                        simd::gated_norm_grad(
-                            (&yv[at.clone()], &zv[at.clone()], &wv, &gv[at.clone()]),
-                            (self.groups, self.eps),
-                            &mut v,
-                            &mut gw,
-                            &mut dy[at.clone()],
-                            &mut dz[at],
-                            &mut dw,
-                        );
-                    }
-                })
+    /// Run starts of rows of `len` tokens whose ids are `segments` (a run is a stretch of equal
+    /// ids; no ids: one run per row).
+    fn starts(segments: &[u32], rows: usize, len: usize) -> Vec<usize> {
+        (0..rows * len)
+            .map(|i| {
+                let (row, mut t) = (i / len, i % len);
+                while !segments.is_empty() && t > 0 && segments[row * len + t - 1] == segments[i] {
+                    t -= 1;
+                }
+                if segments.is_empty() { 0 } else { t }
             })
-        })???;
-        Ok((
-            Some(Tensor::from_vec(dy, y.shape(), y.device())?),
-            Some(Tensor::from_vec(dz, z.shape(), z.device())?),
-            Some(Tensor::from_vec(dw, w.shape(), w.device())?),
-        ))
+            .collect()
     }
-}
 
-/// Mamba-2's gated RMSNorm as one node: `y`, `z` `(…, D)`, `weight (D)`; per row
-/// `v = y ⊙ silu(z)` normalised by `1/sqrt(mean(v²) + eps)` within each of `groups` contiguous
-/// groups of `D/groups` channels, times `weight`. Must match `Mamba2::gated_norm_plain`.
-pub fn gated_rms_norm(
-    y: &Tensor,
-    z: &Tensor,
-    weight: &Tensor,
-    groups: usize,
-    eps: f64,
-) -> Result<Tensor> {
-    y.contiguous()?.apply_op3(
-        &z.contiguous()?,
-        &weight.contiguous()?,
-        GatedRmsNorm {
-            groups,
-            eps: eps as f32,
-        },
-    )
+    /// The fused convolution + SiLU against the plain taps, values and gradients (input,
+    /// weight, bias), with packed runs (a run starting mid-row, and one of a single token),
+    /// for widths 1, 2 and 4 and a sequence shorter than the window.
+    #[test]
+    fn causal_conv_silu_matches_the_plain_taps_forward_and_backward() {
+        let ch = 6;
+        for (k, len, segments) in [
+            (
+                4,
+                9,
+                vec![1, 1, 1, 2, 2, 2, 2, 3, 4, 5, 5, 5, 5, 5, 5, 5, 5, 5],
+            ),
+            (2, 9, vec![]),
+            (1, 5, vec![]),
+            (4, 2, vec![1, 2, 3, 3]),
+        ] {
+            let mut rng = Rng::new(11 + k as u64);
+            let x = Var::from_tensor(&randn(&mut rng, &[2, len, ch], 3.0)).unwrap();
+            let w = Var::from_tensor(&randn(&mut rng, &[ch, k], 0.5)).unwrap();
+            let b = Var::from_tensor(&randn(&mut rng, &[ch], 0.5)).unwrap();
+            let starts = starts(&segments, 2, len);
+            let fused = causal_conv_silu(x.as_tensor(), &w, &b, &starts).unwrap();
+            let plain = causal_conv_silu_plain(x.as_tensor(), &w, &b, &starts).unwrap();
+            let diff = max_diff(&fused, &plain);
+            assert!(diff < 1e-6, "k {k}: {diff}");
+            let g = randn(&mut rng, &[2, len, ch], 1.0);
+            for diff in grad_diffs(&fused, &plain, &g, &[&x, &w, &b]) {
+                assert!(diff < 1e-5, "k {k}: gradient off by {diff}");
+            }
+        }
+        let mut rng = Rng::new(1);
+        let x = randn(&mut rng, &[1, 3, ch], 1.0);
+        let (w, b) = (randn(&mut rng, &[ch, 4], 1.0), randn(&mut rng, &[ch], 1.0));
+        let err = causal_conv_silu(&x, &w, &b, &[0, 0]);
+        assert!(err.is_err(), "run starts for 2 tokens, not 3");
+    }
 }

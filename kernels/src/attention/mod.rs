@@ -1,0 +1,718 @@
+//! Grouped-query causal self-attention from the `qkv` projection's output to the output
+//! projection's input, `softmax(R(q)·R(k)ᵀ/sqrt(d) + mask)·v` per head, with packed segments
+//! through the additive mask (Megatron-LM's `DotProductAttention`, and FlashAttention's online
+//! tiling in spirit: only the key blocks the mask leaves open are computed).
+//!
+//! On the CPU it is one graph node (written out of candle ops it is about 25, with head copies
+//! and the reduction of the repeated kv heads). Tasks of one (batch row, kv head) each, in
+//! parallel; GEMMs on blocks of 32 query rows and only the key columns the mask leaves open;
+//! the probabilities are kept for the backward `dv = Σ pᵀ·dy`,
+//! `ds = p ⊙ (dy·vᵀ − rowsum)/sqrt(d)`, `dq = Rᵀ(ds·k)`, `dk = Rᵀ(Σ dsᵀ·q)`.
+//!
+//! Must match: [`attention_plain`] within 1e-5, forward and backward; the same bytes at any
+//! thread count.
+
+use crate::rope::{RopeTables, rope, rope_row};
+use crate::rows::{PAR_MIN, slice};
+use crate::softmax::{masked_softmax, softmax, softmax_row, softmax_row_grad};
+use candle_core::{CpuStorage, CustomOp1, CustomOp2, D, Layout, Result, Shape, Tensor, bail};
+use rayon::prelude::*;
+use std::sync::OnceLock;
+
+// 1. Reference ----------------------------------------------------------------------------
+
+/// The `qkv` projection's output `(B, T, (h + 2k)·d)` as query, key and value heads
+/// `(B, heads, T, d)`, RoPE applied to the queries and keys.
+pub fn split_heads(
+    qkv: &Tensor,
+    h: usize,
+    k: usize,
+    d: usize,
+    rope_tables: Option<&RopeTables>,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let (b, t, _) = qkv.dims3()?;
+    // (B, T, heads, D) → (B, heads, T, D)
+    let split = |start: usize, n: usize| -> Result<Tensor> {
+        qkv.narrow(D::Minus1, start * d, n * d)?
+            .reshape((b, t, n, d))?
+            .transpose(1, 2)?
+            .contiguous()
+    };
+    let (mut q, mut kk, v) = (split(0, h)?, split(h, k)?, split(h + k, k)?);
+    if let Some(tables) = rope_tables {
+        q = rope(&q, tables)?;
+        kk = rope(&kk, tables)?;
+    }
+    Ok((q, kk, v))
+}
+
+/// Attention from the `qkv` projection's output `(B, T, (h + 2k)·d)` to the output
+/// projection's input `(B, T, h·d)` as a composition of candle ops (heads split and copied,
+/// RoPE, kv heads repeated, `q·kᵀ`, masked softmax, `p·v`): the spec the fused op is tested
+/// against.
+pub fn attention_plain(
+    qkv: &Tensor,
+    mask: Option<&Tensor>,
+    rope_tables: Option<&RopeTables>,
+    h: usize,
+    k: usize,
+    d: usize,
+) -> Result<Tensor> {
+    let (b, t, _) = qkv.dims3()?;
+    let (q, kk, v) = split_heads(qkv, h, k, d, rope_tables)?;
+    // Each key/value head serves heads/kv_heads query heads.
+    let repeat = |x: Tensor| -> Result<Tensor> {
+        if h == k {
+            return Ok(x);
+        }
+        x.unsqueeze(2)?
+            .broadcast_as((b, k, h / k, t, d))?
+            .reshape((b, h, t, d))
+    };
+    let (kk, v) = (repeat(kk)?, repeat(v)?);
+    let scale = 1.0 / (d as f64).sqrt();
+    let scores = q.matmul(&kk.t()?)?;
+    let probs = match mask {
+        // One fused pass for scale + mask + softmax (and one backward).
+        Some(mask) => masked_softmax(&scores, mask, scale)?,
+        None => softmax(&(scores * scale)?)?,
+    };
+    let y = probs.matmul(&v)?; // (B, heads, T, D)
+    y.transpose(1, 2)?.reshape((b, t, h * d))
+}
+
+// 2. CPU, one graph node with its backward -------------------------------------------------
+
+/// A read-only strided matrix inside a slice: element `(r, c)` is `data[off + r·rs + c·cs]`.
+#[derive(Clone, Copy)]
+struct View<'a> {
+    data: &'a [f32],
+    off: usize,
+    rs: usize,
+    cs: usize,
+}
+
+impl<'a> View<'a> {
+    fn new(data: &'a [f32], off: usize, rs: usize, cs: usize) -> View<'a> {
+        View { data, off, rs, cs }
+    }
+
+    /// Whether every element of an `m × n` matrix lies inside the slice.
+    fn holds(&self, m: usize, n: usize) -> bool {
+        m == 0 || n == 0 || self.off + (m - 1) * self.rs + (n - 1) * self.cs < self.data.len()
+    }
+}
+
+/// `out[o + r·o_rs + c] (+)= Σ_k a(r, k)·b(k, c)` for an `m × n` result over `k` terms:
+/// the `gemm` crate single-threaded (it runs inside a per-head task), accumulating into `out`
+/// when `acc`, overwriting it otherwise.
+#[allow(clippy::too_many_arguments)]
+fn gemm_into(
+    out: &mut [f32],
+    o: usize,
+    o_rs: usize,
+    (m, n, k): (usize, usize, usize),
+    a: View,
+    b: View,
+    acc: bool,
+) {
+    if m == 0 || n == 0 {
+        return;
+    }
+    assert!(
+        o + (m - 1) * o_rs + n <= out.len() && a.holds(m, k) && b.holds(k, n),
+        "attention: a GEMM operand out of bounds"
+    );
+    if k == 0 {
+        if !acc {
+            for r in 0..m {
+                out[o + r * o_rs..o + r * o_rs + n].fill(0.0);
+            }
+        }
+        return;
+    }
+    // SAFETY: every element the call reads or writes is inside its slice (asserted above);
+    // `out` is borrowed mutably, so it overlaps neither operand.
+    unsafe {
+        gemm::gemm(
+            m,
+            n,
+            k,
+            out.as_mut_ptr().add(o),
+            1,
+            o_rs as isize,
+            acc,
+            a.data.as_ptr().add(a.off),
+            a.cs as isize,
+            a.rs as isize,
+            b.data.as_ptr().add(b.off),
+            b.cs as isize,
+            b.rs as isize,
+            1.0,
+            1.0,
+            false,
+            false,
+            false,
+            gemm::Parallelism::None,
+        )
+    }
+}
+
+/// Query rows are taken in blocks of this many; each block computes only the key columns some
+/// of its rows may attend to (for a causal mask, about half of the square).
+const ROW_BLOCK: usize = 32;
+
+/// One block of query rows `rows` and the key columns `cols` any of them attends to.
+#[derive(Clone)]
+struct Block {
+    rows: (usize, usize),
+    cols: (usize, usize),
+}
+
+/// The row blocks of one batch row's `t × t` additive mask (`None`: every column).
+fn blocks(mask: Option<&[f32]>, t: usize) -> Vec<Block> {
+    (0..t)
+        .step_by(ROW_BLOCK)
+        .map(|r0| {
+            let r1 = (r0 + ROW_BLOCK).min(t);
+            let cols = match mask {
+                None => (0, t),
+                Some(m) => {
+                    let (mut lo, mut hi) = (t, 0);
+                    for i in r0..r1 {
+                        let row = &m[i * t..(i + 1) * t];
+                        if let Some(first) = row.iter().position(|v| *v != f32::NEG_INFINITY) {
+                            lo = lo.min(first);
+                            let last = row.iter().rposition(|v| *v != f32::NEG_INFINITY);
+                            hi = hi.max(last.map_or(first, |l| l) + 1);
+                        }
+                    }
+                    if lo >= hi { (0, 0) } else { (lo, hi) }
+                }
+            };
+            Block {
+                rows: (r0, r1),
+                cols,
+            }
+        })
+        .collect()
+}
+
+/// What the forward pass of one `(batch row, kv head)` task keeps for the backward.
+struct Saved {
+    /// The task's `g` query heads after RoPE, each `T × d`.
+    q: Vec<f32>,
+    /// The key head after RoPE and the value head, `T × d` each.
+    k: Vec<f32>,
+    v: Vec<f32>,
+    /// The attention probabilities of each query head, `T × T` (0 outside the row blocks).
+    p: Vec<f32>,
+    blocks: Vec<Block>,
+}
+
+struct FusedAttention {
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+    scale: f32,
+    rope: Option<RopeTables>,
+    /// Filled by the forward pass (one op instance per graph node), read by the backward.
+    saved: OnceLock<Vec<Saved>>,
+}
+
+impl FusedAttention {
+    /// Batch and length of `qkv` `(B, T, (h + 2k)·d)`, checking it and the mask and tables.
+    fn dims(&self, qkv: &Shape, mask: Option<&Shape>) -> Result<(usize, usize)> {
+        let (b, t, w) = qkv.dims3()?;
+        let (h, k, d) = (self.heads, self.kv_heads, self.head_dim);
+        if k == 0 || h % k != 0 || w != (h + 2 * k) * d {
+            bail!("attention: qkv {qkv:?} for {h} heads, {k} kv heads of {d}")
+        }
+        if let Some(m) = mask
+            && m.dims4()? != (b, 1, t, t)
+        {
+            bail!("attention: mask {m:?} for qkv {qkv:?}")
+        }
+        if let Some(r) = &self.rope
+            && ((r.batch, r.len, r.dim) != (b, t, d) || d % 2 != 0)
+        {
+            bail!(
+                "attention: rope tables of {}x{}x{} for qkv {qkv:?}",
+                r.batch,
+                r.len,
+                r.dim
+            )
+        }
+        Ok((b, t))
+    }
+
+    /// The `T × d` head starting at column `col` of batch row `bi`, rotated when the op has
+    /// tables.
+    fn gather(&self, x: &[f32], (bi, t): (usize, usize), col: usize, rotate: bool) -> Vec<f32> {
+        let d = self.head_dim;
+        let w = (self.heads + 2 * self.kv_heads) * d;
+        let mut out = vec![0f32; t * d];
+        for (i, y) in out.chunks_mut(d).enumerate() {
+            let at = (bi * t + i) * w + col;
+            let xs = &x[at..at + d];
+            match &self.rope {
+                Some(r) if rotate => {
+                    let p = (bi * t + i) * d;
+                    rope_row(xs, &r.cos[p..p + d], &r.sin[p..p + d], y, false)
+                }
+                _ => y.copy_from_slice(xs),
+            }
+        }
+        out
+    }
+
+    /// The forward pass of batch row `bi`, kv head `j` and its query heads: their outputs
+    /// `T × (g·d)` and what the backward needs.
+    fn task(
+        &self,
+        x: &[f32],
+        mask: Option<&[f32]>,
+        bi: usize,
+        j: usize,
+        t: usize,
+    ) -> (Vec<f32>, Saved) {
+        let (h, kh, d) = (self.heads, self.kv_heads, self.head_dim);
+        let g = h / kh;
+        let mask = mask.map(|m| &m[bi * t * t..(bi + 1) * t * t]);
+        let blocks = blocks(mask, t);
+        let k = self.gather(x, (bi, t), (h + j) * d, true);
+        let v = self.gather(x, (bi, t), (h + kh + j) * d, false);
+        let mut q = Vec::with_capacity(g * t * d);
+        for i in 0..g {
+            q.extend(self.gather(x, (bi, t), (j * g + i) * d, true));
+        }
+        let mut p = vec![0f32; g * t * t];
+        let mut y = vec![0f32; t * g * d];
+        for i in 0..g {
+            let (qi, pi) = (
+                &q[i * t * d..(i + 1) * t * d],
+                &mut p[i * t * t..(i + 1) * t * t],
+            );
+            for blk in &blocks {
+                let ((r0, r1), (c0, c1)) = (blk.rows, blk.cols);
+                // scores = q · kᵀ on the block's columns
+                gemm_into(
+                    pi,
+                    r0 * t + c0,
+                    t,
+                    (r1 - r0, c1 - c0, d),
+                    View::new(qi, r0 * d, d, 1),
+                    View::new(&k, c0 * d, 1, d),
+                    false,
+                );
+                for r in r0..r1 {
+                    let cols = r * t + c0..r * t + c1;
+                    // (A row with no key to attend to stays 0; the composition gives NaN.)
+                    softmax_row(&mut pi[cols.clone()], self.scale, mask.map(|m| &m[cols]));
+                }
+                // y = p · v
+                gemm_into(
+                    &mut y,
+                    r0 * g * d + i * d,
+                    g * d,
+                    (r1 - r0, d, c1 - c0),
+                    View::new(pi, r0 * t + c0, t, 1),
+                    View::new(&v, c0 * d, d, 1),
+                    false,
+                );
+            }
+        }
+        (y, Saved { q, k, v, p, blocks })
+    }
+
+    /// Every `(batch row, kv head)` task, in parallel when there is enough work; each is
+    /// computed the same way whatever the thread count.
+    fn tasks<R: Send>(
+        &self,
+        b: usize,
+        t: usize,
+        f: impl Fn(usize, usize) -> R + Send + Sync,
+    ) -> Vec<R> {
+        let kh = self.kv_heads;
+        let work = b * self.heads * t * t * self.head_dim;
+        if work >= PAR_MIN * 8 && b * kh > 1 {
+            (0..b * kh)
+                .into_par_iter()
+                .map(|n| f(n / kh, n % kh))
+                .collect()
+        } else {
+            (0..b * kh).map(|n| f(n / kh, n % kh)).collect()
+        }
+    }
+
+    fn forward(
+        &self,
+        s: &CpuStorage,
+        l: &Layout,
+        mask: Option<(&CpuStorage, &Layout)>,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (b, t) = self.dims(l.shape(), mask.map(|(_, ml)| ml.shape()))?;
+        let x = slice(s, l)?;
+        let mask = match mask {
+            Some((ms, ml)) => Some(slice(ms, ml)?),
+            None => None,
+        };
+        let (h, g, d) = (self.heads, self.heads / self.kv_heads, self.head_dim);
+        let done = self.tasks(b, t, |bi, j| self.task(x, mask, bi, j, t));
+        let mut out = vec![0f32; b * t * h * d];
+        let mut saved = Vec::with_capacity(done.len());
+        for (n, (y, keep)) in done.into_iter().enumerate() {
+            let (bi, j) = (n / self.kv_heads, n % self.kv_heads);
+            for (i, row) in y.chunks(g * d).enumerate() {
+                let at = (bi * t + i) * h * d + j * g * d;
+                out[at..at + g * d].copy_from_slice(row);
+            }
+            saved.push(keep);
+        }
+        // A second forward of the same op instance keeps the first one's (equal) values.
+        let _ = self.saved.set(saved);
+        Ok((CpuStorage::F32(out), Shape::from((b, t, h * d))))
+    }
+
+    /// The gradient of one task: `(dq T × g·d, dk T × d, dv T × d)`, RoPE undone.
+    fn task_grad(
+        &self,
+        sv: &Saved,
+        dy: &[f32],
+        bi: usize,
+        j: usize,
+        t: usize,
+    ) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+        let (h, kh, d) = (self.heads, self.kv_heads, self.head_dim);
+        let g = h / kh;
+        let mut dq = vec![0f32; t * d];
+        let mut dq_all = vec![0f32; t * g * d];
+        let mut dk = vec![0f32; t * d];
+        let mut dv = vec![0f32; t * d];
+        let mut ds = vec![0f32; t * t];
+        let dy_at = bi * t * h * d;
+        for i in 0..g {
+            let qi = &sv.q[i * t * d..(i + 1) * t * d];
+            let pi = &sv.p[i * t * t..(i + 1) * t * t];
+            let dyi = View::new(dy, dy_at + (j * g + i) * d, h * d, 1);
+            for blk in &sv.blocks {
+                let ((r0, r1), (c0, c1)) = (blk.rows, blk.cols);
+                let (rb, nc) = (r1 - r0, c1 - c0);
+                let dyb = View {
+                    off: dyi.off + r0 * h * d,
+                    ..dyi
+                };
+                // dv += pᵀ · dy
+                gemm_into(
+                    &mut dv,
+                    c0 * d,
+                    d,
+                    (nc, d, rb),
+                    View::new(pi, r0 * t + c0, 1, t),
+                    dyb,
+                    true,
+                );
+                // dp = dy · vᵀ
+                gemm_into(
+                    &mut ds,
+                    r0 * t + c0,
+                    t,
+                    (rb, nc, d),
+                    dyb,
+                    View::new(&sv.v, c0 * d, 1, d),
+                    false,
+                );
+                // ds = scale · p ⊙ (dp − Σ_j dp_j p_j)
+                for r in r0..r1 {
+                    let cols = r * t + c0..r * t + c1;
+                    softmax_row_grad(&pi[cols.clone()], &mut ds[cols], self.scale);
+                }
+                // dq = ds · k; dk += dsᵀ · q
+                gemm_into(
+                    &mut dq,
+                    r0 * d,
+                    d,
+                    (rb, d, nc),
+                    View::new(&ds, r0 * t + c0, t, 1),
+                    View::new(&sv.k, c0 * d, d, 1),
+                    false,
+                );
+                gemm_into(
+                    &mut dk,
+                    c0 * d,
+                    d,
+                    (nc, d, rb),
+                    View::new(&ds, r0 * t + c0, 1, t),
+                    View::new(qi, r0 * d, d, 1),
+                    true,
+                );
+            }
+            for (r, row) in dq.chunks(d).enumerate() {
+                let y = &mut dq_all[r * g * d + i * d..r * g * d + (i + 1) * d];
+                self.unrotate(row, (bi, t, r), y);
+            }
+        }
+        let mut dk_out = vec![0f32; t * d];
+        for (r, (row, y)) in dk.chunks(d).zip(dk_out.chunks_mut(d)).enumerate() {
+            self.unrotate(row, (bi, t, r), y);
+        }
+        (dq_all, dk_out, dv)
+    }
+
+    /// `Rᵀ` of RoPE at (batch row, position) on one row of `d`; a copy without tables.
+    fn unrotate(&self, x: &[f32], (bi, t, i): (usize, usize, usize), y: &mut [f32]) {
+        match &self.rope {
+            Some(r) => {
+                let d = self.head_dim;
+                let p = (bi * t + i) * d;
+                rope_row(x, &r.cos[p..p + d], &r.sin[p..p + d], y, true)
+            }
+            None => y.copy_from_slice(x),
+        }
+    }
+
+    fn backward(&self, qkv: &Tensor, mask: Option<&Tensor>, grad: &Tensor) -> Result<Tensor> {
+        let (b, t, w) = qkv.dims3()?;
+        let recomputed;
+        let saved = match self.saved.get() {
+            Some(s) => s,
+            None => {
+                let x = qkv.contiguous()?.flatten_all()?.to_vec1::<f32>()?;
+                let m = match mask {
+                    Some(m) => Some(m.contiguous()?.flatten_all()?.to_vec1::<f32>()?),
+                    None => None,
+                };
+                recomputed = self.tasks(b, t, |bi, j| self.task(&x, m.as_deref(), bi, j, t).1);
+                &recomputed
+            }
+        };
+        let dy = grad.contiguous()?.flatten_all()?.to_vec1::<f32>()?;
+        let (h, kh, d) = (self.heads, self.kv_heads, self.head_dim);
+        let g = h / kh;
+        let grads = self.tasks(b, t, |bi, j| {
+            self.task_grad(&saved[bi * kh + j], &dy, bi, j, t)
+        });
+        let mut out = vec![0f32; b * t * w];
+        for (n, (dq, dk, dv)) in grads.iter().enumerate() {
+            let (bi, j) = (n / kh, n % kh);
+            for r in 0..t {
+                let at = (bi * t + r) * w;
+                out[at + j * g * d..at + (j + 1) * g * d]
+                    .copy_from_slice(&dq[r * g * d..(r + 1) * g * d]);
+                out[at + (h + j) * d..at + (h + j + 1) * d]
+                    .copy_from_slice(&dk[r * d..(r + 1) * d]);
+                out[at + (h + kh + j) * d..at + (h + kh + j + 1) * d]
+                    .copy_from_slice(&dv[r * d..(r + 1) * d]);
+            }
+        }
+        Tensor::from_vec(out, (b, t, w), qkv.device())
+    }
+}
+
+impl CustomOp1 for FusedAttention {
+    fn name(&self) -> &'static str {
+        "attention"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        self.forward(s, l, None)
+    }
+
+    fn bwd(&self, qkv: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+        Ok(Some(self.backward(qkv, None, grad)?))
+    }
+}
+
+impl CustomOp2 for FusedAttention {
+    fn name(&self) -> &'static str {
+        "attention"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        self.forward(s1, l1, Some((s2, l2)))
+    }
+
+    fn bwd(
+        &self,
+        qkv: &Tensor,
+        mask: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        Ok((Some(self.backward(qkv, Some(mask), grad)?), None))
+    }
+}
+
+/// Causal self-attention with grouped-query heads as one graph node, from the `qkv`
+/// projection's output `(B, T, (h + 2k)·d)` (h query heads, then k key heads, then k value
+/// heads, each `d` wide) to the output projection's input `(B, T, h·d)`: RoPE on queries and
+/// keys (`rope`), query head `i` attending with kv head `i / (h/k)`,
+/// `softmax(q·kᵀ/sqrt(d) + mask)·v` with the additive `mask` `(B, 1, T, T)` (`None`: every
+/// key). Backward `dv = Σ pᵀ·dy`, `dp = dy·vᵀ`, `ds = p ⊙ (dp − Σ_j dp_j p_j)/sqrt(d)`,
+/// `dq = ds·k`, `dk = Σ dsᵀ·q`, then `Rᵀ` on `dq` and `dk`. The probabilities are kept from
+/// the forward pass. Must match [`attention_plain`].
+fn attention_cpu(
+    qkv: &Tensor,
+    mask: Option<&Tensor>,
+    rope: Option<&RopeTables>,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+) -> Result<Tensor> {
+    let op = FusedAttention {
+        heads,
+        kv_heads,
+        head_dim,
+        scale: 1.0 / (head_dim as f32).sqrt(),
+        rope: rope.cloned(),
+        saved: OnceLock::new(),
+    };
+    let qkv = qkv.contiguous()?;
+    match mask {
+        Some(m) => qkv.apply_op2(&m.contiguous()?, op),
+        None => qkv.apply_op1(op),
+    }
+}
+
+// 3. The kernel ---------------------------------------------------------------------------
+
+/// Attention from `qkv` `(B, T, (heads + 2·kv_heads)·head_dim)` to `(B, T, heads·head_dim)`:
+/// one fused node for f32 on the CPU, [`attention_plain`] elsewhere.
+pub fn attention(
+    qkv: &Tensor,
+    mask: Option<&Tensor>,
+    rope: Option<&RopeTables>,
+    heads: usize,
+    kv_heads: usize,
+    head_dim: usize,
+) -> Result<Tensor> {
+    if !crate::fused_here(qkv) {
+        return attention_plain(qkv, mask, rope, heads, kv_heads, head_dim);
+    }
+    attention_cpu(qkv, mask, rope, heads, kv_heads, head_dim)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testing::*;
+
+    /// `(qkv, mask, tables)` for an attention test: rows of two packed segments (positions
+    /// restarting) when `packed`, else plain causal rows.
+    fn attention_case(
+        rng: &mut Rng,
+        (b, t, w): (usize, usize, usize),
+        d: usize,
+        packed: bool,
+    ) -> (Var, Tensor, RopeTables) {
+        let cut = if packed { t / 2 - 1 } else { t };
+        let positions: Vec<u32> = (0..b)
+            .flat_map(|_| (0..t).map(move |i| if i < cut { i } else { i - cut } as u32))
+            .collect();
+        let qkv = Var::from_tensor(&randn(rng, &[b, t, w], 1.0)).unwrap();
+        (
+            qkv,
+            segment_mask(b, t, cut),
+            rope_tables(d, &positions, b, t),
+        )
+    }
+
+    #[test]
+    fn attention_matches_the_plain_ops_forward_and_backward() {
+        let b = 2;
+        // T = 13: one partial row block; T = 45: blocks of different column ranges; the last
+        // is big enough to take the parallel path.
+        let shapes = [(4, 2, 8, 13), (4, 2, 16, 13), (3, 3, 8, 13), (3, 3, 16, 13)];
+        let more = [(4, 2, 8, 45), (2, 2, 16, 45), (4, 1, 16, 100)];
+        for (h, k, d, t) in shapes.into_iter().chain(more) {
+            for rope in [false, true] {
+                for mask in ["packed", "causal", "none"] {
+                    let mut rng = Rng::new((h * 1000 + k * 100 + d + t) as u64);
+                    let w = (h + 2 * k) * d;
+                    let (qkv, m, tables) = attention_case(&mut rng, (b, t, w), d, mask == "packed");
+                    let m = (mask != "none").then_some(&m);
+                    let r = rope.then_some(&tables);
+                    let x = qkv.as_tensor();
+                    let fused = attention(x, m, r, h, k, d).unwrap();
+                    let plain = attention_plain(x, m, r, h, k, d).unwrap();
+                    let case = format!("h={h} k={k} d={d} t={t} rope={rope} mask={mask}");
+                    assert_eq!(fused.dims(), &[b, t, h * d], "{case}");
+                    let diff = max_diff(&fused, &plain);
+                    assert!(diff <= 1e-5, "{case}: forward {diff}");
+                    let g = randn(&mut rng, &[b, t, h * d], 1.0);
+                    let gf = (&fused * &g)
+                        .unwrap()
+                        .sum_all()
+                        .unwrap()
+                        .backward()
+                        .unwrap();
+                    let gp = (&plain * &g)
+                        .unwrap()
+                        .sum_all()
+                        .unwrap()
+                        .backward()
+                        .unwrap();
+                    let (a, c) = (gf.get(x).unwrap(), gp.get(x).unwrap());
+                    let diff = max_diff(a, c);
+                    assert!(diff <= 1e-5, "{case}: backward {diff}");
+                    // Without the forward pass's probabilities the backward recomputes them.
+                    let op = FusedAttention {
+                        heads: h,
+                        kv_heads: k,
+                        head_dim: d,
+                        scale: 1.0 / (d as f32).sqrt(),
+                        rope: r.cloned(),
+                        saved: OnceLock::new(),
+                    };
+                    let again = op.backward(x, m, &g).unwrap();
+                    assert_eq!(max_diff(&again, a), 0.0, "{case}: recomputed backward");
+                }
+            }
+        }
+    }
+    #[test]
+    fn attention_is_the_same_whatever_the_thread_count() {
+        let (b, t, h, k, d) = (3, 70, 4, 2, 16);
+        let mut rng = Rng::new(11);
+        let (qkv, m, tables) = attention_case(&mut rng, (b, t, (h + 2 * k) * d), d, true);
+        let g = randn(&mut rng, &[b, t, h * d], 1.0);
+        let run = |threads: usize| {
+            let pool = rayon::ThreadPoolBuilder::new()
+                .num_threads(threads)
+                .build()
+                .unwrap();
+            pool.install(|| {
+                let y = attention(qkv.as_tensor(), Some(&m), Some(&tables), h, k, d).unwrap();
+                let grads = (&y * &g).unwrap().sum_all().unwrap().backward().unwrap();
+                let dx = grads.get(qkv.as_tensor()).unwrap();
+                (
+                    y.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                    dx.flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+                )
+            })
+        };
+        assert_eq!(run(1), run(3));
+    }
+    #[test]
+    fn attention_rejects_inconsistent_shapes() {
+        let mut rng = Rng::new(2);
+        let (qkv, m, tables) = attention_case(&mut rng, (2, 13, 64), 8, false);
+        let x = qkv.as_tensor();
+        assert!(attention(x, Some(&m), Some(&tables), 4, 2, 8).is_ok());
+        assert!(
+            attention(x, None, None, 4, 3, 8).is_err(),
+            "heads % kv_heads"
+        );
+        assert!(attention(x, None, None, 4, 1, 8).is_err(), "width");
+        let short = m.narrow(2, 0, 12).unwrap();
+        assert!(attention(x, Some(&short), None, 4, 2, 8).is_err(), "mask");
+        let (_, _, other) = attention_case(&mut rng, (1, 13, 64), 8, false);
+        assert!(attention(x, None, Some(&other), 4, 2, 8).is_err(), "tables");
+    }
+}

@@ -1,0 +1,127 @@
+//! Cross-entropy of the logits against the labels, fused with the softmax over the vocabulary
+//! (as Megatron-LM's `fused_vocab_parallel_cross_entropy`, on one device): per row
+//! `lse(x) − x[label]`.
+//!
+//! Backward: `dx = g · (softmax(x) − onehot)`. Must match: [`cross_entropy_plain`] within 1e-5.
+
+use crate::rows::{PAR_MIN, for_rows, slice, with_values};
+use crate::simd;
+use candle_core::{CpuStorage, CustomOp2, D, Layout, Result, Shape, Tensor, bail};
+use rayon::prelude::*;
+
+// 1. Reference ----------------------------------------------------------------------------
+
+/// Cross-entropy `-log softmax(logits)[label]` per position, `(N,)`, from candle primitives.
+/// `logits` is `(N, vocab)`, `labels` `(N,)` u32.
+pub fn cross_entropy_plain(logits: &Tensor, labels: &Tensor) -> Result<Tensor> {
+    let max = logits.max_keepdim(D::Minus1)?.detach();
+    let shifted = logits.broadcast_sub(&max)?;
+    let lse = shifted.exp()?.sum_keepdim(D::Minus1)?.log()?;
+    let picked = shifted.gather(&labels.unsqueeze(1)?, 1)?;
+    (lse - picked)?.squeeze(1)
+}
+
+// 2. CPU, one graph node with its backward -------------------------------------------------
+
+struct CrossEntropy;
+
+impl CustomOp2 for CrossEntropy {
+    fn name(&self) -> &'static str {
+        "cross-entropy"
+    }
+
+    fn cpu_fwd(
+        &self,
+        s1: &CpuStorage,
+        l1: &Layout,
+        s2: &CpuStorage,
+        l2: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        let (n, v) = l1.shape().dims2()?;
+        let x = slice(s1, l1)?;
+        let Some((start, end)) = l2.contiguous_offsets() else {
+            bail!("cross-entropy: labels are not contiguous")
+        };
+        let labels = &s2.as_slice::<u32>()?[start..end];
+        if labels.len() != n {
+            bail!("cross-entropy: {} labels for {n} rows", labels.len())
+        }
+        if let Some(l) = labels.iter().find(|l| **l as usize >= v) {
+            bail!("cross-entropy: label {l} outside the vocabulary of {v}")
+        }
+        let loss = |r: usize| {
+            let row = &x[r * v..(r + 1) * v];
+            simd::log_sum_exp(row) - row[labels[r] as usize]
+        };
+        let out: Vec<f32> = if x.len() >= PAR_MIN {
+            (0..n).into_par_iter().map(loss).collect()
+        } else {
+            (0..n).map(loss).collect()
+        };
+        Ok((CpuStorage::F32(out), Shape::from(n)))
+    }
+
+    fn bwd(
+        &self,
+        logits: &Tensor,
+        labels: &Tensor,
+        _res: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let (n, v) = logits.dims2()?;
+        let labels = labels.to_vec1::<u32>()?;
+        let g = grad.to_vec1::<f32>()?;
+        let mut out = vec![0f32; n * v];
+        with_values(logits, |x| {
+            let row = |(r, d): (usize, &mut [f32])| {
+                let xs = &x[r * v..(r + 1) * v];
+                simd::scaled_exp_shifted(xs, simd::log_sum_exp(xs), g[r], d);
+                d[labels[r] as usize] -= g[r];
+            };
+            for_rows(&mut out, v, row);
+        })?;
+        Ok((Some(Tensor::from_vec(out, (n, v), logits.device())?), None))
+    }
+}
+
+// 3. The kernel ---------------------------------------------------------------------------
+
+/// Per-row cross-entropy `−log softmax(logits)[label]`: `logits` `(N, V)`, `labels` `(N,)` u32.
+/// One fused pass for f32 on the CPU, [`cross_entropy_plain`] elsewhere.
+pub fn cross_entropy(logits: &Tensor, labels: &Tensor) -> Result<Tensor> {
+    if !crate::fused_here(logits) {
+        return cross_entropy_plain(logits, labels);
+    }
+    logits
+        .contiguous()?
+        .apply_op2(&labels.contiguous()?, CrossEntropy)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testing::*;
+
+    #[test]
+    fn cross_entropy_matches_the_plain_ops_forward_and_backward() {
+        for (n, v) in [(5, 11), (300, 257)] {
+            let mut rng = Rng::new(n as u64);
+            let x = Var::from_tensor(&randn(&mut rng, &[n, v], 3.0)).unwrap();
+            let labels: Vec<u32> = (0..n).map(|i| ((i * 7919) % v) as u32).collect();
+            let labels = Tensor::from_vec(labels, n, &Device::Cpu).unwrap();
+            let w = randn(&mut rng, &[n], 1.0);
+            let fused = cross_entropy(x.as_tensor(), &labels).unwrap();
+            let plain = cross_entropy_plain(x.as_tensor(), &labels).unwrap();
+            assert!(max_diff(&fused, &plain) < 1e-5);
+            for diff in grad_diffs(&fused, &plain, &w, &[&x]) {
+                assert!(diff < 1e-5, "{diff}");
+            }
+        }
+        let x = Tensor::zeros((1, 3), candle_core::DType::F32, &Device::Cpu).unwrap();
+        let bad = Tensor::new(&[3u32], &Device::Cpu).unwrap();
+        assert!(
+            cross_entropy(&x, &bad).is_err(),
+            "a label outside the vocabulary"
+        );
+    }
+}

@@ -1,0 +1,72 @@
+//! Squared ReLU (So et al. 2021, "Primer"; Nemotron-H's MLP activation): `y = max(h, 0)²`.
+//!
+//! Backward: `dh = dy · 2·max(h, 0)`. Must match: [`relu2_plain`] to the byte, forward and
+//! backward (the same arithmetic as relu then sqr).
+
+use crate::rows::{slice, with_values};
+use crate::simd;
+use candle_core::{CpuStorage, CustomOp1, Layout, Result, Shape, Tensor};
+
+// 1. Reference ----------------------------------------------------------------------------
+
+/// `relu(h)²` from candle primitives: the spec the fused op is tested against.
+pub fn relu2_plain(h: &Tensor) -> Result<Tensor> {
+    h.relu()?.sqr()
+}
+
+// 2. CPU, one graph node with its backward -------------------------------------------------
+
+struct Relu2;
+
+impl CustomOp1 for Relu2 {
+    fn name(&self) -> &'static str {
+        "relu2"
+    }
+
+    fn cpu_fwd(&self, s: &CpuStorage, l: &Layout) -> Result<(CpuStorage, Shape)> {
+        let h = slice(s, l)?;
+        let mut out = vec![0f32; h.len()];
+        simd::relu2(h, &mut out);
+        Ok((CpuStorage::F32(out), l.shape().clone()))
+    }
+
+    fn bwd(&self, h: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+        let mut out = vec![0f32; h.elem_count()];
+        with_values(h, |hv| {
+            with_values(grad, |gv| simd::relu2_grad(hv, gv, &mut out))
+        })??;
+        Ok(Some(Tensor::from_vec(out, h.shape(), h.device())?))
+    }
+}
+
+// 3. The kernel ---------------------------------------------------------------------------
+
+/// `max(h, 0)²`: one fused pass for f32 on the CPU, [`relu2_plain`] elsewhere.
+pub fn relu2(h: &Tensor) -> Result<Tensor> {
+    if !crate::fused_here(h) {
+        return relu2_plain(h);
+    }
+    h.contiguous()?.apply_op1(Relu2)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testing::*;
+
+    #[test]
+    fn relu2_matches_the_plain_ops_forward_and_backward() {
+        for (rows, f) in [(3, 5), (300, 192)] {
+            let mut rng = Rng::new(f as u64 + 1);
+            let h = Var::from_tensor(&randn(&mut rng, &[rows, f], 2.0)).unwrap();
+            let g = randn(&mut rng, &[rows, f], 1.0);
+            let fused = relu2(h.as_tensor()).unwrap();
+            let plain = relu2_plain(h.as_tensor()).unwrap();
+            // Same arithmetic as relu then sqr: the same bytes, forward and backward.
+            assert_eq!(max_diff(&fused, &plain), 0.0);
+            for diff in grad_diffs(&fused, &plain, &g, &[&h]) {
+                assert_eq!(diff, 0.0);
+            }
+        }
+    }
+}
