@@ -488,7 +488,7 @@ fn chat_rows(n: usize) -> String {
 fn pack_writes_masked_packed_parquet_shards_and_splits() {
     let p = Project::new("pack");
     let mut rows = chat_rows(200);
-    // A tool call without a `# Tools` header is dropped and counted (§1.7 step 2).
+    // A tool call without a `# Tools` header is dropped and counted (`validate_conversation`).
     rows.push_str(&(serde_json::json!({"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "<tool_call>x</tool_call>"}]}).to_string() + "\n"));
     p.write("chat.jsonl", &rows);
     // The tokenizer is trained on the raw JSON lines, read as one text file: fine for a test.

@@ -1,6 +1,6 @@
 //! Every bad input is exit code 2, a diagnostic on stderr that names the problem, and nothing
 //! written anywhere: no `.nemo-dag` store, and the project directory exactly as it was
-//! (docs/cli-contract.md, docs/manifest.md "Errors").
+//! (docs/cli.md, exit codes; docs/manifest.md "Errors").
 
 use crate::common::*;
 

@@ -71,7 +71,7 @@ fn the_toml_twin_of_nano3_is_the_same_recipe() {
 
 #[test]
 fn the_default_variants_hold_the_real_architectures() {
-    // Reference §4.7: Nano3 is 52 layers (23 Mamba-2, 23 MoE, 6 attention), hidden 2688,
+    // Megatron-Bridge's Nano3: 52 layers (23 Mamba-2, 23 MoE, 6 attention), hidden 2688,
     // 128 experts top-6; Super3 is 88 layers, hidden 4096, 512 experts top-22, 2 MTP depths.
     let nano3 = load("nano3.yaml", None);
     let model = &nano3.stages["pretrain"].params["model"];
@@ -102,7 +102,7 @@ fn the_default_variants_hold_the_real_architectures() {
         ),
         (Some(512), Some(22))
     );
-    // The tiny Super3 of the reference: MEM*EME with two shared `*E` MTP depths.
+    // Nemotron's tiny Super3 (super3/tiny_model.py): MEM*EME with two shared `*E` MTP depths.
     let tiny = load("super3.yaml", Some("tiny"));
     assert_eq!(
         tiny.stages["pretrain"].params["model"]["pattern"],

@@ -1,5 +1,5 @@
 //! The engine spine end to end, driven through the built `nemo-dag` binary as a user would
-//! (docs/cli-contract.md): incremental runs and early cutoff, YAML/TOML equivalence, failing
+//! (docs/cli.md): incremental runs and early cutoff, YAML/TOML equivalence, failing
 //! stages, shell-injection attempts through params, `status` reasons, `graph`, `validate`,
 //! `lineage`, `gc`, variants and overrides, `--target`, `--force` and `-j`.
 
@@ -651,7 +651,7 @@ fn gc_removes_unreferenced_entries_and_keeps_referenced_ones() {
     assert_eq!(keys(&rebuilt), keys(&old));
 }
 
-/// `pin` is not in docs/cli-contract.md, but the issue says `gc` keeps what a pinned name
+/// `pin` (docs/cli.md): `gc` keeps what a pinned name
 /// references (`nemo-dag pin NAME STAGE|KEY`, `--remove`). Choice: a pin keeps its entry's
 /// lineage too, since `lineage` of a pinned entry must keep working.
 #[test]

@@ -7,8 +7,8 @@
 //! when `NEMO_DAG_TORCH_PYTHON` names a Python that has torch and transformers (opt-in: CPU torch
 //! from PyPI is a multi-GB install, too heavy for every CI run; the test prints that it skips).
 
-use nemo_dag_ops::model::layers::Layout;
-use nemo_dag_ops::train::checkpoint::load_model;
+use nemo_dag_model::checkpoint::load_model;
+use nemo_dag_model::layers::Layout;
 use serde_json::{Value, json};
 use std::path::PathBuf;
 use std::process::Command;

@@ -1,5 +1,5 @@
 //! Multiple-choice tasks scored by log-likelihood, as lm-evaluation-harness scores them
-//! (reference §5.2, §6.8).
+//! (EleutherAI/lm-evaluation-harness `lm_eval/api/task.py`, `output_type: multiple_choice`).
 //!
 //! A task row is `{"context": "...", "choices": ["...", ...], "gold": 0}` (`gold` an index, a
 //! choice string, or a list of either: any of them counts as right). For every choice the
@@ -17,12 +17,12 @@
 //! `"Q: 2+2? A:" + " 4"` is tokenised the way the model saw such text. When a row is longer
 //! than the model's `max_seq`, the context loses tokens from the left.
 
-use crate::model::layers::Layout;
-use crate::model::net::Model;
-use crate::train::{err, token_logprobs};
+use model::layers::Layout;
+use model::net::Model;
 use nemo_dag_op::RunError;
 use serde_json::{Value, json};
 use std::path::Path;
+use train::{err, token_logprobs};
 
 /// One multiple-choice question.
 #[derive(Debug, Clone, PartialEq)]
@@ -227,7 +227,7 @@ fn argmax(v: &[f64]) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::config::ModelConfig;
+    use model::config::ModelConfig;
 
     fn write(name: &str, text: &str) -> std::path::PathBuf {
         let p = std::env::temp_dir().join(format!(
@@ -305,7 +305,7 @@ mod tests {
             .unwrap()
             .squeeze(0)
             .unwrap();
-        let logp = crate::model::layers::softmax(&logits)
+        let logp = model::layers::softmax(&logits)
             .unwrap()
             .log()
             .unwrap()

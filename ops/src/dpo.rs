@@ -1,5 +1,5 @@
-//! `dpo`: Direct Preference Optimization of an upstream model on preference pairs (reference
-//! §4.6, §6.7).
+//! `dpo`: Direct Preference Optimization of an upstream model on preference pairs, as NeMo-RL
+//! does it (`nemo_rl/algorithms/loss/loss_functions.py: DPOLossFn`, `docs/guides/dpo.md`).
 //!
 //! ```yaml
 //! dpo:
@@ -66,20 +66,18 @@
 //!
 //! Outputs as `sft`: `model` (weights, config, tokenizer) and `checkpoint` (resumable).
 
-use crate::model::layers::Layout;
-use crate::model::net::Model;
 use crate::pretrain::{check_training, input, model_outputs, model_tokenizer, train_and_publish};
 use crate::sft::RowOrder;
-use crate::train::{
-    self, MicroLoss, Objective, Schedule, Tally, Trainer, checkpoint, token_logprobs,
-};
 use candle_core::{DType, Tensor};
+use model::layers::Layout;
+use model::net::Model;
 use nemo_dag_data::chat::{ChatTemplate, Json, Message, RenderFlags, Role, TemplateSource};
 use nemo_dag_op::{DeclError, Metrics, Op, RunContext, RunError, StageDecl, typed_params};
 use serde::Deserialize;
 use serde_json::Value;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use train::{self, MicroLoss, Objective, Schedule, Tally, Trainer, checkpoint, token_logprobs};
 
 pub struct Dpo;
 
@@ -746,11 +744,11 @@ impl Objective for DpoObjective {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::config::ModelConfig;
-    use crate::model::params::to_f32_vec;
-    use crate::train::Point;
     use candle_core::{Device, Var};
+    use model::config::ModelConfig;
+    use model::params::to_f32_vec;
     use serde_json::json;
+    use train::Point;
 
     fn tempdir(name: &str) -> PathBuf {
         let d = std::env::temp_dir().join(format!("nemo-dag-dpo-{name}-{}", std::process::id()));

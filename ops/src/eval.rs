@@ -29,18 +29,17 @@
 //! `<|im_end|>`/`<|endoftext|>`, a `stop` string, or `max_tokens`; the response (cut before a
 //! stop string) is scored against `expected_answer` by the row's `env` (default `env` param,
 //! `math`) with [`nemo_dag_data::reward`]. Accuracy is the mean score. Decoding is cached (KV caches for
-//! attention, conv/SSM states for Mamba: [`crate::model::decode`]), batched `batch` prompts at a
+//! attention, conv/SSM states for Mamba: [`model::decode`]), batched `batch` prompts at a
 //! time with left padding that no row can see.
 //!
 //! Output `results/results.json`; the same numbers are the artifact's metrics, and the log ends
 //! with a small table.
 
-use crate::model::layers::Layout;
-use crate::model::net::{Batch, Model};
-use crate::model::params::Rng;
-use crate::model::sampling::{Sampling, StopStrings, generate, generate_until};
 use crate::pretrain::{blend_split, input, model_tokenizer};
-use crate::train::{self, checkpoint};
+use model::layers::Layout;
+use model::net::{Batch, Model};
+use model::params::Rng;
+use model::sampling::{Sampling, StopStrings, generate, generate_until};
 use nemo_dag_data::chat::{ChatTemplate, Message, RenderFlags, Role, TemplateSource};
 use nemo_dag_data::megatron::IndexedReader;
 use nemo_dag_op::{DeclError, Metrics, Op, RunContext, RunError, StageDecl, typed_params};
@@ -48,6 +47,7 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 use std::collections::BTreeMap;
 use std::path::Path;
+use train::{self, checkpoint};
 
 pub struct Eval;
 
@@ -548,7 +548,7 @@ fn holds(
     let raw = tokenizer
         .decode(ids, false)
         .map_err(|e| RunError::new(format!("cannot decode a response: {e}")))?;
-    let (raw, _) = crate::model::sampling::cut_at_stop(&raw, &g.stop);
+    let (raw, _) = model::sampling::cut_at_stop(&raw, &g.stop);
     Ok(g.contains
         .iter()
         .map(|s| raw.contains(s.as_str()))
@@ -584,7 +584,7 @@ pub fn greedy(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::config::ModelConfig;
+    use model::config::ModelConfig;
     use nemo_dag_op::{DeclError, Op, StageDecl};
 
     #[test]

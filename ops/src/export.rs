@@ -24,16 +24,16 @@
 //! | `final_norm` | `model.norm.weight` |
 //! | `output` | `lm_head.weight` (absent with tied embeddings) |
 
-use crate::model::config::{Activation, BlockKind, Position};
-use crate::model::net::{Mixer, Model};
 use crate::pretrain::input;
-use crate::train::checkpoint;
 use candle_core::Tensor;
+use model::config::{Activation, BlockKind, Position};
+use model::net::{Mixer, Model};
 use nemo_dag_op::{DeclError, Metrics, Op, RunContext, RunError, StageDecl, typed_params};
 use serde::Deserialize;
 use serde_json::{Value, json};
 use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
+use train::checkpoint;
 
 pub struct Export;
 

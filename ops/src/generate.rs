@@ -18,7 +18,7 @@
 //! | `choices` (`choices.jsonl`) | `{"context": "What is 12 + 35? 12 + 35 =", "choices": ["47", "48", "46", "57"], "gold": 0}`: the answer and three near misses (±1, +10), the answer at position `i mod 4` | `eval` (`multiple_choice`) |
 //! | `preferences` (`preferences.jsonl`) | NeMo-RL preference rows: `{"context": [user "What is 12 + 35?"], "completions": [{"rank": 0, "completion": [assistant "The answer is \boxed{47}."]}, {"rank": 1, "completion": [assistant "<tool_call>{…}</tool_call>\nThe answer is \boxed{47}."]}]}` | `dpo` |
 //!
-//! The preference pairs teach what nano3's DPO stage teaches (reference §4.6): not to call
+//! The preference pairs teach what nano3's DPO stage teaches (Nemotron nano3 `rl.md`): not to call
 //! tools that were never offered. Both completions give the right answer; the rejected one
 //! first makes a hallucinated call, `<tool_call>{"name": "calculator", "arguments":
 //! {"expression": "12 + 35"}}</tool_call>`, although the context offers no tools. Neither

@@ -1,5 +1,5 @@
 //! `grpo`: Group Relative Policy Optimization on prompts with verifiable answers, as NeMo-RL
-//! does it (reference §4.1–4.4, §6.6).
+//! does it (`nemo_rl/algorithms/grpo.py`; the details in docs/parity.md, "GRPO").
 //!
 //! ```yaml
 //! grpo:
@@ -30,7 +30,7 @@
 //!    1 + ε_high))` with `r = π_θ / π_old`, plus `β · k3` KL to the reference model when
 //!    `reference_policy_kl_penalty > 0`, summed over the global batch's response tokens and
 //!    divided by their number (`token_level_loss`), or averaged per response first.
-//! 6. One AdamW step (the shared [`crate::train::Trainer`]: clipping, schedule, checkpoints).
+//! 6. One AdamW step (the shared [`train::Trainer`]: clipping, schedule, checkpoints).
 //!
 //! The rollouts of a step are exactly one optimizer step's batch (`global_batch` must equal
 //! prompts × generations), so π_old is the current policy: `r` is 1 in value and carries the
@@ -43,22 +43,20 @@
 //! scoring 1), `response_length` (mean new tokens), `truncated` (fraction that hit the limit),
 //! `kl` (mean k3 per response token, only when the KL term is on).
 
-use crate::model::layers::Layout;
-use crate::model::net::Model;
-use crate::model::params::Rng;
-use crate::model::sampling::{Sampling, generate_split};
 use crate::pretrain::{check_training, input, model_outputs, model_tokenizer, train_and_publish};
 use crate::sft::RowOrder;
-use crate::train::{
-    self, MicroLoss, Objective, Schedule, Tally, Trainer, checkpoint, token_logprobs,
-};
 use candle_core::{Device, Tensor};
+use model::layers::Layout;
+use model::net::Model;
+use model::params::Rng;
+use model::sampling::{Sampling, generate_split};
 use nemo_dag_data::chat::{ChatTemplate, Message, RenderFlags, TemplateSource};
 use nemo_dag_op::{DeclError, Metrics, Op, RunContext, RunError, StageDecl, typed_params};
 use serde::Deserialize;
 use serde_json::Value;
 use std::collections::BTreeMap;
 use std::path::Path;
+use train::{self, MicroLoss, Objective, Schedule, Tally, Trainer, checkpoint, token_logprobs};
 
 pub struct Grpo;
 
@@ -132,7 +130,7 @@ enum PromptField {
     Question,
 }
 
-/// The knobs of NeMo-RL's `ClippedPGLossFn` we implement (reference §4.3).
+/// The knobs we implement of NeMo-RL's `loss/loss_functions.py: ClippedPGLossFn`.
 #[derive(Debug, Clone, Deserialize)]
 pub struct LossConfig {
     #[serde(default = "d_clip_low")]
@@ -282,7 +280,7 @@ impl Op for Grpo {
             .collect();
         let score = |prompt: &Prompt, response: &[u32]| -> f64 {
             let text = tokenizer.decode(response, true).unwrap_or_default();
-            // An environment that cannot score the response gives it 0 (reference §4.4).
+            // An environment that cannot score the response gives it 0 (as NeMo-RL and Gym do).
             nemo_dag_data::reward::score(&prompt.env, &text, &prompt.expected).unwrap_or(0.0)
         };
         let mut objective = Rollouts::new(&p, prompts, reference, stops, &score);
@@ -379,7 +377,7 @@ fn read_prompts(
     Ok(prompts)
 }
 
-/// GRPO advantages of one step's rewards (reference §4.2). Groups are the rollouts with
+/// GRPO advantages (NeMo-RL `calculate_baseline_and_std_per_prompt`). Groups are the rollouts with
 /// identical prompt ids (`group[i]` is rollout i's group key).
 ///
 /// With leave-one-out, rollout i's baseline is the mean of the *other* rewards of its group
@@ -426,7 +424,7 @@ pub fn advantages(
     out
 }
 
-/// The clipped policy-gradient loss per token (reference §4.3), differentiable in `logp`:
+/// The clipped policy-gradient loss per token (`ClippedPGLossFn`), differentiable in `logp`:
 /// `max(−A·r, −A·clip(r, 1 − lo, 1 + hi))` with `r = exp(logp − old)`, and with the dual clip
 /// `c` the loss of a negative advantage is at most `−A·c`. All tensors `(B, T)`.
 pub fn token_loss(
@@ -734,8 +732,8 @@ impl Objective for Rollouts<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::config::ModelConfig;
     use candle_core::Var;
+    use model::config::ModelConfig;
     use serde_json::json;
 
     fn close(a: &[f64], b: &[f64]) {
@@ -937,8 +935,8 @@ mod tests {
                 trainer.step(&mut objective).unwrap();
                 seen.push(objective.micro[0].ids.clone());
             }
-            let w = crate::model::params::to_f32_vec(trainer.model.params.iter().next().unwrap().1)
-                .unwrap();
+            let w =
+                model::params::to_f32_vec(trainer.model.params.iter().next().unwrap().1).unwrap();
             (seen, w)
         };
         assert_eq!(run(5), run(5));
@@ -952,7 +950,7 @@ mod tests {
             t.model
                 .params
                 .iter()
-                .map(|(_, v)| crate::model::params::to_f32_vec(v).unwrap())
+                .map(|(_, v)| model::params::to_f32_vec(v).unwrap())
                 .collect()
         };
         let reference = || Some(tiny_model());

@@ -33,13 +33,11 @@ pub mod eval;
 pub mod export;
 pub mod generate;
 pub mod grpo;
-pub mod model;
 pub mod pack;
 pub mod pretrain;
 pub mod rl_data;
 pub mod sft;
 pub mod tokenize;
-pub mod train;
 pub mod train_tokenizer;
 
 use nemo_dag_op::{Op, Registry, RunError};

@@ -1,5 +1,5 @@
 //! `pack`: chat conversations → packed SFT sequences in Parquet, as Nemotron's SFT data prep
-//! makes them (reference: nemotron-recipes.md §1.7 "SFT chat → packed Parquet", §3, §6.4).
+//! makes them (NVIDIA-NeMo/Nemotron `src/nemotron/data_prep/`; see docs/parity.md, "SFT data").
 //!
 //! ```yaml
 //! pack:
@@ -104,7 +104,7 @@ struct Params {
     #[serde(default)]
     sample: Option<usize>,
     /// Dataset (input name) → weight; 1 when not given. With non-uniform weights each split
-    /// keeps whole shards so that its row mix matches the weights (§1.7 step 12).
+    /// keeps whole shards so that its row mix matches the weights (`_select_weighted_shards`).
     #[serde(default)]
     weights: BTreeMap<String, f64>,
 }

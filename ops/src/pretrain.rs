@@ -16,7 +16,7 @@
 //!     save_interval: 100
 //! ```
 //!
-//! The data is read the way Megatron's `GPTDataset` reads it (reference §2.4–2.5): the train
+//! The data is read the way Megatron's `GPTDataset` and `BlendedDataset` read it: the train
 //! split's datasets from `blend.json`, each a stream of `seq_length + 1`-token samples built
 //! from the document, sample and shuffle indices of the seed, mixed by the greedy blending
 //! rule; the global batch of step `s` is samples `s·G … (s+1)·G − 1`. Inputs are a sample's
@@ -26,10 +26,9 @@
 //! model plus AdamW state and progress). The op is resumable: a stage killed or preempted
 //! after a checkpoint continues from it on the next run and ends with the same weights.
 
-use crate::model::config::ModelConfig;
-use crate::model::layers::Layout;
-use crate::model::net::{Batch, Model};
-use crate::train::{self, BatchSource, NextToken, Objective, Schedule, Trainer, checkpoint};
+use model::config::ModelConfig;
+use model::layers::Layout;
+use model::net::{Batch, Model};
 use nemo_dag_data::megatron::IndexedReader;
 use nemo_dag_data::megatron::gpt_dataset::{
     GptIndices, blend_indices, build_gpt_indices, sample_tokens,
@@ -39,6 +38,7 @@ use serde::Deserialize;
 use serde_json::Value;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use train::{self, BatchSource, NextToken, Objective, Schedule, Trainer, checkpoint};
 
 pub struct Pretrain;
 

@@ -1,5 +1,5 @@
 //! `rl_data`: prompts with verifiable answers → NeMo-Gym-shaped JSONL for GRPO
-//! (reference: nemotron-recipes.md §1.7 "RL JSONL", §4.4, §4.5).
+//! (as Nemotron's `recipes/nano3/stage2_rl/data_prep.py` emits and NeMo-Gym consumes).
 //!
 //! ```yaml
 //! rl_data:

@@ -9,7 +9,7 @@
 //!
 //! The model starts from the upstream artifact's weights only (`finetune`: a fresh optimizer).
 //! The data is a `pack` artifact: Parquet rows of packed conversations. Each row becomes one
-//! batch row the way Megatron-Bridge collates packed data (reference §3.3): with boundaries
+//! batch row the way Megatron-Bridge's `GPTSFTPackedDataset.collate_fn` does: with boundaries
 //! `b = seq_start_id + [len(input_ids)]`, every subsequence `[s, e)` contributes tokens
 //! `ids[s..e−1]`, labels `ids[s+1..e]`, loss mask `stored_mask[s..e−1]` (already label-aligned by
 //! `pack`), and positions restarting at 0. Attention and Mamba state never cross a subsequence
@@ -19,12 +19,11 @@
 //! The loss is per token over the global batch: Σ masked cross-entropy / Σ loss mask.
 //! Rows are visited in a seeded shuffled order, epoch after epoch.
 
-use crate::model::layers::Layout;
-use crate::model::net::Batch;
 use crate::pretrain::{
     blend_split, check_training, input, model_outputs, model_tokenizer, train_and_publish,
 };
-use crate::train::{BatchSource, NextToken, Schedule, Trainer, checkpoint};
+use model::layers::Layout;
+use model::net::Batch;
 use nemo_dag_data::random::NumpyRandomState;
 use nemo_dag_data::sft::packing::PackedRow;
 use nemo_dag_data::sft::parquet as packed_parquet;
@@ -32,6 +31,7 @@ use nemo_dag_op::{DeclError, Metrics, Op, RunContext, RunError, StageDecl, typed
 use serde::Deserialize;
 use std::collections::BTreeMap;
 use std::path::Path;
+use train::{BatchSource, NextToken, Schedule, Trainer, checkpoint};
 
 pub struct Sft;
 
@@ -214,7 +214,7 @@ struct SftData {
     global_batch: usize,
 }
 
-/// One packed row, collated: tokens, labels, loss mask, positions, segments (§3.3).
+/// One packed row collated as Megatron-Bridge does: tokens, labels, mask, positions, segments.
 pub struct Collated {
     pub ids: Vec<u32>,
     pub labels: Vec<u32>,

@@ -1,5 +1,5 @@
 //! `tokenize`: text datasets → Megatron `.bin`/`.idx` shards and a `blend.json`, as Nemotron's
-//! pretrain data prep makes them (reference: nemotron-recipes.md §1.7, §2.1–2.3, §6.2).
+//! pretrain data prep makes them (Nemotron `data_prep/recipes/pretrain.py`; see docs/parity.md).
 //!
 //! ```yaml
 //! tokenize:

@@ -1,4 +1,4 @@
-//! Verifiable rewards: how a response is scored against an expected answer (reference §4.4).
+//! Verifiable rewards, after NeMo-Gym's `math_with_judge` and `mcqa` resource servers.
 //!
 //! - `math`: the answer is the content of the **last** `\boxed{…}` in the response (braces
 //!   balanced). It is compared by value with the expected answer: both are normalised (spaces,

@@ -2,7 +2,7 @@
 
 use super::*;
 /// A piece of rendered text spoken by one role; `trained` is true for assistant chunks, the
-/// only ones the loss sees (reference §1.7 step 7).
+/// only ones the loss sees (Nemotron `_tokenize_chunks_with_mask`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Chunk {
     pub role: String,

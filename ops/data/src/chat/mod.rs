@@ -2,9 +2,9 @@
 //!
 //! This module turns one chat record (a JSONL row with a list of OpenAI-style messages and
 //! optional tool definitions) into token sequences with a per-token loss mask, the way
-//! Nemotron's SFT data preparation does before packing (reference
-//! `shared/reference/nemotron-recipes.md` §1.7 "SFT chat → packed Parquet", steps 1–7; the
-//! testable behaviours are the chat bullets of §6.4). Packing, Parquet and splits (steps 8–13)
+//! Nemotron's SFT data preparation does before packing (NVIDIA-NeMo/Nemotron
+//! `src/nemotron/data_prep/core/chat_template.py` and `core/chat_sft_shard_core.py`; "step N"
+//! below is docs/parity.md, "SFT data", step N). Packing, Parquet and splits (steps 8–13)
 //! live elsewhere.
 //!
 //! The pipeline, top to bottom:
@@ -30,7 +30,7 @@
 //! their public items are re-exported here, and the imports below are shared by all of them.
 //!
 //! Nemotron does not use Megatron-Bridge's `{% generation %}`-based masking for nano3
-//! (§3.1); it uses the incremental-render chunker reproduced here.
+//! (Megatron-Bridge's `_chat_preprocess`); it uses the incremental-render chunker reproduced here.
 
 use minijinja::value::{Enumerator, Kwargs, Object, Value, ValueKind};
 use minijinja::{Environment, Error, ErrorKind, State};

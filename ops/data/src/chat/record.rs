@@ -236,7 +236,7 @@ impl Message {
         }
     }
 
-    /// Whether this message carries reasoning (reference §1.7 step 6: "non-empty
+    /// Whether this message carries reasoning (as Nemotron's `create_masked_messages`: a non-empty
     /// `reasoning_content`").
     pub fn has_reasoning(&self) -> bool {
         self.reasoning_content
@@ -332,7 +332,7 @@ pub struct Conversation {
     pub tools: Option<Vec<Json>>,
 }
 
-/// Which fields of a record hold the messages and the tools (reference §1.7: configurable,
+/// Which fields of a record hold the messages and the tools (configurable as in Nemotron's
 /// `messages_field="messages"`, `tools_field="tools"`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct RowFields {
@@ -356,7 +356,7 @@ impl Conversation {
         Conversation::from_record(&record, fields)
     }
 
-    /// Build a conversation from a parsed record, in the reference's order: no messages ⇒
+    /// Build a conversation from a parsed record, in Nemotron's order: no messages ⇒
     /// dropped; validation (step 2); typed messages; tool-call arguments given as JSON strings
     /// parsed into objects (step 3).
     pub fn from_record(record: &Json, fields: &RowFields) -> Result<Conversation, DropReason> {

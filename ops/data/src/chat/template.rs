@@ -1,10 +1,10 @@
 //! 1. Templates
 
 use super::*;
-/// The bundled `nano3` chat template (reference §1.7 step 4).
+/// The bundled `nano3` chat template (Nemotron's `src/nemotron/data_prep/templates/nano3.jinja`).
 ///
-/// ChatML-like turns `<|im_start|>{role}\n…<|im_end|>\n`. The behaviour, as the reference
-/// states it and, where the reference is silent, as Nemotron's `nano3.jinja` does it:
+/// ChatML-like turns `<|im_start|>{role}\n…<|im_end|>\n`. The behaviour, as Nemotron's
+/// `nano3.jinja` renders it (and its `core/chat_template.py` relies on it):
 ///
 /// - **System turn.** A leading system message becomes the system turn; the system turn is
 ///   written even when there is no system message (`<|im_start|>system\n<|im_end|>\n`).
@@ -35,7 +35,7 @@ pub const NANO3_TEMPLATE: &str = include_str!("templates/nano3.jinja");
 /// The names [`TemplateSource::Bundled`] accepts.
 pub const BUNDLED_TEMPLATES: &[&str] = &["nano3"];
 
-/// Where a chat template comes from (reference §1.7 step 4: a bundled name, a `.jinja` path or
+/// Where a chat template comes from (`_apply_chat_template`: a bundled name, a `.jinja` path or
 /// an inline string; plus a Hugging Face `tokenizer_config.json`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum TemplateSource {

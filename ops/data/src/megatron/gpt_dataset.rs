@@ -1,23 +1,23 @@
 //! Megatron's `GPTDataset` and `BlendedDataset` index construction, re-implemented.
 //!
-//! What a pretraining data loader must reproduce (reference
-//! `/work/shared/reference/nemotron-recipes.md` §2.4, §2.5, testable list §6.3):
+//! What a pretraining data loader must reproduce (Megatron-LM `megatron/core/datasets/`
+//! `gpt_dataset.py`, `blended_dataset.py`, `helpers.cpp`; see also docs/parity.md):
 //!
 //! 1. **Epochs** ([`num_epochs`]): the smallest `E` with `E·tokens_per_epoch ≥
-//!    num_samples·S + add_extra_token` (§2.4 step 1); whether the final epoch is shuffled
+//!    num_samples·S + add_extra_token` (`_get_num_epochs`); whether the final epoch is shuffled
 //!    separately ([`separate_final_epoch`]): when it contributes fewer than
-//!    `int(0.80·samples_per_epoch)` samples (§2.4 step 2).
+//!    `int(0.80·samples_per_epoch)` samples (`_build_document_sample_shuffle_indices`).
 //! 2. **Document index** ([`build_document_index`]): the split's documents repeated `E` times
 //!    and shuffled by `numpy.random.RandomState(seed)`; with a separate final epoch, the first
-//!    `E−1` epochs and the last one are shuffled separately and concatenated (§2.4 step 3).
+//!    `E−1` epochs and the last one are shuffled apart and concatenated (`_build_document_index`).
 //! 3. **Sample index** ([`build_sample_index`]): `helpers.cpp: build_sample_idx`; rows are
 //!    `(position in document index, token offset)`, each sample spans `S + 1` tokens and
-//!    consecutive samples overlap by one token (§2.4 step 4).
+//!    consecutive samples overlap by one token.
 //! 4. **Shuffle index** ([`build_shuffle_index`]): `arange(num_samples)` shuffled, with the
-//!    final-epoch samples shuffled separately when the final epoch is separate (§2.4 step 5).
-//! 5. **getitem** ([`sample_tokens`]): sample `i`'s `S + 1` tokens (§2.4 step 7).
+//!    final-epoch samples shuffled apart when the final epoch is separate (`_build_shuffle_index`).
+//! 5. **getitem** ([`sample_tokens`]): sample `i`'s `S + 1` tokens (`GPTDataset.__getitem__`).
 //! 6. **Blending** ([`blend_indices`]): `helpers.cpp: build_blending_indices`, the greedy
-//!    max-error rule (§2.5).
+//!    max-error rule (`BlendedDataset` in `blended_dataset.py`).
 //!
 //! # Randomness
 //!
@@ -37,7 +37,7 @@
 use crate::random::NumpyRandomState;
 use std::fmt;
 
-/// Megatron's threshold for shuffling the final epoch separately (§2.4 step 2).
+/// Megatron's threshold for shuffling the final epoch separately (`separate_final_epoch`).
 const SEPARATE_FINAL_EPOCH_THRESHOLD: f64 = 0.80;
 
 /// Why indices could not be built from the given sizes / indices.
@@ -57,7 +57,7 @@ fn err<T>(message: impl Into<String>) -> Result<T, GptDatasetError> {
 }
 
 /// Number of epochs needed to draw `num_samples` samples of `seq_length` tokens
-/// (`GPTDataset._get_num_epochs`, §2.4 step 1): the smallest `E ≥ 1` with
+/// (`GPTDataset._get_num_epochs`): the smallest `E ≥ 1` with
 /// `E·tokens_per_epoch ≥ num_samples·seq_length + add_extra_token`; 1 when `num_samples` is
 /// `None`. An empty epoch can never cover a request, which is an error.
 pub fn num_epochs(
@@ -82,7 +82,7 @@ pub fn num_epochs(
     Ok(requested.div_ceil(tokens_per_epoch).max(1) as usize)
 }
 
-/// Whether the final epoch is shuffled on its own (§2.4 step 2): with `E > 1`, when the
+/// Whether the final epoch is shuffled on its own (`separate_final_epoch`): with `E > 1`, when the
 /// samples it contributes, `num_samples − ((E−1)·tokens_per_epoch − extra) // S`, are fewer
 /// than `int(0.80 · ((tokens_per_epoch − extra) // S))`.
 pub fn separate_final_epoch(
@@ -106,7 +106,7 @@ pub fn separate_final_epoch(
 }
 
 /// `_build_document_index` for documents `0..num_docs` with a fresh `RandomState(seed)`
-/// (§2.4 step 3). See [`build_document_index_with`] for explicit document ids and a shared
+/// (`gpt_dataset.py`). See [`build_document_index_with`] for explicit document ids and a shared
 /// generator.
 pub fn build_document_index(
     num_docs: usize,
@@ -119,7 +119,7 @@ pub fn build_document_index(
     build_document_index_with(&documents, num_epochs, &mut rng, separate_final_epoch)
 }
 
-/// `_build_document_index` (§2.4 step 3): `documents` repeated `num_epochs` times (epoch-major)
+/// `gpt_dataset.py: _build_document_index`: `documents` repeated `num_epochs` times (epoch-major)
 /// and shuffled with `rng`; with `separate_final_epoch` (and `E > 1`) the first `E−1` epochs
 /// are shuffled together first, then the last epoch alone, and the two are concatenated.
 pub fn build_document_index_with(
@@ -144,7 +144,7 @@ pub fn build_document_index_with(
     index
 }
 
-/// `helpers.cpp: build_sample_idx` with `drop_last_partial_sequence = true` (§2.4 step 4).
+/// `helpers.cpp: build_sample_idx` with `drop_last_partial_sequence = true`.
 ///
 /// `sizes[d]` is the token count of document id `d`; `doc_index` holds document ids (the
 /// output of [`build_document_index`]). Returns `num_samples + 1` rows `(position in doc_index,
@@ -222,7 +222,7 @@ pub fn build_sample_index(
     Ok(rows)
 }
 
-/// `_build_shuffle_index` with a fresh `RandomState(seed)` (§2.4 step 5): `[0, num_samples)`
+/// `_build_shuffle_index` with a fresh `RandomState(seed)` (`gpt_dataset.py`): `[0, num_samples)`
 /// shuffled, then `[num_samples, total_size)` shuffled separately and appended. Megatron
 /// continues the document-index generator instead; see [`build_shuffle_index_with`].
 pub fn build_shuffle_index(num_samples: usize, total_size: usize, seed: u32) -> Vec<usize> {
@@ -230,7 +230,7 @@ pub fn build_shuffle_index(num_samples: usize, total_size: usize, seed: u32) -> 
     build_shuffle_index_with(num_samples, total_size, &mut rng)
 }
 
-/// `_build_shuffle_index` (§2.4 step 5) drawing from `rng`.
+/// `_build_shuffle_index` (`gpt_dataset.py`) drawing from `rng`.
 pub fn build_shuffle_index_with(
     num_samples: usize,
     total_size: usize,
@@ -248,7 +248,7 @@ pub fn build_shuffle_index_with(
     first
 }
 
-/// Everything `GPTDataset` caches for one split (§2.4 steps 1–6).
+/// Everything `GPTDataset` caches for one split: its document, sample and shuffle indices.
 #[derive(Debug, Clone, PartialEq)]
 pub struct GptIndices {
     pub num_epochs: usize,
@@ -308,7 +308,7 @@ pub fn build_gpt_indices(
     })
 }
 
-/// `GPTDataset.__getitem__` token assembly (§2.4 step 7): sample `i`'s tokens.
+/// `GPTDataset.__getitem__` token assembly: sample `i`'s tokens.
 ///
 /// `j = shuffle_index[i]`, `(d0, o0) = sample_index[j]`, `(d1, o1) = sample_index[j + 1]`;
 /// `read(doc_id, offset, len)` returns `len` tokens of document `doc_id` from `offset`. If
@@ -370,7 +370,7 @@ pub fn sample_tokens(
     Ok(tokens)
 }
 
-/// `helpers.cpp: build_blending_indices` (§2.5): for `i = 0..size`, pick the dataset `d`
+/// `helpers.cpp: build_blending_indices`: for `i = 0..size`, pick the dataset `d`
 /// maximizing `weights[d]·max(i, 1) − count[d]` (strictly greater replaces, so the first
 /// dataset wins ties), record `(d, count[d])` and increment `count[d]`. Deterministic, no RNG.
 /// Weights are used as given (Megatron normalizes them to sum 1 beforehand). Megatron stores
@@ -400,7 +400,7 @@ pub fn blend_indices(weights: &[f64], size: usize) -> (Vec<u16>, Vec<u64>) {
     (dataset_index, dataset_sample_index)
 }
 
-/// Samples each component of a blend is asked for (§2.5):
+/// Samples each component of a blend is asked for (`_get_size_per_split_per_dataset`):
 /// `ceil(ceil(size·w)·(1 + surplus))`, surplus 0.005 by default in Megatron.
 pub fn blend_component_sizes(weights: &[f64], size: usize, surplus: f64) -> Vec<u64> {
     weights

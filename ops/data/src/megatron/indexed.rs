@@ -19,9 +19,9 @@
 //! Document `d` is sequences `index[d] .. index[d+1]`. Multimodal indexes (an extra i8 per
 //! sequence after the document index) are not supported.
 //!
-//! Spec: `shared/reference/megatron-bin-idx.md` (read from megatron-core 0.16.1
-//! `megatron/core/datasets/indexed_dataset.py`) and §2.2 of
-//! `shared/reference/nemotron-recipes.md`.
+//! Spec: megatron-core 0.16.1's `megatron/core/datasets/indexed_dataset.py` (`_IndexWriter`,
+//! `IndexedDataset`, `DType`) and Megatron-LM's `tools/preprocess_data.py`; the byte layout
+//! and a worked example are in docs/parity.md, "Megatron .bin/.idx".
 //!
 //! Unix only: the reader uses positioned reads so it can be shared between threads.
 
@@ -728,7 +728,7 @@ mod tests {
         assert_eq!(smallest_for_vocab(128_256), DType::I32); // Llama-3
     }
 
-    /// Expected bytes derived by hand from the table in megatron-bin-idx.md.
+    /// Expected bytes derived by hand from the `.idx` layout table in docs/parity.md.
     #[test]
     fn golden_bytes_u16() {
         let dir = TestDir::new("golden");
@@ -807,7 +807,7 @@ mod tests {
         b
     }
 
-    /// The worked example in megatron-bin-idx.md, written by megatron-core's own builder:
+    /// The worked example of docs/parity.md, written by megatron-core 0.16.1's own builder:
     /// sentence-level data with an empty document and a 3-sequence document.
     #[test]
     fn reads_megatron_worked_example() {

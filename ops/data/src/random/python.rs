@@ -3,9 +3,9 @@
 //! Nemotron makes two seeded choices with Python's standard-library generator, and nemo-dag
 //! must make the same ones to produce the same artifacts:
 //! - `first_fit_shuffle` packing shuffles a shard's sequences with `random.Random(seed)`
-//!   before first-fit (reference §1.7 step 9);
+//!   before first-fit (Nemotron `FirstFitShufflePacker`);
 //! - train/valid/test splitting shuffles the pooled shards with `random.Random(42)` for
-//!   pretraining and `random.Random(packing_seed)` for SFT (§1.7 steps 8 and 12).
+//!   pretraining and `random.Random(packing_seed)` for SFT (`distribute_shards_to_splits`).
 //!
 //! What CPython does, and what this module reproduces:
 //! - The generator is the 32-bit Mersenne Twister MT19937 ([`Mt19937`]).

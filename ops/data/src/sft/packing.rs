@@ -1,38 +1,38 @@
 //! SFT sequence packing, as Nemotron's data prep does it.
 //!
-//! Section numbers refer to `shared/reference/nemotron-recipes.md`. The pipeline, per shard:
+//! Step numbers are those of docs/parity.md, "SFT data". The pipeline, per shard:
 //!
 //! 1. [`pack`]: assign the shard's tokenized conversations to bins of at most `pack_size`
-//!    tokens with one of three algorithms ([`Algorithm`], §1.7 step 9). A conversation is
+//!    tokens with one of three algorithms ([`Algorithm`], step 9). A conversation is
 //!    never split across bins; one longer than `pack_size` is truncated to `pack_size`.
 //! 2. [`materialize`]: turn each bin into one row `{input_ids, loss_mask, seq_start_id}`
-//!    (§1.7 step 10), with the loss mask re-aligned per subsequence to label semantics so that
-//!    Megatron-Bridge's packed collate function (§3.3) reads it correctly. Rows are not padded.
-//! 3. [`PackStats`]: the per-shard numbers Nemotron records in its receipt (§1.7 step 11).
+//!    (step 10), with the loss mask re-aligned per subsequence to label semantics so that
+//!    Megatron-Bridge's `GPTSFTPackedDataset.collate_fn` reads it correctly. Rows are not padded.
+//! 3. [`PackStats`]: the per-shard numbers Nemotron records in its receipt (step 11).
 //!
 //! Then, over all shards of a run:
 //!
 //! 4. [`split_shard_counts`]: turn train/valid/test ratios into whole shard counts
-//!    (§1.7 step 12).
+//!    (step 12).
 //! 5. [`assign_splits`]: shuffle the shards with CPython's `random.Random(seed)` and deal them
-//!    out: test first, then valid, the rest train (§1.7 step 8, reused by step 12).
+//!    out: test first, then valid, the rest train (Nemotron `distribute_shards_to_splits`).
 //!
-//! Where the reference is silent, the behaviour follows Nemotron's own code (`NVIDIA-NeMo/Nemotron`,
-//! `src/nemotron/data_prep/packing/` and `utils/splits.py`, read through the code index); those
+//! The behaviour follows Nemotron's own code (`NVIDIA-NeMo/Nemotron`,
+//! `src/nemotron/data_prep/packing/` and `utils/splits.py`); the less obvious of those
 //! points are called out in the item docs below.
 
 use crate::random::PyRandom;
 use serde::{Deserialize, Serialize};
 
 // ---------------------------------------------------------------------------------------------
-// 1. Packing algorithms (§1.7 step 9, §3.2)
+// 1. Packing algorithms (step 9; Megatron-Bridge `data/packing/algorithms.py`)
 // ---------------------------------------------------------------------------------------------
 
 /// The manifest names of the packing algorithms, in the order error messages list them.
 pub const ALGORITHM_NAMES: [&str; 3] =
     ["first_fit_decreasing", "first_fit_shuffle", "concatenative"];
 
-/// How a shard's sequences are assigned to bins (§1.7 step 9).
+/// How a shard's sequences are assigned to bins (step 9).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Algorithm {
     /// Stable sort by length, longest first, then first fit: deterministic, dense bins.
@@ -105,7 +105,7 @@ pub fn pack(lengths: &[usize], pack_size: usize, algo: &Algorithm) -> Vec<Vec<us
 }
 
 /// First fit: visit items in `order`; put each into the earliest-opened bin whose remaining
-/// capacity is at least its length, else open a new bin (§3.2 `first_fit`).
+/// capacity is at least its length, else open a new bin (Megatron-Bridge `first_fit`).
 ///
 /// The search uses a max segment tree over remaining capacities, as Megatron-Bridge does, so a
 /// shard of n sequences packs in O(n log n); the result is exactly that of the linear scan.
@@ -196,7 +196,7 @@ impl CapacityTree {
 }
 
 // ---------------------------------------------------------------------------------------------
-// 2. Materializing a bin into a packed row (§1.7 step 10, §3.3)
+// 2. Materializing a bin into a packed row (step 10; Nemotron `packing/materialize.py`)
 // ---------------------------------------------------------------------------------------------
 
 /// One tokenized training sequence (a conversation, or one user turn of a reasoning
@@ -228,7 +228,7 @@ pub struct PackedRow {
 ///
 /// The loss mask is re-aligned **per subsequence** to label semantics. Megatron-Bridge's
 /// collate function trains position `j` of a subsequence `[s, e)` to predict token `j + 1` and
-/// reads `loss_mask[s..e-1]` (§3.3), so the stored value at `j` must say whether token `j + 1`
+/// reads `loss_mask[s..e-1]`, so the stored value at `j` must say whether token `j + 1`
 /// is trained: for a subsequence of length L, `aligned[j] = mask[j + 1]` for `j < L − 1` and
 /// `aligned[L − 1] = 0` (a single-token subsequence gets `[0]`). Nothing bleeds across a
 /// boundary: the last position of a subsequence is 0 whatever the next subsequence starts with.
@@ -261,7 +261,7 @@ pub fn materialize(seqs: &[Sequence], bin: &[usize], pack_size: usize) -> Packed
 }
 
 // ---------------------------------------------------------------------------------------------
-// 3. Per-shard statistics (§1.7 step 11)
+// 3. Per-shard statistics (step 11)
 // ---------------------------------------------------------------------------------------------
 
 /// What Nemotron records about one shard's packing.
@@ -351,10 +351,10 @@ pub fn py_round(x: f64, ndigits: u32) -> f64 {
 }
 
 // ---------------------------------------------------------------------------------------------
-// 4–5. Train/valid/test splits at shard granularity (§1.7 steps 8 and 12)
+// 4–5. Train/valid/test splits at shard granularity (step 12; Nemotron `utils/splits.py`)
 // ---------------------------------------------------------------------------------------------
 
-/// Whole-shard split sizes `(train, valid, test)` for `total_shards` shards (§1.7 step 12).
+/// Whole-shard split sizes `(train, valid, test)` for `total_shards` shards (step 12).
 ///
 /// - The ratios must each be finite and ≥ 0 and sum to 1 within 1e-6.
 /// - With `total_shards ≤ 2` everything goes to train.
@@ -412,7 +412,7 @@ pub fn split_shard_counts(
     Ok((total_shards - valid_n - test_n, valid_n, test_n))
 }
 
-/// Deal shards into `(train, valid, test)` (§1.7 step 8; step 12 reuses it).
+/// Deal shards into `(train, valid, test)` (Nemotron `distribute_shards_to_splits`).
 ///
 /// The shards are shuffled with CPython's `random.Random(seed).shuffle` (pretraining uses seed
 /// 42, SFT the packing seed); the first `test_n` go to test, the next `valid_n` to valid and the
@@ -438,7 +438,7 @@ mod tests {
     use super::*;
 
     // Expected bins, split counts and shard assignments marked "CPython" were printed by a small
-    // Python 3.11 re-implementation written from the reference (§1.7 steps 9 and 12, using
+    // Python 3.11 re-implementation written from Nemotron's code (steps 9 and 12, using
     // `random.Random(seed).shuffle`); the deterministic ones were also derived by hand.
 
     const FFD: Algorithm = Algorithm::FirstFitDecreasing;
@@ -937,7 +937,7 @@ mod tests {
     }
 }
 
-/// §1.7 step 12, non-uniform weights: keep whole shards of each dataset so that a split's row
+/// Step 12, non-uniform weights: keep whole shards of each dataset so that a split's row
 /// mix matches the normalized weights. With `rows_i` the rows dataset `i` has in the split and
 /// `w_i` its normalized weight, the target total is `T = min_i rows_i / w_i`; each dataset keeps
 /// its shards, in split order, while one more moves its kept rows closer to `w_i · T`, and always

@@ -1,6 +1,6 @@
 //! Packed SFT shards as Parquet: one row per packed bin with exactly the columns
-//! Megatron-Bridge's packed-Parquet dataset reads (reference: nemotron-recipes.md §1.7 step 11,
-//! §3.2, §6.4):
+//! Megatron-Bridge's packed-Parquet dataset reads (`data/packing/parquet.py`), as Nemotron's
+//! `packing/writers.py` writes them:
 //!
 //! ```text
 //! input_ids:    list<int32>   the concatenated token ids of the bin (unpadded)

@@ -1,6 +1,6 @@
 //! The mixture-of-experts layer of Nemotron-H's `E` blocks: a sigmoid router with top-k
 //! selection, routed experts, an optional shared expert, and aux-loss-free load balancing
-//! (reference §4.7, "MoE layer"; Megatron `moe/moe_utils.py: topk_routing_with_score_function`,
+//! (Megatron-LM `megatron/core/transformer/moe/moe_utils.py: topk_routing_with_score_function`,
 //! `moe/router.py`, DeepSeek-V3's expert bias).
 //!
 //! For every token `x` (a row of the `(B, T, hidden)` input):
@@ -250,7 +250,7 @@ impl Moe {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::params::{ParamStore, Rng, constant_f32, to_f32_vec};
+    use crate::params::{ParamStore, Rng, constant_f32, to_f32_vec};
 
     fn config(experts: usize, top_k: usize, shared_ffn: usize, scaling: f64) -> MoeConfig {
         MoeConfig {

@@ -1,5 +1,5 @@
 //! The Mamba-2 mixer (state-space duality, "SSD"), as Nemotron-H's `M` blocks use it
-//! (reference §4.7, "Mamba-2 mixer — enough for a CPU reference"; Megatron `ssm/mamba_mixer.py`).
+//! (Megatron-LM `megatron/core/ssm/mamba_mixer.py`, `MambaMixer`; see docs/parity.md, "Mamba-2").
 //!
 //! Notation: `d` = hidden, `H` heads of `P` channels (`d_inner = H·P`), `G` groups sharing the
 //! `B` and `C` projections, `N` state size, `K` convolution width. For every token:
@@ -410,7 +410,7 @@ impl Mamba2 {
         self.finish(&y, &m)
     }
 
-    /// The plain sequential recurrence of §4.7 step 4 (the reference; slow, differentiable).
+    /// The plain sequential recurrence of step 4 above (the reference; slow, differentiable).
     pub fn forward_sequential(&self, x: &Tensor, segments: &[u32]) -> Result<Tensor> {
         let (batch, len, hidden) = x.dims3()?;
         if len == 0 {
@@ -479,7 +479,7 @@ impl Mamba2 {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::params::{ParamStore, Rng, to_f32_vec};
+    use crate::params::{ParamStore, Rng, to_f32_vec};
     use std::time::Instant;
 
     fn config(
@@ -615,7 +615,7 @@ mod tests {
         }
     }
 
-    /// The whole mixer against a scalar f64 transcription of §4.7 steps 1–6.
+    /// The whole mixer against a scalar f64 transcription of steps 1–6 of the module doc.
     #[test]
     fn the_mixer_matches_a_scalar_transcription_of_the_reference() {
         let (hid, h, p, n, g, k) = (3, 4, 2, 2, 2, 2);

@@ -8,12 +8,14 @@
 //! - [`net`]: the whole network (embedding, the pattern's blocks, MTP depths) and its loss.
 //! - [`decode`]: cached decoding, one token per row and step (KV caches, Mamba states).
 //! - [`sampling`]: temperature / top-k / top-p sampling, stop ids and strings, `generate`.
+//! - [`checkpoint`]: model directories (`config.json`, `model.safetensors`) written and read.
 //!
 //! Everything is built from candle-core primitives and the kernels of the `nemo-dag-kernels`
 //! crate (each a fused op with an explicit backward, beside its plain reference), so autograd
 //! reaches every parameter (candle-nn's fused norms and softmax silently train without a
 //! gradient).
 
+pub mod checkpoint;
 pub mod config;
 pub mod decode;
 pub mod layers;

@@ -1,127 +1,29 @@
-//! Model and checkpoint directories.
-//!
-//! A **model** directory (what `pretrain` and `sft` publish as `model`, what `sft` and `export`
-//! read) holds `config.json` (the [`ModelConfig`] plus the vocabulary size), `model.safetensors`
-//! (every parameter under its dotted name, and each MoE router's `expert_bias`) and the
-//! `tokenizer.json` the model was trained with.
+//! Checkpoint directories: a model directory ([`model::checkpoint`]) plus the optimizer.
 //!
 //! A **checkpoint** directory adds `optimizer.safetensors` (AdamW's `m.NAME` and `v.NAME`) and
 //! `state.json` (step, AdamW's step count, the curve so far). It is written beside the old one
 //! and swapped in by renames, so a kill at any moment leaves a complete checkpoint: either
 //! `checkpoint/` or, between the two renames, `checkpoint.old/`.
 
-use super::Trainer;
-use crate::model::config::ModelConfig;
-use crate::model::net::Model;
-use crate::model::params::to_f32_vec;
+use crate::Trainer;
 use candle_core::{Device, Tensor};
+use model::checkpoint::load_weights;
+pub use model::checkpoint::{ModelFile, load_model, read_model_file, save_model};
+use model::params::to_f32_vec;
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use std::io;
 use std::path::{Path, PathBuf};
 
-#[derive(Debug, Clone, Serialize, Deserialize)]
-pub struct ModelFile {
-    /// Format marker, bumped on incompatible changes.
-    pub nemo_dag_model: u32,
-    pub vocab: usize,
-    pub config: ModelConfig,
+fn bad(e: impl std::fmt::Display) -> io::Error {
+    io::Error::other(e.to_string())
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
 struct State {
     step: u64,
     adam_t: u64,
-    curve: Vec<super::Point>,
-}
-
-fn bad(e: impl std::fmt::Display) -> io::Error {
-    io::Error::other(e.to_string())
-}
-
-/// Every tensor of the model: parameters, then MoE expert biases.
-fn model_tensors(model: &Model) -> io::Result<HashMap<String, Tensor>> {
-    let mut map = HashMap::new();
-    for (name, var) in model.params.iter() {
-        map.insert(name.to_string(), var.as_tensor().clone());
-    }
-    for (name, moe) in model.moe_layers() {
-        let bias = moe.bias();
-        let n = bias.len();
-        map.insert(name, Tensor::from_vec(bias, n, &Device::Cpu).map_err(bad)?);
-    }
-    Ok(map)
-}
-
-/// Write `config.json` and `model.safetensors` into `dir` (created if needed).
-pub fn save_model(model: &Model, dir: &Path) -> io::Result<()> {
-    std::fs::create_dir_all(dir)?;
-    let file = ModelFile {
-        nemo_dag_model: 1,
-        vocab: model.vocab,
-        config: model.cfg.clone(),
-    };
-    std::fs::write(
-        dir.join("config.json"),
-        serde_json::to_string_pretty(&file).map_err(bad)? + "\n",
-    )?;
-    candle_core::safetensors::save(&model_tensors(model)?, dir.join("model.safetensors"))
-        .map_err(bad)
-}
-
-/// Read a model directory's `config.json`.
-pub fn read_model_file(dir: &Path) -> io::Result<ModelFile> {
-    let path = dir.join("config.json");
-    let text = std::fs::read_to_string(&path)
-        .map_err(|e| io::Error::new(e.kind(), format!("{}: {e}", path.display())))?;
-    let file: ModelFile = serde_json::from_str(&text).map_err(|e| {
-        bad(format!(
-            "{} is not a nemo-dag model config: {e}",
-            path.display()
-        ))
-    })?;
-    if file.nemo_dag_model != 1 {
-        return Err(bad(format!(
-            "{}: model format {} is not supported by this nemo-dag",
-            path.display(),
-            file.nemo_dag_model
-        )));
-    }
-    Ok(file)
-}
-
-/// Load a model directory: build the model from its config and overwrite every parameter.
-pub fn load_model(dir: &Path) -> io::Result<Model> {
-    let file = read_model_file(dir)?;
-    let model = Model::new(&file.config, file.vocab, 0).map_err(bad)?;
-    load_weights(&model, &dir.join("model.safetensors"))?;
-    Ok(model)
-}
-
-fn load_weights(model: &Model, path: &Path) -> io::Result<()> {
-    let tensors = candle_core::safetensors::load(path, &Device::Cpu)
-        .map_err(|e| bad(format!("{}: {e}", path.display())))?;
-    for (name, var) in model.params.iter() {
-        let t = tensors
-            .get(name)
-            .ok_or_else(|| bad(format!("{} has no tensor `{name}`", path.display())))?;
-        if t.dims() != var.dims() {
-            return Err(bad(format!(
-                "{}: `{name}` has shape {:?}, the model needs {:?}",
-                path.display(),
-                t.dims(),
-                var.dims()
-            )));
-        }
-        var.set(t).map_err(bad)?;
-    }
-    for (name, moe) in model.moe_layers() {
-        let t = tensors
-            .get(&name)
-            .ok_or_else(|| bad(format!("{} has no tensor `{name}`", path.display())))?;
-        moe.set_bias(&to_f32_vec(t).map_err(bad)?).map_err(bad)?;
-    }
-    Ok(())
+    curve: Vec<crate::Point>,
 }
 
 /// Save a full checkpoint into `dir` (replacing what is there, atomically as a directory).

@@ -272,8 +272,8 @@ pub fn cut_at_stop(text: &str, stops: &[String]) -> (String, bool) {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::config::ModelConfig;
-    use crate::model::layers::Layout;
+    use crate::config::ModelConfig;
+    use crate::layers::Layout;
 
     fn model(seed: u64) -> Model {
         let cfg: ModelConfig = serde_json::from_value(serde_json::json!({

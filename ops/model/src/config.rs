@@ -10,7 +10,7 @@
 //!   ffn: 384
 //! ```
 //!
-//! The pattern has one symbol per block (reference §4.7): `M` Mamba-2, `*` self-attention,
+//! One symbol per block (Megatron `hybrid_layer_allocation.py`): `M` Mamba-2, `*` self-attention,
 //! `-` dense MLP, `E` mixture of experts. Every symbol is its own pre-norm residual block.
 //! `|` (a pipeline-stage boundary in Megatron) is accepted and ignored; `/` starts a
 //! multi-token-prediction pattern, repeated once per MTP depth (`"M*M*/*E/*E"` is the main
@@ -189,7 +189,7 @@ fn d_max_seq() -> usize {
     4096
 }
 
-/// Mamba-2 mixer sizes (reference §4.7): `heads × head_dim` = d_inner, `groups` share B and C.
+/// Mamba-2 mixer sizes (`MambaMixer`): `heads × head_dim` = d_inner, `groups` share B and C.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct MambaConfig {
@@ -214,7 +214,7 @@ fn d_chunk() -> usize {
     64
 }
 
-/// Mixture-of-experts sizes and router settings (reference §4.7).
+/// Mixture-of-experts sizes and router settings (Megatron `TopKRouter`, `moe_utils.py`).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct MoeConfig {

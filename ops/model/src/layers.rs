@@ -4,7 +4,7 @@
 //! Packed sequences: a row may hold several independent subsequences (SFT packing). Each token
 //! carries its subsequence id (`segments`) and its position inside that subsequence
 //! (`positions`); attention only looks back inside the same subsequence, and rotary
-//! positions restart at 0 for each (as Megatron-Bridge packs SFT sequences). Pretraining rows are one segment with
+//! positions restart at 0 for each, as in Megatron-Bridge. Pretraining rows are one segment with
 //! positions 0..T.
 
 use super::config::{Activation, ModelConfig, Position};
@@ -264,8 +264,8 @@ pub const DTYPE: DType = DType::F32;
 
 #[cfg(test)]
 mod tests {
-    use super::super::params::{ParamStore, Rng};
     use super::*;
+    use crate::params::{ParamStore, Rng};
     use candle_core::Device;
 
     fn cfg(heads: usize, kv: usize) -> ModelConfig {

@@ -215,7 +215,7 @@ fn keep_where(active: &Tensor, new: &Tensor, old: &Tensor) -> Result<Tensor> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::config::ModelConfig;
+    use crate::config::ModelConfig;
 
     /// A hybrid of every block kind: Mamba, GQA attention with RoPE, MLP and MoE.
     pub(crate) fn hybrid(seed: u64) -> Model {

@@ -24,9 +24,9 @@
 pub mod checkpoint;
 pub mod optim;
 
-use crate::model::net::{Batch, Model};
-use crate::model::params::to_f32_vec;
 use candle_core::Tensor;
+use model::net::{Batch, Model};
+use model::params::to_f32_vec;
 use nemo_dag_op::RunError;
 use optim::{AdamW, AdamWConfig, Decay};
 use serde::{Deserialize, Serialize};
@@ -218,7 +218,7 @@ pub fn token_logprobs(
     model: &Model,
     ids: &[u32],
     labels: &[u32],
-    layout: &crate::model::layers::Layout,
+    layout: &model::layers::Layout,
 ) -> candle_core::Result<Tensor> {
     let n = layout.batch * layout.len;
     let logits = model.logits(ids, layout)?.reshape((n, model.vocab))?;
@@ -257,7 +257,7 @@ pub struct Trainer {
     decay: Vec<bool>,
 }
 
-pub(crate) fn err(e: candle_core::Error) -> RunError {
+pub fn err(e: candle_core::Error) -> RunError {
     RunError::new(format!("training: {e}"))
 }
 
@@ -466,8 +466,8 @@ pub fn stop_after_from_env() -> Option<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::model::config::ModelConfig;
-    use crate::model::layers::Layout;
+    use model::config::ModelConfig;
+    use model::layers::Layout;
 
     /// Rows of a repeating arithmetic sequence: next token = (token + 3) mod 32, learnable;
     /// `Counting(n)` gives n micro-batches of 2 rows a step.
