@@ -20,7 +20,7 @@
 //!
 //! **Multiple choice** (`choices`: a JSONL file of `{context, choices, gold}` rows): each
 //! choice's log-likelihood after the context, `acc` and `acc_norm` as lm-evaluation-harness
-//! scores them ([`crate::choice`]), with the chance level for reference.
+//! scores them ([`train::choice`]), with the chance level for reference.
 //!
 //! **Generation** (`tasks`: an `rl_data` artifact, whose `<split>.jsonl` is read, or any JSONL
 //! file): each row's `question` becomes a user turn rendered with the chat template and a
@@ -282,8 +282,8 @@ impl Op for Eval {
         }
         let tokenizer = || model_tokenizer(&model_dir).map(|(t, _)| t);
         if let Some(mc) = &p.multiple_choice {
-            let questions = crate::choice::read(&input(ctx, "choices")?, mc.limit)?;
-            let r = crate::choice::evaluate(
+            let questions = train::choice::read(&input(ctx, "choices")?, mc.limit)?;
+            let r = train::choice::evaluate(
                 &model,
                 &tokenizer()?,
                 &questions,
@@ -707,5 +707,17 @@ mod tests {
             })
             .unwrap_err();
         assert!(err.message.contains("multiple_choice"), "{}", err.message);
+    }
+
+    /// Where lm-eval's multiple-choice requests split a context that ends in a space, with a
+    /// tokenizer trained as `train_tokenizer` trains one.
+    #[test]
+    fn trailing_context_spaces_move_into_the_continuation() {
+        let tok = crate::train_tokenizer::tests::tokenizer(&["Question: 2+2? Answer: 4. 7 9 11"]);
+        let (ctx, cont) = train::choice::encode_pair(&tok, "Question: 2+2? Answer: ", "4").unwrap();
+        let whole = tok.encode("Question: 2+2? Answer: 4", false).unwrap();
+        assert_eq!([ctx.clone(), cont.clone()].concat(), whole.get_ids());
+        assert_eq!(tok.decode(&cont, false).unwrap(), " 4");
+        assert_eq!(tok.decode(&ctx, false).unwrap(), "Question: 2+2? Answer:");
     }
 }

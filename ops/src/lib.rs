@@ -26,7 +26,6 @@
 //! of training and generation side by side, one thread each; [`simd`] is the element-wise
 //! math of the fused ops and the optimizer, vectorised for the CPU at hand.
 
-pub mod choice;
 pub mod cmd;
 pub mod dpo;
 pub mod eval;

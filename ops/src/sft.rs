@@ -24,13 +24,13 @@ use crate::pretrain::{
 };
 use model::layers::Layout;
 use model::net::Batch;
-use nemo_dag_data::random::NumpyRandomState;
 use nemo_dag_data::sft::packing::PackedRow;
 use nemo_dag_data::sft::parquet as packed_parquet;
 use nemo_dag_op::{DeclError, Metrics, Op, RunContext, RunError, StageDecl, typed_params};
 use serde::Deserialize;
 use std::collections::BTreeMap;
 use std::path::Path;
+use train::order::RowOrder;
 use train::{BatchSource, NextToken, Schedule, Trainer, checkpoint};
 
 pub struct Sft;
@@ -171,38 +171,6 @@ fn read_train_rows(dir: &Path, log: &mut dyn std::io::Write) -> Result<Vec<Packe
         )));
     }
     Ok(rows)
-}
-
-/// A seeded order over `n` rows, reshuffled every epoch: global sample `i` is row
-/// `perm(epoch)[i mod n]`, with `perm(e)` a numpy `RandomState(seed + e)` permutation — a pure
-/// function of `i`, so a resumed run reads the rows an uninterrupted one would. Shared by the
-/// ops that visit rows epoch after epoch.
-pub(crate) struct RowOrder {
-    n: usize,
-    seed: u32,
-    cached: Option<(u64, Vec<usize>)>,
-}
-
-impl RowOrder {
-    pub(crate) fn new(n: usize, seed: u32) -> RowOrder {
-        RowOrder {
-            n,
-            seed,
-            cached: None,
-        }
-    }
-
-    pub(crate) fn row(&mut self, i: u64) -> usize {
-        let epoch = i / self.n as u64;
-        if self.cached.as_ref().is_none_or(|(e, _)| *e != epoch) {
-            let mut rng = NumpyRandomState::new(self.seed.wrapping_add(epoch as u32));
-            self.cached = Some((epoch, rng.permutation(self.n)));
-        }
-        match &self.cached {
-            Some((_, perm)) => perm[(i % self.n as u64) as usize],
-            None => 0,
-        }
-    }
 }
 
 struct SftData {

@@ -25,6 +25,11 @@ impl ParamStore {
         self.vars.len()
     }
 
+    /// Every parameter's values as f32, in creation order (for checks and comparisons).
+    pub fn values(&self) -> Result<Vec<Vec<f32>>> {
+        self.vars.iter().map(|(_, v)| to_f32_vec(v)).collect()
+    }
+
     pub fn is_empty(&self) -> bool {
         self.vars.is_empty()
     }

@@ -22,7 +22,11 @@
 //! far; with them a resumed run continues bit for bit.
 
 pub mod checkpoint;
+pub mod choice;
+pub mod dpo;
+pub mod grpo;
 pub mod optim;
+pub mod order;
 
 use candle_core::Tensor;
 use model::net::{Batch, Model};

@@ -17,12 +17,12 @@
 //! `"Q: 2+2? A:" + " 4"` is tokenised the way the model saw such text. When a row is longer
 //! than the model's `max_seq`, the context loses tokens from the left.
 
+use crate::{err, token_logprobs};
 use model::layers::Layout;
 use model::net::Model;
 use nemo_dag_op::RunError;
 use serde_json::{Value, json};
 use std::path::Path;
-use train::{err, token_logprobs};
 
 /// One multiple-choice question.
 #[derive(Debug, Clone, PartialEq)]
@@ -334,15 +334,5 @@ mod tests {
             0,
             "ties go to the first"
         );
-    }
-
-    #[test]
-    fn trailing_context_spaces_move_into_the_continuation() {
-        let tok = crate::train_tokenizer::tests::tokenizer(&["Question: 2+2? Answer: 4. 7 9 11"]);
-        let (ctx, cont) = encode_pair(&tok, "Question: 2+2? Answer: ", "4").unwrap();
-        let whole = tok.encode("Question: 2+2? Answer: 4", false).unwrap();
-        assert_eq!([ctx.clone(), cont.clone()].concat(), whole.get_ids());
-        assert_eq!(tok.decode(&cont, false).unwrap(), " 4");
-        assert_eq!(tok.decode(&ctx, false).unwrap(), "Question: 2+2? Answer:");
     }
 }
