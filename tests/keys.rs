@@ -4,8 +4,8 @@
 //! manifest, or the key formula does, and then on purpose (regenerate it with
 //! `NEMO_DAG_BLESS_KEYS=1 cargo test keys`, and say why in the commit).
 
+use nemo_dag_engine::key::stage_key;
 use nemo_dag_engine::manifest::{Input, LoadArgs, Manifest};
-use nemo_dag_engine::plan::stage_key;
 use nemo_dag_engine::store::InputRecord;
 
 fn load_manifest(path: &std::path::Path, variant: Option<String>) -> Manifest {

@@ -14,7 +14,7 @@
 use crate::diag::InputError;
 use crate::diag::{Failure, Result, io_err};
 use crate::digest::Digester;
-use crate::local::{self, Outcome};
+use crate::executor::local::{self, Outcome};
 use crate::manifest::{LoadArgs, Manifest};
 use crate::store::{ARTIFACT_SCHEMA, Artifact, InputRecord, OutputRecord, Store};
 use nemo_dag_op::{Registry, RunContext, StageDecl};

@@ -6,12 +6,14 @@
 //! - [`doc`]: YAML/TOML text → one value tree with spans for error reporting.
 //! - [`manifest`]: vars, Jinja templating, variants, overrides, typed and validated stages.
 //! - [`digest`]: content digests of inputs and outputs, memoised by file stamp.
-//! - [`plan`]: stage keys, and each stage's freshness against the store (with reasons).
+//! - [`key`]: the stage key, blake3 of the canonical JSON of everything that determines the
+//!   stage's output.
+//! - [`plan`]: each stage's freshness against the store (with reasons).
 //! - [`store`]: the on-disk artifact store: atomic publish, per-key locks, run records, gc.
-//! - [`profile`]: execution profiles from `env.toml` (local or Slurm).
 //! - [`exec`]: builds one stage and publishes it (the one code path every executor runs).
-//! - [`local`]: the local executor, a tokio scheduler of `exec` child processes.
-//! - [`slurm`]: the Slurm executor: one `sbatch` job per stale stage, chained with `afterok`.
+//! - [`executor`]: what runs the stale stages: [`executor::local`] (a tokio scheduler of
+//!   `exec` child processes) and [`executor::slurm`] (one `sbatch` job per stale stage, chained
+//!   with `afterok`), with the `env.toml` [`executor::profile`]s.
 //! - [`graph`]: the stage graph as text (ascii, dot, mermaid, json).
 //!
 //! Ops (what a stage does) reach the engine only through the `nemo-dag-op` protocol crate, as
@@ -26,12 +28,11 @@ pub mod diag;
 pub mod digest;
 pub mod doc;
 pub mod exec;
+pub mod executor;
 pub mod graph;
-pub mod local;
+pub mod key;
 pub mod manifest;
 pub mod plan;
-pub mod profile;
-pub mod slurm;
 pub mod store;
 #[cfg(test)]
 mod testing;

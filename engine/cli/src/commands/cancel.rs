@@ -2,7 +2,7 @@
 
 use super::ManifestArgs;
 use nemo_dag_engine::diag::Result;
-use nemo_dag_engine::slurm;
+use nemo_dag_engine::executor::slurm;
 use nemo_dag_op::Registry;
 
 pub fn exec(m: ManifestArgs, ops: Registry) -> Result<()> {

@@ -2,9 +2,9 @@
 
 use super::ManifestArgs;
 use nemo_dag_engine::diag::{Failure, Result};
-use nemo_dag_engine::local::{self, Outcome, RunOptions};
-use nemo_dag_engine::profile::{self, Executor};
-use nemo_dag_engine::slurm;
+use nemo_dag_engine::executor::local::{self, Outcome, RunOptions};
+use nemo_dag_engine::executor::profile::{self, Executor};
+use nemo_dag_engine::executor::slurm;
 use nemo_dag_op::Registry;
 use serde_json::json;
 use std::collections::BTreeMap;

@@ -3,8 +3,8 @@
 use super::ManifestArgs;
 use nemo_dag_engine::diag::Result;
 use nemo_dag_engine::digest::Digester;
+use nemo_dag_engine::executor::slurm;
 use nemo_dag_engine::plan::{self, Freshness};
-use nemo_dag_engine::slurm;
 use nemo_dag_engine::store::short;
 use nemo_dag_op::Registry;
 use serde_json::{Value, json};

@@ -1,0 +1,227 @@
+//! The `sbatch` script of one stage: its `#SBATCH` lines (the stage's resources over the
+//! profile's), its `afterok` dependencies, the profile's environment, and the one command it
+//! runs, `nemo-dag exec --stage`, under `srun` (in a container when the profile names one).
+
+use super::SubmitOptions;
+use crate::manifest::Manifest;
+use crate::store::Store;
+use std::path::Path;
+
+pub(super) fn after_placeholder(stages: &[String]) -> Vec<String> {
+    stages.iter().map(|s| format!("<job of {s}>")).collect()
+}
+
+pub(super) fn dependency_line(after: &[String]) -> String {
+    if after.is_empty() {
+        String::new()
+    } else {
+        format!(
+            "#SBATCH --dependency=afterok:{}\n#SBATCH --kill-on-invalid-dep=yes\n",
+            after.join(":")
+        )
+    }
+}
+
+/// The batch script of one stage. `@AFTER@` is replaced by the dependency lines at submit time.
+pub(super) fn job_script(
+    manifest: &Manifest,
+    store: &Store,
+    opts: &SubmitOptions,
+    partition: Option<&String>,
+    exe: &Path,
+    name: &str,
+    log: &Path,
+) -> String {
+    let profile = opts.profile;
+    let stage = &manifest.stages[name];
+    let r = &stage.resources;
+    let stem = manifest
+        .path
+        .file_stem()
+        .and_then(|s| s.to_str())
+        .unwrap_or("nemo-dag");
+    let mut s = String::from("#!/bin/bash\n");
+    let mut sb = |flag: &str, value: Option<String>| {
+        if let Some(v) = value {
+            s.push_str(&format!("#SBATCH --{flag}={v}\n"));
+        }
+    };
+    sb("job-name", Some(format!("{stem}.{name}")));
+    sb("output", Some(log.display().to_string()));
+    sb("chdir", Some(manifest.dir.display().to_string()));
+    sb("partition", partition.cloned());
+    sb("account", profile.account.clone());
+    // The manifest owns the shape of a stage; the profile fills in what the stage leaves open.
+    sb("nodes", r.nodes.or(profile.nodes).map(|n| n.to_string()));
+    sb(
+        "ntasks-per-node",
+        profile.ntasks_per_node.map(|n| n.to_string()),
+    );
+    sb(
+        "gpus-per-node",
+        r.gpus
+            .or(profile.gpus_per_node)
+            .filter(|g| *g > 0)
+            .map(|n| n.to_string()),
+    );
+    sb(
+        "cpus-per-task",
+        r.cpus.or(profile.cpus_per_task).map(|n| n.to_string()),
+    );
+    sb("time", r.time.as_ref().map(scalar).or(profile.time.clone()));
+    sb("mem", r.mem.as_ref().map(scalar).or(profile.mem.clone()));
+    if profile.exclusive == Some(true) {
+        s.push_str("#SBATCH --exclusive\n");
+    }
+    if r.requeue == Some(true) {
+        s.push_str("#SBATCH --requeue\n");
+    }
+    s.push_str("@AFTER@");
+    s.push_str("set -eo pipefail\n");
+    for (k, v) in &profile.env_vars {
+        s.push_str(&format!("export {k}={}\n", quote(v)));
+    }
+    for c in &profile.startup_commands {
+        s.push_str(c);
+        s.push('\n');
+    }
+    let mut argv: Vec<String> = vec![
+        exe.display().to_string(),
+        "exec".into(),
+        "--stage".into(),
+        name.into(),
+        "--store".into(),
+        std::path::absolute(&store.root)
+            .unwrap_or_else(|_| store.root.clone())
+            .display()
+            .to_string(),
+    ];
+    if let Some(v) = &manifest.variant {
+        argv.push("-c".into());
+        argv.push(v.display().to_string());
+    }
+    argv.push(manifest.path.display().to_string());
+    argv.extend(manifest.overrides.iter().cloned());
+    let command: Vec<String> = argv.iter().map(|a| quote(a)).collect();
+    match &profile.container_image {
+        Some(image) => {
+            let mut srun = format!("srun --container-image={}", quote(image));
+            if !profile.mounts.is_empty() {
+                srun.push_str(&format!(
+                    " --container-mounts={}",
+                    quote(&profile.mounts.join(","))
+                ));
+            }
+            s.push_str(&format!("{srun} {}\n", command.join(" ")));
+        }
+        None => s.push_str(&format!("exec {}\n", command.join(" "))),
+    }
+    s
+}
+
+fn scalar(v: &serde_json::Value) -> String {
+    match v {
+        serde_json::Value::String(s) => s.clone(),
+        other => other.to_string(),
+    }
+}
+
+fn quote(s: &str) -> String {
+    if !s.is_empty()
+        && s.chars()
+            .all(|c| c.is_ascii_alphanumeric() || "/._-=:,@+".contains(c))
+    {
+        s.to_string()
+    } else {
+        nemo_dag_op::process::shell_quote(s)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::executor::profile::Profile;
+    use crate::executor::slurm::Mode;
+    use crate::manifest::LoadArgs;
+    use std::path::PathBuf;
+
+    fn manifest(text: &str) -> (Manifest, PathBuf) {
+        let dir = std::env::temp_dir().join(format!(
+            "nemo-dag-slurm-unit-{}-{}",
+            std::process::id(),
+            &blake3::hash(text.as_bytes()).to_hex()[..8]
+        ));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("r.yaml");
+        std::fs::write(&path, text).unwrap();
+        let m = Manifest::load(&LoadArgs {
+            overrides: vec!["stages.train.params.lr=0.5".into()],
+            ..LoadArgs::new(path.clone(), crate::testing::ops())
+        })
+        .unwrap();
+        (m, dir)
+    }
+
+    #[test]
+    fn the_stage_owns_its_shape_and_the_profile_fills_the_rest() {
+        let (m, dir) = manifest(
+            "stages:\n  train:\n    op: cmd\n    params: {lr: 0.1}\n    outputs: {o: o}\n    cmd: \"echo {params.lr} > {outputs.o}\"\n    resources: {gpus: 2, time: '01:00:00', requeue: true}\n",
+        );
+        let profile = Profile {
+            name: "c".into(),
+            executor: crate::executor::profile::Executor::Slurm,
+            partition: Some("batch".into()),
+            run_partition: Some("interactive".into()),
+            gpus_per_node: Some(8),
+            cpus_per_task: Some(4),
+            time: Some("04:00:00".into()),
+            exclusive: Some(true),
+            env_vars: [("HF_HOME".to_string(), "/data/hf home".to_string())].into(),
+            container_image: Some("img.sqsh".into()),
+            mounts: vec!["/a:/a".into(), "/b:/b".into()],
+            ..Default::default()
+        };
+        let opts = SubmitOptions {
+            profile: &profile,
+            mode: Mode::Run,
+            dry_run: true,
+            targets: &[],
+            force: &[],
+        };
+        let store = Store::new(dir.join(".nemo-dag"));
+        let partition = profile.run_partition.as_ref();
+        let s = job_script(
+            &m,
+            &store,
+            &opts,
+            partition,
+            Path::new("/opt/nemo-dag"),
+            "train",
+            Path::new("/logs/train.log"),
+        );
+        assert!(s.contains("#SBATCH --partition=interactive\n"), "{s}");
+        assert!(
+            s.contains("#SBATCH --gpus-per-node=2\n"),
+            "the stage's gpus win: {s}"
+        );
+        assert!(
+            s.contains("#SBATCH --cpus-per-task=4\n"),
+            "the profile fills cpus: {s}"
+        );
+        assert!(s.contains("#SBATCH --time=01:00:00\n"), "{s}");
+        assert!(
+            s.contains("#SBATCH --exclusive\n#SBATCH --requeue\n"),
+            "{s}"
+        );
+        assert!(s.contains("export HF_HOME='/data/hf home'\n"), "{s}");
+        assert!(
+            s.contains("srun --container-image=img.sqsh --container-mounts=/a:/a,/b:/b /opt/nemo-dag exec --stage train --store "),
+            "{s}"
+        );
+        assert!(
+            s.trim_end().ends_with("r.yaml stages.train.params.lr=0.5"),
+            "overrides travel to the job: {s}"
+        );
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+}
