@@ -127,7 +127,7 @@ def blend(data_dir, split):
 
 def gpt_samples(ds, num_samples, seq, seed):
     """Megatron GPTDataset (add_extra_token): the `seq + 1` tokens of samples 0..num_samples-1
-    (ops/src/gpt_dataset.rs `build_gpt_indices` + `sample_tokens`)."""
+    (ops/data/src/megatron/gpt_dataset.rs `build_gpt_indices` + `sample_tokens`)."""
     sizes = ds.sizes
     docs = np.arange(len(sizes))
     tokens_per_epoch = int(sizes.sum())

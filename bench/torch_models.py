@@ -1,4 +1,4 @@
-"""PyTorch twin of nemo-dag's model (ops/src/model/): the same parameters under the same names
+"""PyTorch twin of nemo-dag's model (ops/model/src/): the same parameters under the same names
 and shapes, the same forward ops, the same loss. Plain eager PyTorch, no custom kernels.
 
     net = Net(dict(pattern="ME*-/*E", hidden=128, ..., vocab=640))

@@ -11,20 +11,17 @@
 //! - [`tokenize`]: text datasets → Megatron `.bin`/`.idx` shards and `blend.json`.
 //! - [`pack`]: chat JSONL → chat-templated, loss-masked, packed Parquet SFT shards.
 //! - [`rl_data`]: prompts with verifiable answers → NeMo-Gym-shaped RL JSONL.
-//! - [`pretrain`]: train a model from scratch on tokenized data; [`model`] and [`train`] hold
-//!   the networks and the training loop.
+//! - [`pretrain`]: train a model from scratch on tokenized data (and what the four training
+//!   ops share: the upstream model and tokenizer, checks, train-and-publish).
 //! - [`sft`]: fine-tune an upstream model on packed chat data.
 //! - [`dpo`]: direct preference optimization of an upstream model on chosen/rejected pairs.
 //! - [`grpo`]: reinforcement learning (GRPO) on prompts with verifiable answers.
 //! - [`export`]: a dense model as a Hugging Face Llama checkpoint.
-//! - [`eval`]: perplexity, multiple-choice log-likelihood ([`choice`]) and verifiable
-//!   generation accuracy of a model ([`reward`] scores).
+//! - [`eval`]: perplexity, multiple-choice log-likelihood and verifiable generation accuracy.
 //!
-//! Shared pieces: [`text`] reads documents from dataset files; [`megatron`] writes and reads
-//! Megatron's `.bin`/`.idx` token datasets; [`packing`] and [`pyrandom`] are SFT packing and
-//! the CPython-compatible shuffles Nemotron's splits use; [`workers`] runs independent pieces
-//! of training and generation side by side, one thread each; [`simd`] is the element-wise
-//! math of the fused ops and the optimizer, vectorised for the CPU at hand.
+//! Each file is an op's params, its checks and the wiring of its `run`; the formats live in
+//! `nemo-dag-data`, the networks in `nemo-dag-model`, the training loop and the DPO/GRPO
+//! algorithms in `nemo-dag-train` (docs/architecture.md).
 
 pub mod cmd;
 pub mod dpo;

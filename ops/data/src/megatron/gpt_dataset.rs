@@ -447,8 +447,8 @@ mod tests {
 
     #[test]
     fn gpt_indices_match_megatron_logic_under_numpy() {
-        // Expected values printed by /tmp/gd/ref.py: Megatron's gpt_dataset.py + helpers.cpp
-        // logic transcribed to Python, run with numpy 2.4.6.
+        // Expected values printed by a Python transcription of Megatron's gpt_dataset.py and
+        // helpers.cpp run with numpy 2.4.6 (the script was not kept in the repository).
         let all: Vec<u32> = (0..6).collect();
         let got = build_gpt_indices(&SIZES, &all, 4, Some(5), 1234, true).unwrap();
         assert_eq!(got.num_epochs, 1);
@@ -665,7 +665,7 @@ mod tests {
 
     #[test]
     fn blending_matches_python_greedy_rule() {
-        // Printed by /tmp/gd/blend.py, a direct Python transcription of build_blending_indices.
+        // Printed by a direct Python transcription of build_blending_indices (not kept).
         let (d, s) = blend_indices(&[0.5, 0.3, 0.2], 12);
         assert_eq!(d, vec![0, 1, 2, 0, 1, 0, 2, 0, 1, 0, 0, 1]);
         assert_eq!(s, vec![0, 0, 0, 1, 1, 2, 1, 3, 2, 4, 5, 3]);
