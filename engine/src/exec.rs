@@ -17,7 +17,7 @@ use crate::digest::Digester;
 use crate::executor::local::{self, Outcome};
 use crate::manifest::{LoadArgs, Manifest};
 use crate::store::{ARTIFACT_SCHEMA, Artifact, InputRecord, OutputRecord, Store};
-use nemo_dag_op::{Registry, RunContext, StageDecl};
+use nemo_dag_op::{Progress, Registry, RunContext, StageDecl};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use std::collections::BTreeMap;
@@ -128,11 +128,15 @@ pub fn exec(spec: &JobSpec, ops: Registry) -> Result<JobResult> {
         outputs: &spec.outputs,
         cmd: spec.cmd.as_deref(),
     };
+    // Progress goes to stderr only, as lines the executor turns into a bar (never the log).
+    let mut progress = |p: Progress| eprintln!("{}", p.to_line());
     let mut ctx = RunContext {
         stage,
         inputs: &spec.input_paths,
         out_dir: &out_dir,
         log: &mut log,
+        progress: &mut progress,
+        stop_after_step: stop_after_step(),
     };
     let outcome = op.run(&mut ctx);
     let seconds = clock.elapsed().as_secs_f64();
@@ -232,6 +236,14 @@ fn tree_bytes(path: &std::path::Path) -> u64 {
         Ok(m) => m.len(),
         Err(_) => 0,
     }
+}
+
+/// `NEMO_DAG_STOP_AFTER_STEP=N`: end a resumable stage after step N's checkpoint, as a
+/// preemption would (the stage fails; running again resumes). For drills and tests.
+fn stop_after_step() -> Option<u64> {
+    std::env::var("NEMO_DAG_STOP_AFTER_STEP")
+        .ok()
+        .and_then(|v| v.parse().ok())
 }
 
 /// Where `nemo-dag exec` finds its job.

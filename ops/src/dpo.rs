@@ -553,47 +553,16 @@ mod tests {
 
     // --- the op, in-process: generate → train_tokenizer → (a model) → dpo ---
 
-    fn run_op(
-        op: &dyn Op,
-        params: Value,
-        inputs: BTreeMap<String, PathBuf>,
-        out: &Path,
-    ) -> (Result<Metrics, RunError>, String) {
-        std::fs::create_dir_all(out).unwrap();
-        let names: Vec<&str> = inputs.keys().map(String::as_str).collect();
-        let decl = StageDecl {
-            name: op.name(),
-            params: &params,
-            inputs: names.clone(),
-            outputs: &BTreeMap::new(),
-            cmd: None,
-        };
-        op.check(&decl).unwrap();
-        let outputs = op.outputs(&decl);
-        let mut log = Vec::new();
-        let mut ctx = RunContext {
-            stage: StageDecl {
-                outputs: &outputs,
-                ..decl
-            },
-            inputs: &inputs,
-            out_dir: out,
-            log: &mut log,
-        };
-        let r = op.run(&mut ctx);
-        (r, String::from_utf8(log).unwrap())
-    }
-
     /// A generate artifact and a fresh model (with its tokenizer) on its problems.
     fn setup(dir: &Path) -> (PathBuf, PathBuf) {
         let data = dir.join("gen");
         let params = json!({"kind": "arithmetic", "count": 24, "seed": 1, "max_operand": 9});
-        run_op(&crate::generate::Generate, params, BTreeMap::new(), &data)
+        crate::testing::run_op(&crate::generate::Generate, params, BTreeMap::new(), &data)
             .0
             .unwrap();
         let tok = dir.join("tok");
         let inputs = BTreeMap::from([("corpus".to_string(), data.join("pretrain.jsonl"))]);
-        run_op(
+        crate::testing::run_op(
             &crate::train_tokenizer::TrainTokenizer,
             json!({"vocab_size": 300}),
             inputs,
@@ -624,7 +593,7 @@ mod tests {
         let params = json!({"steps": 3, "global_batch": 4, "micro_batch": 2, "lr": 1e-3,
                             "beta": 0.1, "max_length": 48, "log_interval": 1});
         let out = dir.join("dpo");
-        let (r, log) = run_op(&Dpo, params.clone(), inputs.clone(), &out);
+        let (r, log) = crate::testing::run_op(&Dpo, params.clone(), inputs.clone(), &out);
         let m = r.unwrap_or_else(|e| panic!("{e}\n{log}"));
         assert_eq!(m["pairs"], 24, "{log}");
         assert_eq!(m["dropped_not_prefix"], 0, "{log}");
@@ -650,7 +619,7 @@ mod tests {
         // A max_length the model cannot hold is refused.
         let mut p = params.clone();
         p["max_length"] = json!(129);
-        let (r, _) = run_op(&Dpo, p, inputs, &dir.join("too-long"));
+        let (r, _) = crate::testing::run_op(&Dpo, p, inputs, &dir.join("too-long"));
         assert!(r.unwrap_err().message.contains("max_seq 128"));
         std::fs::remove_dir_all(&dir).unwrap();
     }

@@ -210,28 +210,9 @@ mod tests {
             std::fs::create_dir_all(d).unwrap();
             let params =
                 json!({"kind": "arithmetic", "count": 50, "seed": 3, "ops": ["+", "-", "*"]});
-            let outputs = Generate.outputs(&StageDecl {
-                name: "g",
-                params: &params,
-                inputs: vec![],
-                outputs: &BTreeMap::new(),
-                cmd: None,
-            });
-            let inputs = BTreeMap::new();
-            let mut log = Vec::new();
-            let mut ctx = RunContext {
-                stage: StageDecl {
-                    name: "g",
-                    params: &params,
-                    inputs: vec![],
-                    outputs: &outputs,
-                    cmd: None,
-                },
-                inputs: &inputs,
-                out_dir: d,
-                log: &mut log,
-            };
-            Generate.run(&mut ctx).unwrap();
+            crate::testing::run_op(&Generate, params, BTreeMap::new(), d)
+                .0
+                .unwrap();
             std::fs::read_to_string(d.join("prompts.jsonl")).unwrap()
         };
         let a = run(&dir.join("a"));
@@ -268,21 +249,9 @@ mod tests {
             cmd: None,
         });
         assert_eq!(outputs["preferences"], "preferences.jsonl");
-        let inputs = BTreeMap::new();
-        let mut log = Vec::new();
-        let mut ctx = RunContext {
-            stage: StageDecl {
-                name: "g",
-                params: &params,
-                inputs: vec![],
-                outputs: &outputs,
-                cmd: None,
-            },
-            inputs: &inputs,
-            out_dir: &dir,
-            log: &mut log,
-        };
-        Generate.run(&mut ctx).unwrap();
+        crate::testing::run_op(&Generate, params, BTreeMap::new(), &dir)
+            .0
+            .unwrap();
         let read = |f: &str| std::fs::read_to_string(dir.join(f)).unwrap();
         // The existing outputs keep their bytes (first rows of seed 3, as before preferences).
         let first = |f: &str| read(f).lines().next().unwrap().to_string();

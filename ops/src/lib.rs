@@ -33,6 +33,8 @@ pub mod pack;
 pub mod pretrain;
 pub mod rl_data;
 pub mod sft;
+#[cfg(test)]
+mod testing;
 pub mod tokenize;
 pub mod train_tokenizer;
 

@@ -33,7 +33,9 @@ use nemo_dag_data::megatron::IndexedReader;
 use nemo_dag_data::megatron::gpt_dataset::{
     GptIndices, blend_indices, build_gpt_indices, sample_tokens,
 };
-use nemo_dag_op::{DeclError, Metrics, Op, RunContext, RunError, StageDecl, typed_params};
+use nemo_dag_op::{
+    DeclError, Metrics, Op, Progress, RunContext, RunError, StageDecl, typed_params,
+};
 use serde::Deserialize;
 use serde_json::Value;
 use std::collections::BTreeMap;
@@ -218,12 +220,20 @@ pub(crate) fn train_and_publish(
             trainer.step
         )?;
     }
+    let progress = &mut *ctx.progress;
     let summary = trainer.run(
         objective,
         &ckpt,
         tokens_per_step,
         ctx.log,
-        train::stop_after_from_env(),
+        &mut |done, total, figures| {
+            progress(Progress {
+                done,
+                total,
+                message: figures.to_string(),
+            })
+        },
+        ctx.stop_after_step,
     )?;
     let model_dir = ctx.out_dir.join("model");
     checkpoint::save_model(&trainer.model, &model_dir)

@@ -14,6 +14,7 @@ use crate::manifest::{Input, Manifest};
 use crate::plan::{self, Resolved};
 pub use crate::store::short;
 use crate::store::{Published, RunRecord, Store};
+use nemo_dag_op::Progress;
 use std::collections::{BTreeSet, HashMap, HashSet};
 use std::io::IsTerminal;
 use std::path::PathBuf;
@@ -186,15 +187,8 @@ fn print_line(multi: Option<&indicatif::MultiProgress>, text: String) {
     }
 }
 
-/// `(N, M)` from a training log line `step N/M | loss …`, the trainers' progress lines.
-fn training_step(line: &str) -> Option<(u64, u64)> {
-    let rest = line.strip_prefix("step")?.trim_start();
-    let (done, rest) = rest.split_once('/')?;
-    let total: String = rest.chars().take_while(char::is_ascii_digit).collect();
-    Some((done.trim().parse().ok()?, total.parse().ok()?))
-}
-
-/// Shows one stage's stderr, prefixed with its name; its training steps drive a bar of its own.
+/// Shows one stage's stderr, prefixed with its name; its progress lines ([`Progress`]) drive a
+/// bar of its own on a terminal, and are not shown as text.
 struct StageEcho {
     multi: Option<indicatif::MultiProgress>,
     bar: Option<indicatif::ProgressBar>,
@@ -204,7 +198,13 @@ struct StageEcho {
 
 impl StageEcho {
     fn line(&mut self, line: &str) {
-        if let (Some(multi), Some((done, total))) = (&self.multi, training_step(line)) {
+        if let Some(Progress {
+            done,
+            total,
+            message,
+        }) = Progress::from_line(line)
+        {
+            let Some(multi) = &self.multi else { return };
             let bar = self.bar.get_or_insert_with(|| {
                 let bar = multi.add(indicatif::ProgressBar::new(total));
                 bar.set_style(
@@ -218,8 +218,8 @@ impl StageEcho {
             });
             bar.set_length(total);
             bar.set_position(done);
-            let figures = line.split_once('|').map(|(_, f)| f.trim()).unwrap_or("");
-            bar.set_message(figures.to_string());
+            bar.set_message(message);
+            return;
         }
         print_line(
             self.multi.as_ref(),
@@ -646,25 +646,5 @@ pub fn record_run(manifest: &Manifest, store: &Store, argv: &[String], outcomes:
     record.finished_at = crate::store::timestamp();
     if let Ok(bytes) = serde_json::to_vec_pretty(&record) {
         let _ = crate::store::write_atomic(&path, &bytes, false);
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::training_step;
-
-    #[test]
-    fn training_progress_comes_from_the_trainers_step_lines() {
-        assert_eq!(
-            training_step("step     20/300 | loss 2.1234 | lr 1.0e-3"),
-            Some((20, 300))
-        );
-        assert_eq!(training_step("step 3/3 | loss 1.0"), Some((3, 3)));
-        assert_eq!(training_step("stepping 3/4"), None);
-        assert_eq!(training_step("checkpoint: step 100 saved"), None);
-        assert_eq!(
-            training_step("resuming from the checkpoint at step 3"),
-            None
-        );
     }
 }

@@ -9,7 +9,8 @@
 //! a [`Registry`] of the ops it was built with.
 //!
 //! - [`StageDecl`]: a stage as the op sees it; [`DeclError`]: what is wrong with it, and where.
-//! - [`RunContext`]: inputs, output directory and log of one run; [`RunError`]: why it failed.
+//! - [`RunContext`]: inputs, output directory, log and [`Progress`] of one run; [`RunError`]:
+//!   why it failed.
 //! - [`Registry`]: the ops a binary offers, and the nearest name to a misspelt one.
 //! - [`process`]: shell quoting and die-with-parent, for every place that starts a process.
 
@@ -134,7 +135,8 @@ impl From<String> for RunError {
     }
 }
 
-/// What an op gets when it runs: resolved inputs and a private, empty output directory.
+/// What an op gets when it runs: resolved inputs and a private, empty output directory, and
+/// the two channels back to the engine besides its outputs: the log and progress.
 pub struct RunContext<'a> {
     pub stage: StageDecl<'a>,
     /// Input name → absolute path of a file or directory (a source file or an upstream output).
@@ -143,6 +145,49 @@ pub struct RunContext<'a> {
     pub out_dir: &'a Path,
     /// The stage's log: everything written here is kept next to the artifact and shown live.
     pub log: &'a mut dyn Write,
+    /// How far the stage has come (training steps); the engine draws it as a progress bar.
+    pub progress: &'a mut dyn FnMut(Progress),
+    /// End a resumable stage after this step's checkpoint, failing it as a preemption would
+    /// (drills and tests of resume: `NEMO_DAG_STOP_AFTER_STEP`, read by the engine).
+    pub stop_after_step: Option<u64>,
+}
+
+/// How far a stage has come: `done` of `total` steps, and a one-line summary of the latest
+/// figures (`loss 2.1234 | lr 1.0e-3`).
+#[derive(Debug, Clone, PartialEq)]
+pub struct Progress {
+    pub done: u64,
+    pub total: u64,
+    pub message: String,
+}
+
+impl Progress {
+    /// What starts a progress line on a stage process's stderr.
+    pub const PREFIX: &'static str = "nemo-dag:progress ";
+
+    /// The line a stage process writes to its stderr (never to its log):
+    /// `nemo-dag:progress 20/300 loss 2.1234 | lr 1.0e-3`.
+    pub fn to_line(&self) -> String {
+        format!(
+            "{}{}/{} {}",
+            Self::PREFIX,
+            self.done,
+            self.total,
+            self.message
+        )
+    }
+
+    /// The progress a line of [`Progress::to_line`] carries; `None` for any other line.
+    pub fn from_line(line: &str) -> Option<Progress> {
+        let rest = line.strip_prefix(Self::PREFIX)?;
+        let (counts, message) = rest.split_once(' ').unwrap_or((rest, ""));
+        let (done, total) = counts.split_once('/')?;
+        Some(Progress {
+            done: done.parse().ok()?,
+            total: total.parse().ok()?,
+            message: message.to_string(),
+        })
+    }
 }
 
 /// Numbers and facts an op reports about its run; stored as `metrics` in `artifact.json`.
@@ -187,4 +232,37 @@ pub fn typed_params<T: DeserializeOwned>(params: &Value) -> Result<T, DeclError>
             help: None,
         }
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn progress_lines_round_trip_and_other_lines_are_not_progress() {
+        let p = Progress {
+            done: 20,
+            total: 300,
+            message: "loss 2.1234 | lr 1.000e-3".into(),
+        };
+        assert_eq!(
+            p.to_line(),
+            "nemo-dag:progress 20/300 loss 2.1234 | lr 1.000e-3"
+        );
+        assert_eq!(Progress::from_line(&p.to_line()), Some(p));
+        let bare = Progress {
+            done: 3,
+            total: 3,
+            message: String::new(),
+        };
+        assert_eq!(Progress::from_line(&bare.to_line()), Some(bare));
+        for other in [
+            "step     20/300 | loss 2.1234",
+            "nemo-dag:progress x/3 loss",
+            "resuming from the checkpoint at step 3",
+            "",
+        ] {
+            assert_eq!(Progress::from_line(other), None, "{other}");
+        }
+    }
 }

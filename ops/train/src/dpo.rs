@@ -501,6 +501,7 @@ mod tests {
                 &dir.join("ckpt"),
                 |_| 0,
                 &mut Vec::new(),
+                &mut |_, _, _| {},
                 None,
             )
             .unwrap();
@@ -596,7 +597,14 @@ mod tests {
             if resume {
                 checkpoint::restore(&mut trainer, &checkpoint::latest(ckpt).unwrap()).unwrap();
             }
-            let r = trainer.run(&mut objective, ckpt, |_| 0, &mut Vec::new(), stop);
+            let r = trainer.run(
+                &mut objective,
+                ckpt,
+                |_| 0,
+                &mut Vec::new(),
+                &mut |_, _, _| {},
+                stop,
+            );
             (trainer, r.is_ok())
         };
         let (straight, ok) = run(0, None, &dir.join("a"), false);

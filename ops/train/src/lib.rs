@@ -382,7 +382,8 @@ impl Trainer {
     }
 
     /// Train to `schedule.steps`, checkpointing into `ckpt_dir` every `save_interval` steps
-    /// and at the end. Logs to `log`; `stop_after` ends early (after its checkpoint), as a
+    /// and at the end. Every `log_interval` steps it writes a line to `log` and tells
+    /// `progress` (step, steps, figures); `stop_after` ends early (after its checkpoint), as a
     /// preempted job would.
     pub fn run(
         &mut self,
@@ -390,6 +391,7 @@ impl Trainer {
         ckpt_dir: &std::path::Path,
         tokens_per_step: impl Fn(u64) -> u64,
         log: &mut dyn Write,
+        progress: &mut dyn FnMut(u64, u64, &str),
         stop_after: Option<u64>,
     ) -> Result<Value, RunError> {
         let s = self.schedule.clone();
@@ -407,16 +409,15 @@ impl Trainer {
                     .iter()
                     .map(|(k, v)| format!(" | {k} {v:.4}"))
                     .collect();
-                writeln!(
-                    log,
-                    "step {:>6}/{} | loss {:.4} | lr {:.3e} | grad norm {:.3} | {:.0} tokens/s{extra}",
-                    self.step,
-                    s.steps,
+                let figures = format!(
+                    "loss {:.4} | lr {:.3e} | grad norm {:.3} | {:.0} tokens/s{extra}",
                     last.0,
                     optim::lr_at(self.step - 1, s.steps, s.lr, s.min_lr, s.warmup, s.decay),
                     last.1,
                     window.1 as f64 / secs.max(1e-9)
-                )?;
+                );
+                writeln!(log, "step {:>6}/{} | {figures}", self.step, s.steps)?;
+                progress(self.step, s.steps, &figures);
                 window = (Instant::now(), 0);
             }
             let save = s.save_interval > 0 && self.step.is_multiple_of(s.save_interval);
@@ -431,7 +432,7 @@ impl Trainer {
             }
             if stop_after.is_some_and(|n| self.step >= n) && self.step < s.steps {
                 return Err(RunError::new(format!(
-                    "stopped after step {} as asked (NEMO_DAG_STOP_AFTER_STEP); run again to resume",
+                    "stopped after step {} as asked; run again to resume",
                     self.step
                 )));
             }
@@ -457,14 +458,6 @@ fn add_into(acc: &mut [f32], g: &Tensor) -> candle_core::Result<()> {
         candle_core::bail!("gradient of {} values for {}", g.elem_count(), acc.len())
     }
     kernels::rows::with_values(g, |values| kernels::simd::add_assign(acc, values))
-}
-
-/// `NEMO_DAG_STOP_AFTER_STEP=N`: end a training stage after step N's checkpoint, as a
-/// preemption would (the stage fails; running again resumes). For tests and drills.
-pub fn stop_after_from_env() -> Option<u64> {
-    std::env::var("NEMO_DAG_STOP_AFTER_STEP")
-        .ok()
-        .and_then(|v| v.parse().ok())
 }
 
 #[cfg(test)]
@@ -529,15 +522,22 @@ mod tests {
     fn the_loss_falls_on_a_learnable_sequence() {
         let mut t = trainer(40, 0);
         let dir = tempdir("falls");
+        let mut told = Vec::new();
         let summary = t
             .run(
                 &mut NextToken::new(&mut Counting(2)),
                 &dir.join("ckpt"),
                 |_| 48,
                 &mut Vec::new(),
+                &mut |done, total, figures: &str| told.push((done, total, figures.to_string())),
                 None,
             )
             .unwrap();
+        // Progress comes with every logged step, ending at the last, with the log's figures.
+        let (done, total, figures) = told.last().unwrap();
+        assert_eq!((*done, *total), (40, 40));
+        assert!(figures.starts_with("loss "), "{figures}");
+        assert!(told.windows(2).all(|w| w[0].0 < w[1].0), "{told:?}");
         let first = t.curve.first().unwrap().loss;
         let last = summary["final_loss"].as_f64().unwrap();
         assert!(first > 3.0, "starts near ln(32) = 3.47: {first}");
@@ -555,6 +555,7 @@ mod tests {
                 &dir.join("a"),
                 |_| 48,
                 &mut Vec::new(),
+                &mut |_, _, _| {},
                 None,
             )
             .unwrap();
@@ -565,6 +566,7 @@ mod tests {
             &dir.join("b"),
             |_| 48,
             &mut Vec::new(),
+            &mut |_, _, _| {},
             Some(4),
         );
         assert!(stopped.is_err(), "stop_after ends the run early");
@@ -577,6 +579,7 @@ mod tests {
                 &dir.join("b"),
                 |_| 48,
                 &mut Vec::new(),
+                &mut |_, _, _| {},
                 None,
             )
             .unwrap();

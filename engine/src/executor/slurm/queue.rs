@@ -6,6 +6,7 @@ use crate::diag::{Failure, InputError, Result};
 use crate::executor::local::Outcome;
 use crate::manifest::Manifest;
 use crate::store::Store;
+use nemo_dag_op::Progress;
 use std::collections::{BTreeMap, HashMap};
 use std::io::{Read, Seek, SeekFrom};
 use std::process::Command;
@@ -226,7 +227,8 @@ fn stream_log(stage: &str, log: &str, width: usize, offsets: &mut HashMap<String
     // Only whole lines; the rest is read next time.
     let complete = buf.rfind('\n').map(|i| i + 1).unwrap_or(0);
     for line in buf[..complete].lines() {
-        if !line.starts_with("{\"state\"") {
+        // Not the exec's result line, nor its progress lines (the log has the same figures).
+        if !line.starts_with("{\"state\"") && Progress::from_line(line).is_none() {
             eprintln!("{stage:>width$} │ {line}");
         }
     }

@@ -1,0 +1,41 @@
+//! Running an op in-process in unit tests, as `nemo-dag exec` would: check the declaration,
+//! then run it with its outputs, into `out`.
+
+use nemo_dag_op::{Metrics, Op, RunContext, RunError, StageDecl};
+use serde_json::Value;
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+/// Check and run `op` with `params` and `inputs` into `out`; its result and its log.
+pub fn run_op(
+    op: &dyn Op,
+    params: Value,
+    inputs: BTreeMap<String, PathBuf>,
+    out: &Path,
+) -> (Result<Metrics, RunError>, String) {
+    std::fs::create_dir_all(out).unwrap();
+    let names: Vec<&str> = inputs.keys().map(String::as_str).collect();
+    let decl = StageDecl {
+        name: op.name(),
+        params: &params,
+        inputs: names.clone(),
+        outputs: &BTreeMap::new(),
+        cmd: None,
+    };
+    op.check(&decl).unwrap();
+    let outputs = op.outputs(&decl);
+    let mut log = Vec::new();
+    let mut ctx = RunContext {
+        stage: StageDecl {
+            outputs: &outputs,
+            ..decl
+        },
+        inputs: &inputs,
+        out_dir: out,
+        log: &mut log,
+        progress: &mut |_| {},
+        stop_after_step: None,
+    };
+    let r = op.run(&mut ctx);
+    (r, String::from_utf8(log).unwrap())
+}
