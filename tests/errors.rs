@@ -120,6 +120,78 @@ fn unknown_op() {
         "stages:\n  gen:\n    op: frobnicate\n    outputs: {o: o.txt}\n    cmd: \"echo > {outputs.o}\"\n",
     );
     assert_bad_input(&p, &["run", "m.yaml"], &["frobnicate"]);
+
+    // A misspelt op gets the nearest name.
+    let p = with_manifest(
+        "misspelt-op",
+        "m.yaml",
+        "stages:\n  gen:\n    op: genrate\n    params: {kind: arithmetic, count: 5, seed: 1}\n",
+    );
+    assert_bad_input(
+        &p,
+        &["run", "m.yaml"],
+        &["unknown op `genrate`", "did you mean `generate`?"],
+    );
+}
+
+/// Every op's inputs and outputs are checked against its spec, in one place, the same way:
+/// an input the op does not read (with the nearest name), a required input that is missing,
+/// outputs declared for an op that names its own.
+#[test]
+fn inputs_and_outputs_are_checked_against_the_op() {
+    let generate = "  gen:\n    op: generate\n    params: {kind: arithmetic, count: 5, seed: 1}\n";
+    let p = with_manifest(
+        "misspelt-input",
+        "m.yaml",
+        &format!("stages:\n{generate}  hf:\n    op: export\n    inputs: {{modle: \"gen:chat\"}}\n"),
+    );
+    assert_bad_input(
+        &p,
+        &["run", "m.yaml"],
+        &[
+            "export has no input named `modle`",
+            "did you mean `model`?",
+            "modle: \"gen:chat\"",
+        ],
+    );
+    let p = with_manifest(
+        "missing-input",
+        "m.yaml",
+        &format!(
+            "stages:\n{generate}  tok:\n    op: tokenize\n    inputs: {{corpus: \"gen:pretrain\"}}\n"
+        ),
+    );
+    assert_bad_input(
+        &p,
+        &["run", "m.yaml"],
+        &["stage `tok`: tokenize needs an input named `tokenizer`"],
+    );
+    let p = with_manifest(
+        "own-outputs",
+        "m.yaml",
+        &format!("stages:\n{generate}    outputs: {{x: x.txt}}\n"),
+    );
+    assert_bad_input(
+        &p,
+        &["run", "m.yaml"],
+        &["generate names its own outputs", "remove `outputs:`"],
+    );
+    // A misspelt output of an upstream stage gets the nearest name too.
+    let p = with_manifest(
+        "misspelt-output",
+        "m.yaml",
+        &format!(
+            "stages:\n{generate}  tok:\n    op: train_tokenizer\n    params: {{vocab_size: 300}}\n    inputs: {{corpus: \"gen:pretrian\"}}\n"
+        ),
+    );
+    assert_bad_input(
+        &p,
+        &["run", "m.yaml"],
+        &[
+            "stage `gen` has no output `pretrian`",
+            "did you mean `pretrain`?",
+        ],
+    );
 }
 
 #[test]

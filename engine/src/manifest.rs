@@ -15,7 +15,7 @@
 
 use crate::diag::{InputError, Source};
 use crate::doc::{self, Format, KeyPath, Spans};
-use nemo_dag_op::{Op, Registry, StageDecl};
+use nemo_dag_op::{DeclError, Op, Outputs, Registry, Spec, StageDecl};
 use petgraph::graph::{DiGraph, NodeIndex};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -466,16 +466,18 @@ impl Manifest {
                 resources: r.resources,
                 deps: Vec::new(),
             };
-            op.check(&stage.decl()).map_err(|e| {
-                let rest: Vec<&str> = e.path.iter().map(String::as_str).collect();
-                let mut err = self.locator.error(
-                    &loc(&rest),
-                    false,
-                    format!("stage `{name}`: {}", e.message),
-                );
-                err.help = e.help;
-                err
-            })?;
+            check_spec(op.spec(), &stage.decl())
+                .and_then(|()| op.check(&stage.decl()))
+                .map_err(|e| {
+                    let rest: Vec<&str> = e.path.iter().map(String::as_str).collect();
+                    let mut err = self.locator.error(
+                        &loc(&rest),
+                        false,
+                        format!("stage `{name}`: {}", e.message),
+                    );
+                    err.help = e.help;
+                    err
+                })?;
             stage.outputs = op.outputs(&stage.decl());
             let mut deps: Vec<String> = stage
                 .inputs
@@ -496,13 +498,16 @@ impl Manifest {
                 if let Input::Stage { stage: up, output } = i {
                     let producer = &self.stages[up];
                     if !producer.outputs.contains_key(output) {
-                        let outs: Vec<&str> = producer.outputs.keys().map(String::as_str).collect();
                         return Err(self
                             .error_at(
                                 &["stages", &stage.name, "inputs", input],
                                 format!("stage `{up}` has no output `{output}`"),
                             )
-                            .help(format!("`{up}` produces: {}", outs.join(", "))));
+                            .help(crate::diag::did_you_mean(
+                                output,
+                                &format!("`{up}` produces"),
+                                producer.outputs.keys().map(String::as_str),
+                            )));
                     }
                 }
             }
@@ -561,6 +566,66 @@ fn find_cycle(graph: &DiGraph<&str, ()>, start: NodeIndex) -> Vec<String> {
         }
     }
     vec![graph[start].to_string()]
+}
+
+/// A stage against its op's [`Spec`], the same for every op: every input is one the op reads
+/// (unless it takes any), each required input is there, and only an op whose outputs the
+/// stage declares gets `outputs:`.
+fn check_spec(spec: &Spec, stage: &StageDecl) -> Result<(), DeclError> {
+    let listed = || {
+        spec.inputs
+            .iter()
+            .map(|p| format!("`{}` ({})", p.name, p.what))
+            .collect::<Vec<_>>()
+            .join(", ")
+    };
+    if spec.other_inputs.is_none() {
+        for name in &stage.inputs {
+            if !spec.inputs.iter().any(|p| p.name == *name) {
+                let help = if spec.inputs.is_empty() {
+                    format!("{} takes no inputs", spec.name)
+                } else {
+                    crate::diag::did_you_mean(
+                        name,
+                        &format!("the inputs of {}", spec.name),
+                        spec.inputs.iter().map(|p| p.name),
+                    )
+                };
+                return Err(DeclError::new(
+                    &["inputs", name],
+                    format!("{} has no input named `{name}`", spec.name),
+                )
+                .with_help(help));
+            }
+        }
+    }
+    for port in spec.inputs.iter().filter(|p| p.required) {
+        if !stage.inputs.contains(&port.name) {
+            return Err(DeclError::new(
+                &["inputs"],
+                format!(
+                    "{} needs an input named `{}` ({})",
+                    spec.name, port.name, port.what
+                ),
+            )
+            .with_help(format!("the inputs of {}: {}", spec.name, listed())));
+        }
+    }
+    if let Outputs::Fixed(outputs) = spec.outputs
+        && !stage.outputs.is_empty()
+    {
+        let names: Vec<&str> = outputs.iter().map(|(n, _)| *n).collect();
+        return Err(DeclError::new(
+            &["outputs"],
+            format!(
+                "{} names its own outputs ({}); a stage of it declares none",
+                spec.name,
+                names.join(", ")
+            ),
+        )
+        .with_help("remove `outputs:` and refer to them as `STAGE:OUTPUT`"));
+    }
+    Ok(())
 }
 
 /// `STAGE:OUTPUT` when the text has that shape; a path otherwise.

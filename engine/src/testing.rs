@@ -2,26 +2,28 @@
 //! named `cmd` that accepts any declaration and produces the outputs the stage declares. It
 //! is never run; the engine's tests only load, key and plan manifests with it.
 
-use nemo_dag_op::{DeclError, Metrics, Op, Registry, RunContext, RunError, StageDecl};
-use std::collections::BTreeMap;
+use nemo_dag_op::{
+    DeclError, Metrics, Op, Outputs, Registry, RunContext, RunError, Spec, StageDecl,
+};
 
 struct DeclaredOutputs;
 
+static SPEC: Spec = Spec {
+    name: "cmd",
+    version: 1,
+    summary: "test double: the stage's declared outputs",
+    inputs: &[],
+    other_inputs: Some("any"),
+    outputs: Outputs::Declared,
+    resumable: false,
+};
+
 impl Op for DeclaredOutputs {
-    fn name(&self) -> &'static str {
-        "cmd"
-    }
-    fn version(&self) -> u32 {
-        1
-    }
-    fn summary(&self) -> &'static str {
-        "test double: the stage's declared outputs"
+    fn spec(&self) -> &'static Spec {
+        &SPEC
     }
     fn check(&self, _: &StageDecl) -> Result<(), DeclError> {
         Ok(())
-    }
-    fn outputs(&self, stage: &StageDecl) -> BTreeMap<String, String> {
-        stage.outputs.clone()
     }
     fn run(&self, _: &mut RunContext) -> Result<Metrics, RunError> {
         Err(RunError::new("the engine's test double never runs"))

@@ -15,26 +15,27 @@
 //! is left alone. Every declared output must exist when the command exits 0, or the stage fails.
 
 use nemo_dag_op::process::{die_with_parent, shell_quote};
-use nemo_dag_op::{DeclError, Metrics, Op, RunContext, RunError, StageDecl};
+use nemo_dag_op::{DeclError, Metrics, Op, Outputs, RunContext, RunError, Spec, StageDecl};
 use serde_json::Value;
-use std::collections::BTreeMap;
 use std::io::Read;
 use std::os::unix::process::CommandExt;
 use std::process::{Command, Stdio};
 
 pub struct Cmd;
 
+static SPEC: Spec = Spec {
+    name: "cmd",
+    version: 1,
+    summary: "run a shell command with quoted {inputs.X} {outputs.X} {params.X} placeholders",
+    inputs: &[],
+    other_inputs: Some("any input, as `{inputs.NAME}` in the command"),
+    outputs: Outputs::Declared,
+    resumable: false,
+};
+
 impl Op for Cmd {
-    fn name(&self) -> &'static str {
-        "cmd"
-    }
-
-    fn version(&self) -> u32 {
-        1
-    }
-
-    fn summary(&self) -> &'static str {
-        "run a shell command with quoted {inputs.X} {outputs.X} {params.X} placeholders"
+    fn spec(&self) -> &'static Spec {
+        &SPEC
     }
 
     fn check(&self, stage: &StageDecl) -> Result<(), DeclError> {
@@ -60,10 +61,6 @@ impl Op for Cmd {
             }
         }
         Ok(())
-    }
-
-    fn outputs(&self, stage: &StageDecl) -> BTreeMap<String, String> {
-        stage.outputs.clone()
     }
 
     fn run(&self, ctx: &mut RunContext) -> Result<Metrics, RunError> {
@@ -275,6 +272,7 @@ fn expand(cmd: &str, stage: &StageDecl, ctx: &RunContext) -> Result<String, RunE
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::collections::BTreeMap;
 
     #[test]
     fn placeholders_are_found_and_other_braces_kept() {

@@ -47,12 +47,13 @@
 //!
 //! Outputs as `sft`: `model` (weights, config, tokenizer) and `checkpoint` (resumable).
 
-use crate::pretrain::{check_training, input, model_outputs, model_tokenizer, train_and_publish};
+use crate::pretrain::{check_training, input, model_tokenizer, train_and_publish};
 use nemo_dag_data::chat::{ChatTemplate, Json, Message, RenderFlags, Role, TemplateSource};
-use nemo_dag_op::{DeclError, Metrics, Op, RunContext, RunError, StageDecl, typed_params};
+use nemo_dag_op::{
+    DeclError, Metrics, Op, Outputs, Port, RunContext, RunError, Spec, StageDecl, typed_params,
+};
 use serde::Deserialize;
 use serde_json::Value;
-use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use train::dpo::{DpoObjective, LossConfig, Pair, Sequence};
 use train::{Schedule, Trainer, checkpoint};
@@ -92,17 +93,30 @@ struct Params {
     schedule: Schedule,
 }
 
+static SPEC: Spec = Spec {
+    name: "dpo",
+    version: 1,
+    summary: "direct preference optimization of an upstream model on chosen/rejected pairs",
+    inputs: &[
+        Port {
+            name: "model",
+            required: true,
+            what: "an upstream model",
+        },
+        Port {
+            name: "data",
+            required: true,
+            what: "preference pairs: a generate artifact or a JSONL file",
+        },
+    ],
+    other_inputs: None,
+    outputs: Outputs::Fixed(&[("model", "model"), ("checkpoint", "checkpoint")]),
+    resumable: true,
+};
+
 impl Op for Dpo {
-    fn name(&self) -> &'static str {
-        "dpo"
-    }
-
-    fn version(&self) -> u32 {
-        1
-    }
-
-    fn summary(&self) -> &'static str {
-        "direct preference optimization of an upstream model on chosen/rejected pairs"
+    fn spec(&self) -> &'static Spec {
+        &SPEC
     }
 
     fn check(&self, stage: &StageDecl) -> Result<(), DeclError> {
@@ -133,15 +147,7 @@ impl Op for Dpo {
                 "max_length must be >= 2 (a prompt token and a response token)",
             ));
         }
-        check_training(stage, None, &p.schedule, &["model", "data"])
-    }
-
-    fn outputs(&self, _stage: &StageDecl) -> BTreeMap<String, String> {
-        model_outputs()
-    }
-
-    fn resumable(&self) -> bool {
-        true
+        check_training(None, &p.schedule)
     }
 
     fn run(&self, ctx: &mut RunContext) -> Result<Metrics, RunError> {
@@ -468,6 +474,7 @@ mod tests {
     use model::config::ModelConfig;
     use model::net::Model;
     use serde_json::json;
+    use std::collections::BTreeMap;
 
     fn tempdir(name: &str) -> PathBuf {
         let d = std::env::temp_dir().join(format!("nemo-dag-dpo-{name}-{}", std::process::id()));

@@ -42,10 +42,11 @@ use model::params::Rng;
 use model::sampling::{Sampling, StopStrings, generate, generate_until};
 use nemo_dag_data::chat::{ChatTemplate, Message, RenderFlags, Role, TemplateSource};
 use nemo_dag_data::megatron::IndexedReader;
-use nemo_dag_op::{DeclError, Metrics, Op, RunContext, RunError, StageDecl, typed_params};
+use nemo_dag_op::{
+    DeclError, Metrics, Op, Outputs, Port, RunContext, RunError, Spec, StageDecl, typed_params,
+};
 use serde::Deserialize;
 use serde_json::{Value, json};
-use std::collections::BTreeMap;
 use std::path::Path;
 use train::{self, checkpoint};
 
@@ -158,17 +159,40 @@ struct MultipleChoice {
     batch: usize,
 }
 
+static SPEC: Spec = Spec {
+    name: "eval",
+    version: 2,
+    summary: "score a model: perplexity on held-out tokens, accuracy on verifiable generation tasks",
+    inputs: &[
+        Port {
+            name: "model",
+            required: true,
+            what: "the model to score",
+        },
+        Port {
+            name: "data",
+            required: false,
+            what: "a tokenize artifact, for perplexity",
+        },
+        Port {
+            name: "choices",
+            required: false,
+            what: "a JSONL file of {context, choices, gold} rows, for multiple_choice",
+        },
+        Port {
+            name: "tasks",
+            required: false,
+            what: "a JSONL file of prompts with answers, for generation",
+        },
+    ],
+    other_inputs: None,
+    outputs: Outputs::Fixed(&[("results", "results")]),
+    resumable: false,
+};
+
 impl Op for Eval {
-    fn name(&self) -> &'static str {
-        "eval"
-    }
-
-    fn version(&self) -> u32 {
-        2
-    }
-
-    fn summary(&self) -> &'static str {
-        "score a model: perplexity on held-out tokens, accuracy on verifiable generation tasks"
+    fn spec(&self) -> &'static Spec {
+        &SPEC
     }
 
     fn check(&self, stage: &StageDecl) -> Result<(), DeclError> {
@@ -183,7 +207,6 @@ impl Op for Eval {
                 ))
             }
         };
-        need("model", "(a pretrain or sft artifact's model)")?;
         if p.perplexity.is_none() && p.generation.is_none() && p.multiple_choice.is_none() {
             return Err(DeclError::new(
                 &["params"],
@@ -249,17 +272,7 @@ impl Op for Eval {
             nemo_dag_data::reward::score(&g.env, "", "")
                 .map_err(|e| DeclError::new(&["params", "generation", "env"], e))?;
         }
-        if !stage.outputs.is_empty() {
-            return Err(DeclError::new(
-                &["outputs"],
-                "eval names its own output (`results`)",
-            ));
-        }
         Ok(())
-    }
-
-    fn outputs(&self, _stage: &StageDecl) -> BTreeMap<String, String> {
-        BTreeMap::from([("results".to_string(), "results".to_string())])
     }
 
     fn run(&self, ctx: &mut RunContext) -> Result<Metrics, RunError> {
@@ -586,6 +599,7 @@ mod tests {
     use super::*;
     use model::config::ModelConfig;
     use nemo_dag_op::{DeclError, Op, StageDecl};
+    use std::collections::BTreeMap;
 
     #[test]
     fn batched_left_padded_greedy_equals_one_prompt_at_a_time() {

@@ -28,10 +28,12 @@ use crate::pretrain::input;
 use candle_core::Tensor;
 use model::config::{Activation, BlockKind, Position};
 use model::net::{Mixer, Model};
-use nemo_dag_op::{DeclError, Metrics, Op, RunContext, RunError, StageDecl, typed_params};
+use nemo_dag_op::{
+    DeclError, Metrics, Op, Outputs, Port, RunContext, RunError, Spec, StageDecl, typed_params,
+};
 use serde::Deserialize;
 use serde_json::{Value, json};
-use std::collections::{BTreeMap, HashMap};
+use std::collections::HashMap;
 use std::path::Path;
 use train::checkpoint;
 
@@ -41,38 +43,28 @@ pub struct Export;
 #[serde(deny_unknown_fields)]
 struct Params {}
 
+static SPEC: Spec = Spec {
+    name: "export",
+    version: 1,
+    summary: "write a dense model as a Hugging Face Llama checkpoint (config.json + safetensors)",
+    inputs: &[Port {
+        name: "model",
+        required: true,
+        what: "a dense model: a pretrain or sft artifact's model",
+    }],
+    other_inputs: None,
+    outputs: Outputs::Fixed(&[("hf", "hf")]),
+    resumable: false,
+};
+
 impl Op for Export {
-    fn name(&self) -> &'static str {
-        "export"
-    }
-
-    fn version(&self) -> u32 {
-        1
-    }
-
-    fn summary(&self) -> &'static str {
-        "write a dense model as a Hugging Face Llama checkpoint (config.json + safetensors)"
+    fn spec(&self) -> &'static Spec {
+        &SPEC
     }
 
     fn check(&self, stage: &StageDecl) -> Result<(), DeclError> {
         let _: Params = typed_params(stage.params)?;
-        if !stage.inputs.contains(&"model") {
-            return Err(
-                DeclError::new(&["inputs"], "export needs an input named `model`")
-                    .with_help("inputs: {model: \"sft:model\"}"),
-            );
-        }
-        if !stage.outputs.is_empty() {
-            return Err(DeclError::new(
-                &["outputs"],
-                "export names its own output (`hf`)",
-            ));
-        }
         Ok(())
-    }
-
-    fn outputs(&self, _stage: &StageDecl) -> BTreeMap<String, String> {
-        BTreeMap::from([("hf".to_string(), "hf".to_string())])
     }
 
     fn run(&self, ctx: &mut RunContext) -> Result<Metrics, RunError> {

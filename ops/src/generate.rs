@@ -28,10 +28,11 @@
 //! Python script can reproduce the data exactly).
 
 use nemo_dag_data::random::PyRandom;
-use nemo_dag_op::{DeclError, Metrics, Op, RunContext, RunError, StageDecl, typed_params};
+use nemo_dag_op::{
+    DeclError, Metrics, Op, Outputs, RunContext, RunError, Spec, StageDecl, typed_params,
+};
 use serde::Deserialize;
 use serde_json::{Value, json};
-use std::collections::BTreeMap;
 use std::fmt::Write as _;
 
 pub struct Generate;
@@ -59,17 +60,25 @@ struct Params {
     ops: Vec<String>,
 }
 
+static SPEC: Spec = Spec {
+    name: "generate",
+    version: 2,
+    summary: "synthetic, exactly checkable data (arithmetic) as pretrain text, chat, RL prompts and preference pairs",
+    inputs: &[],
+    other_inputs: None,
+    outputs: Outputs::Fixed(&[
+        ("pretrain", "pretrain.jsonl"),
+        ("chat", "chat.jsonl"),
+        ("prompts", "prompts.jsonl"),
+        ("preferences", "preferences.jsonl"),
+        ("choices", "choices.jsonl"),
+    ]),
+    resumable: false,
+};
+
 impl Op for Generate {
-    fn name(&self) -> &'static str {
-        "generate"
-    }
-
-    fn version(&self) -> u32 {
-        2
-    }
-
-    fn summary(&self) -> &'static str {
-        "synthetic, exactly checkable data (arithmetic) as pretrain text, chat, RL prompts and preference pairs"
+    fn spec(&self) -> &'static Spec {
+        &SPEC
     }
 
     fn check(&self, stage: &StageDecl) -> Result<(), DeclError> {
@@ -96,26 +105,7 @@ impl Op for Generate {
                 "count, max_operand and ops must not be empty or zero",
             ));
         }
-        if !stage.inputs.is_empty() || !stage.outputs.is_empty() {
-            return Err(DeclError::new(
-                &[],
-                "generate takes no inputs and names its own outputs",
-            ));
-        }
         Ok(())
-    }
-
-    fn outputs(&self, _stage: &StageDecl) -> BTreeMap<String, String> {
-        [
-            ("pretrain", "pretrain.jsonl"),
-            ("chat", "chat.jsonl"),
-            ("prompts", "prompts.jsonl"),
-            ("preferences", "preferences.jsonl"),
-            ("choices", "choices.jsonl"),
-        ]
-        .into_iter()
-        .map(|(k, v)| (k.to_string(), v.to_string()))
-        .collect()
     }
 
     fn run(&self, ctx: &mut RunContext) -> Result<Metrics, RunError> {
@@ -202,6 +192,7 @@ fn multiple_choice(i: usize, expr: &str, answer: i64) -> Value {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::collections::BTreeMap;
 
     #[test]
     fn the_same_seed_gives_the_same_problems_and_answers_check() {

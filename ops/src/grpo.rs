@@ -45,13 +45,14 @@
 //! scoring 1), `response_length` (mean new tokens), `truncated` (fraction that hit the limit),
 //! `kl` (mean k3 per response token, only when the KL term is on).
 
-use crate::pretrain::{check_training, input, model_outputs, model_tokenizer, train_and_publish};
+use crate::pretrain::{check_training, input, model_tokenizer, train_and_publish};
 use model::sampling::Sampling;
 use nemo_dag_data::chat::{ChatTemplate, Message, RenderFlags, TemplateSource};
-use nemo_dag_op::{DeclError, Metrics, Op, RunContext, RunError, StageDecl, typed_params};
+use nemo_dag_op::{
+    DeclError, Metrics, Op, Outputs, Port, RunContext, RunError, Spec, StageDecl, typed_params,
+};
 use serde::Deserialize;
 use serde_json::Value;
-use std::collections::BTreeMap;
 use std::path::Path;
 use train::grpo::{self, LossConfig, Prompt, Rollouts};
 use train::{Schedule, Trainer, checkpoint};
@@ -206,31 +207,36 @@ impl Params {
     }
 }
 
+static SPEC: Spec = Spec {
+    name: "grpo",
+    version: 1,
+    summary: "reinforcement learning (GRPO) on prompts with verifiable answers",
+    inputs: &[
+        Port {
+            name: "model",
+            required: true,
+            what: "an upstream model",
+        },
+        Port {
+            name: "prompts",
+            required: true,
+            what: "an rl_data artifact or a JSONL file of its rows",
+        },
+    ],
+    other_inputs: None,
+    outputs: Outputs::Fixed(&[("model", "model"), ("checkpoint", "checkpoint")]),
+    resumable: true,
+};
+
 impl Op for Grpo {
-    fn name(&self) -> &'static str {
-        "grpo"
-    }
-
-    fn version(&self) -> u32 {
-        1
-    }
-
-    fn summary(&self) -> &'static str {
-        "reinforcement learning (GRPO) on prompts with verifiable answers"
+    fn spec(&self) -> &'static Spec {
+        &SPEC
     }
 
     fn check(&self, stage: &StageDecl) -> Result<(), DeclError> {
         let p: Params = typed_params(stage.params)?;
         p.check()?;
-        check_training(stage, None, &p.schedule, &["model", "prompts"])
-    }
-
-    fn outputs(&self, _stage: &StageDecl) -> BTreeMap<String, String> {
-        model_outputs()
-    }
-
-    fn resumable(&self) -> bool {
-        true
+        check_training(None, &p.schedule)
     }
 
     fn run(&self, ctx: &mut RunContext) -> Result<Metrics, RunError> {

@@ -30,7 +30,9 @@ use nemo_dag_data::chat::{
 use nemo_dag_data::sft::packing::{self, Algorithm, PackStats, Sequence};
 use nemo_dag_data::sft::parquet as packed_parquet;
 use nemo_dag_data::text::files_of;
-use nemo_dag_op::{DeclError, Metrics, Op, RunContext, RunError, StageDecl, typed_params};
+use nemo_dag_op::{
+    DeclError, Metrics, Op, Outputs, Port, RunContext, RunError, Spec, StageDecl, typed_params,
+};
 use rayon::prelude::*;
 use serde::Deserialize;
 use serde_json::{Value, json};
@@ -115,37 +117,43 @@ impl Params {
     }
 }
 
+static SPEC: Spec = Spec {
+    name: "pack",
+    version: 1,
+    summary: "chat JSONL → chat-templated, loss-masked, packed Parquet shards + train/valid/test splits",
+    inputs: &[
+        Port {
+            name: "tokenizer",
+            required: true,
+            what: "a tokenizer.json",
+        },
+        Port {
+            name: "chat_template",
+            required: false,
+            what: "a Jinja chat template file",
+        },
+        Port {
+            name: "tokenizer_config",
+            required: false,
+            what: "a tokenizer_config.json whose chat_template is used",
+        },
+    ],
+    other_inputs: Some("the chat datasets to pack"),
+    outputs: Outputs::Fixed(&[("data", "data")]),
+    resumable: false,
+};
+
 impl Op for Pack {
-    fn name(&self) -> &'static str {
-        "pack"
-    }
-
-    fn version(&self) -> u32 {
-        1
-    }
-
-    fn summary(&self) -> &'static str {
-        "chat JSONL → chat-templated, loss-masked, packed Parquet shards + train/valid/test splits"
+    fn spec(&self) -> &'static Spec {
+        &SPEC
     }
 
     fn check(&self, stage: &StageDecl) -> Result<(), DeclError> {
         let p: Params = typed_params(stage.params)?;
-        if !stage.inputs.contains(&"tokenizer") {
-            return Err(DeclError::new(
-                &["inputs"],
-                "pack needs an input named `tokenizer` (a tokenizer.json)",
-            ));
-        }
         if !stage.inputs.iter().any(|i| !RESERVED_INPUTS.contains(i)) {
             return Err(DeclError::new(
                 &["inputs"],
                 "pack needs at least one chat JSONL input besides `tokenizer`",
-            ));
-        }
-        if !stage.outputs.is_empty() {
-            return Err(DeclError::new(
-                &["outputs"],
-                "pack names its own output (`data`)",
             ));
         }
         p.algorithm()
@@ -179,10 +187,6 @@ impl Op for Pack {
                 .map_err(|e| DeclError::new(&["params", "chat_template"], e))?;
         }
         Ok(())
-    }
-
-    fn outputs(&self, _stage: &StageDecl) -> BTreeMap<String, String> {
-        BTreeMap::from([("data".to_string(), "data".to_string())])
     }
 
     fn run(&self, ctx: &mut RunContext) -> Result<Metrics, RunError> {

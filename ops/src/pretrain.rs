@@ -34,11 +34,11 @@ use nemo_dag_data::megatron::gpt_dataset::{
     GptIndices, blend_indices, build_gpt_indices, sample_tokens,
 };
 use nemo_dag_op::{
-    DeclError, Metrics, Op, Progress, RunContext, RunError, StageDecl, typed_params,
+    DeclError, Metrics, Op, Outputs, Port, Progress, RunContext, RunError, Spec, StageDecl,
+    typed_params,
 };
 use serde::Deserialize;
 use serde_json::Value;
-use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use train::{self, BatchSource, NextToken, Objective, Schedule, Trainer, checkpoint};
 
@@ -53,22 +53,35 @@ struct Params {
     schedule: Schedule,
 }
 
+static SPEC: Spec = Spec {
+    name: "pretrain",
+    version: 1,
+    summary: "train a model from scratch on tokenized data (Megatron GPTDataset sampling)",
+    inputs: &[
+        Port {
+            name: "data",
+            required: true,
+            what: "a tokenize artifact",
+        },
+        Port {
+            name: "tokenizer",
+            required: true,
+            what: "the tokenizer.json the data was tokenized with",
+        },
+    ],
+    other_inputs: None,
+    outputs: Outputs::Fixed(&[("model", "model"), ("checkpoint", "checkpoint")]),
+    resumable: true,
+};
+
 impl Op for Pretrain {
-    fn name(&self) -> &'static str {
-        "pretrain"
-    }
-
-    fn version(&self) -> u32 {
-        1
-    }
-
-    fn summary(&self) -> &'static str {
-        "train a model from scratch on tokenized data (Megatron GPTDataset sampling)"
+    fn spec(&self) -> &'static Spec {
+        &SPEC
     }
 
     fn check(&self, stage: &StageDecl) -> Result<(), DeclError> {
         let p: Params = typed_params(stage.params)?;
-        check_training(stage, Some(&p.model), &p.schedule, &["data", "tokenizer"])?;
+        check_training(Some(&p.model), &p.schedule)?;
         if p.seq_length == 0 || p.seq_length > p.model.max_seq {
             return Err(DeclError::new(
                 &["params", "seq_length"],
@@ -79,14 +92,6 @@ impl Op for Pretrain {
             ));
         }
         Ok(())
-    }
-
-    fn outputs(&self, _stage: &StageDecl) -> BTreeMap<String, String> {
-        model_outputs()
-    }
-
-    fn resumable(&self) -> bool {
-        true
     }
 
     fn run(&self, ctx: &mut RunContext) -> Result<Metrics, RunError> {
@@ -122,20 +127,10 @@ impl Op for Pretrain {
     }
 }
 
-/// What `pretrain` and `sft` publish.
-pub(crate) fn model_outputs() -> BTreeMap<String, String> {
-    BTreeMap::from([
-        ("model".to_string(), "model".to_string()),
-        ("checkpoint".to_string(), "checkpoint".to_string()),
-    ])
-}
-
 /// Declaration checks shared by the training ops.
 pub(crate) fn check_training(
-    stage: &StageDecl,
     model: Option<&ModelConfig>,
     schedule: &Schedule,
-    inputs: &[&str],
 ) -> Result<(), DeclError> {
     if let Some(model) = model {
         model
@@ -145,28 +140,6 @@ pub(crate) fn check_training(
     schedule
         .check()
         .map_err(|(field, msg)| DeclError::new(&["params", field], msg))?;
-    for name in inputs {
-        if !stage.inputs.contains(name) {
-            return Err(DeclError::new(
-                &["inputs"],
-                format!("{} needs an input named `{name}`", stage.name),
-            )
-            .with_help(format!(
-                "inputs: {{{}}}",
-                inputs
-                    .iter()
-                    .map(|i| format!("{i}: \"STAGE:OUTPUT\""))
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            )));
-        }
-    }
-    if !stage.outputs.is_empty() {
-        return Err(DeclError::new(
-            &["outputs"],
-            "training ops name their own outputs (`model`, `checkpoint`)",
-        ));
-    }
     Ok(())
 }
 

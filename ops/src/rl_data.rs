@@ -26,7 +26,9 @@
 
 use nemo_dag_data::random::PyRandom;
 use nemo_dag_data::text::files_of;
-use nemo_dag_op::{DeclError, Metrics, Op, RunContext, RunError, StageDecl, typed_params};
+use nemo_dag_op::{
+    DeclError, Metrics, Op, Outputs, RunContext, RunError, Spec, StageDecl, typed_params,
+};
 use serde::Deserialize;
 use serde_json::{Map, Value, json};
 use std::collections::BTreeMap;
@@ -79,17 +81,19 @@ fn agent_for(env: &str) -> Option<&'static str> {
     }
 }
 
+static SPEC: Spec = Spec {
+    name: "rl_data",
+    version: 1,
+    summary: "prompts with verifiable answers → Gym-shaped RL JSONL (train/val/test + manifest.json)",
+    inputs: &[],
+    other_inputs: Some("the prompt datasets"),
+    outputs: Outputs::Fixed(&[("data", "data")]),
+    resumable: false,
+};
+
 impl Op for RlData {
-    fn name(&self) -> &'static str {
-        "rl_data"
-    }
-
-    fn version(&self) -> u32 {
-        1
-    }
-
-    fn summary(&self) -> &'static str {
-        "prompts with verifiable answers → Gym-shaped RL JSONL (train/val/test + manifest.json)"
+    fn spec(&self) -> &'static Spec {
+        &SPEC
     }
 
     fn check(&self, stage: &StageDecl) -> Result<(), DeclError> {
@@ -116,17 +120,7 @@ impl Op for RlData {
                 "rl_data needs at least one JSONL input of prompts",
             ));
         }
-        if !stage.outputs.is_empty() {
-            return Err(DeclError::new(
-                &["outputs"],
-                "rl_data names its own output (`data`)",
-            ));
-        }
         Ok(())
-    }
-
-    fn outputs(&self, _stage: &StageDecl) -> BTreeMap<String, String> {
-        BTreeMap::from([("data".to_string(), "data".to_string())])
     }
 
     fn run(&self, ctx: &mut RunContext) -> Result<Metrics, RunError> {

@@ -19,16 +19,15 @@
 //! The loss is per token over the global batch: Σ masked cross-entropy / Σ loss mask.
 //! Rows are visited in a seeded shuffled order, epoch after epoch.
 
-use crate::pretrain::{
-    blend_split, check_training, input, model_outputs, model_tokenizer, train_and_publish,
-};
+use crate::pretrain::{blend_split, check_training, input, model_tokenizer, train_and_publish};
 use model::layers::Layout;
 use model::net::Batch;
 use nemo_dag_data::sft::packing::PackedRow;
 use nemo_dag_data::sft::parquet as packed_parquet;
-use nemo_dag_op::{DeclError, Metrics, Op, RunContext, RunError, StageDecl, typed_params};
+use nemo_dag_op::{
+    DeclError, Metrics, Op, Outputs, Port, RunContext, RunError, Spec, StageDecl, typed_params,
+};
 use serde::Deserialize;
-use std::collections::BTreeMap;
 use std::path::Path;
 use train::order::RowOrder;
 use train::{BatchSource, NextToken, Schedule, Trainer, checkpoint};
@@ -55,17 +54,30 @@ struct Params {
     schedule: Schedule,
 }
 
+static SPEC: Spec = Spec {
+    name: "sft",
+    version: 1,
+    summary: "fine-tune an upstream model on packed chat data (loss on assistant tokens)",
+    inputs: &[
+        Port {
+            name: "model",
+            required: true,
+            what: "an upstream model: a pretrain or sft artifact's model",
+        },
+        Port {
+            name: "data",
+            required: true,
+            what: "a pack artifact",
+        },
+    ],
+    other_inputs: None,
+    outputs: Outputs::Fixed(&[("model", "model"), ("checkpoint", "checkpoint")]),
+    resumable: true,
+};
+
 impl Op for Sft {
-    fn name(&self) -> &'static str {
-        "sft"
-    }
-
-    fn version(&self) -> u32 {
-        1
-    }
-
-    fn summary(&self) -> &'static str {
-        "fine-tune an upstream model on packed chat data (loss on assistant tokens)"
+    fn spec(&self) -> &'static Spec {
+        &SPEC
     }
 
     fn check(&self, stage: &StageDecl) -> Result<(), DeclError> {
@@ -77,15 +89,7 @@ impl Op for Sft {
             ));
         }
         // The model's config comes from the upstream model artifact.
-        check_training(stage, None, &p.schedule, &["model", "data"])
-    }
-
-    fn outputs(&self, _stage: &StageDecl) -> BTreeMap<String, String> {
-        model_outputs()
-    }
-
-    fn resumable(&self) -> bool {
-        true
+        check_training(None, &p.schedule)
     }
 
     fn run(&self, ctx: &mut RunContext) -> Result<Metrics, RunError> {

@@ -46,7 +46,9 @@
 
 use nemo_dag_data::megatron::{DType, IndexedWriter, smallest_for_vocab};
 use nemo_dag_data::text::{self, OnBadRow, ReadStats};
-use nemo_dag_op::{DeclError, Metrics, Op, RunContext, RunError, StageDecl, typed_params};
+use nemo_dag_op::{
+    DeclError, Metrics, Op, Outputs, Port, RunContext, RunError, Spec, StageDecl, typed_params,
+};
 use rayon::prelude::*;
 use serde::Deserialize;
 use serde_json::{Value, json};
@@ -195,36 +197,27 @@ impl Blend {
     }
 }
 
+static SPEC: Spec = Spec {
+    name: "tokenize",
+    version: 1,
+    summary: "text datasets → Megatron .bin/.idx shards + blend.json (train/valid/test)",
+    inputs: &[Port {
+        name: "tokenizer",
+        required: true,
+        what: "a tokenizer.json",
+    }],
+    other_inputs: Some("the text datasets to tokenize"),
+    outputs: Outputs::Fixed(&[("data", "data")]),
+    resumable: false,
+};
+
 impl Op for Tokenize {
-    fn name(&self) -> &'static str {
-        "tokenize"
-    }
-
-    fn version(&self) -> u32 {
-        1
-    }
-
-    fn summary(&self) -> &'static str {
-        "text datasets → Megatron .bin/.idx shards + blend.json (train/valid/test)"
+    fn spec(&self) -> &'static Spec {
+        &SPEC
     }
 
     fn check(&self, stage: &StageDecl) -> Result<(), DeclError> {
         let p: Params = typed_params(stage.params)?;
-        if !stage.inputs.contains(&"tokenizer") {
-            return Err(DeclError::new(
-                &["inputs"],
-                "tokenize needs an input named `tokenizer` (a tokenizer.json)",
-            )
-            .with_help(
-                "e.g. `inputs: {tokenizer: \"train_tok:tokenizer\", corpus: data/corpus.jsonl}`",
-            ));
-        }
-        if !stage.outputs.is_empty() {
-            return Err(DeclError::new(
-                &["outputs"],
-                "tokenize names its own output (`data`)",
-            ));
-        }
         let blend = p.blend(&stage.inputs)?;
         let all = blend.all();
         if all.is_empty() {
@@ -297,10 +290,6 @@ impl Op for Tokenize {
             ));
         }
         Ok(())
-    }
-
-    fn outputs(&self, _stage: &StageDecl) -> BTreeMap<String, String> {
-        BTreeMap::from([("data".to_string(), "data".to_string())])
     }
 
     fn run(&self, ctx: &mut RunContext) -> Result<Metrics, RunError> {

@@ -18,10 +18,11 @@
 //! are read in input-name order, files in path order.
 
 use nemo_dag_data::text::{self, OnBadRow, ReadStats};
-use nemo_dag_op::{DeclError, Metrics, Op, RunContext, RunError, StageDecl, typed_params};
+use nemo_dag_op::{
+    DeclError, Metrics, Op, Outputs, RunContext, RunError, Spec, StageDecl, typed_params,
+};
 use serde::Deserialize;
 use serde_json::Value;
-use std::collections::BTreeMap;
 use tokenizers::models::bpe::{BPE, BpeTrainerBuilder};
 use tokenizers::pre_tokenizers::byte_level::ByteLevel;
 use tokenizers::{AddedToken, NormalizerWrapper, Tokenizer, TokenizerBuilder};
@@ -68,17 +69,19 @@ struct Params {
     sample: Option<u64>,
 }
 
+static SPEC: Spec = Spec {
+    name: "train_tokenizer",
+    version: 1,
+    summary: "train a byte-level BPE tokenizer.json on a corpus (no model hub needed)",
+    inputs: &[],
+    other_inputs: Some("the text files or folders to train on"),
+    outputs: Outputs::Fixed(&[("tokenizer", "tokenizer.json")]),
+    resumable: false,
+};
+
 impl Op for TrainTokenizer {
-    fn name(&self) -> &'static str {
-        "train_tokenizer"
-    }
-
-    fn version(&self) -> u32 {
-        1
-    }
-
-    fn summary(&self) -> &'static str {
-        "train a byte-level BPE tokenizer.json on a corpus (no model hub needed)"
+    fn spec(&self) -> &'static Spec {
+        &SPEC
     }
 
     fn check(&self, stage: &StageDecl) -> Result<(), DeclError> {
@@ -99,17 +102,7 @@ impl Op for TrainTokenizer {
                     .with_help("add e.g. `inputs: {corpus: data/corpus.txt}`"),
             );
         }
-        if !stage.outputs.is_empty() {
-            return Err(DeclError::new(
-                &["outputs"],
-                "train_tokenizer names its own output (`tokenizer`)",
-            ));
-        }
         Ok(())
-    }
-
-    fn outputs(&self, _stage: &StageDecl) -> BTreeMap<String, String> {
-        BTreeMap::from([("tokenizer".to_string(), "tokenizer.json".to_string())])
     }
 
     fn run(&self, ctx: &mut RunContext) -> Result<Metrics, RunError> {
@@ -194,6 +187,7 @@ fn train(docs: &[String], p: &Params) -> Result<Tokenizer, RunError> {
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
+    use std::collections::BTreeMap;
 
     /// A small byte-level BPE trained on `docs`, for other modules' tests.
     pub(crate) fn tokenizer(docs: &[&str]) -> Tokenizer {

@@ -193,24 +193,78 @@ impl Progress {
 /// Numbers and facts an op reports about its run; stored as `metrics` in `artifact.json`.
 pub type Metrics = serde_json::Map<String, Value>;
 
-pub trait Op: Sync {
+/// What an op is, declared once: the engine lists it (`nemo-dag ops`) and checks every stage
+/// of the op against it (input names, outputs) before the op's own [`Op::check`] runs.
+#[derive(Debug)]
+pub struct Spec {
     /// The name used in manifests (`op: cmd`).
-    fn name(&self) -> &'static str;
+    pub name: &'static str,
     /// Bumped whenever the op's output for the same inputs changes; part of every key.
-    fn version(&self) -> u32;
-    /// One line for `--help`-style listings.
-    fn summary(&self) -> &'static str;
-    /// Validate the declaration before anything runs.
-    fn check(&self, stage: &StageDecl) -> Result<(), DeclError>;
-    /// The outputs the op produces: name → path relative to the output directory.
-    fn outputs(&self, stage: &StageDecl) -> BTreeMap<String, String>;
+    pub version: u32,
+    /// One line for `nemo-dag ops`.
+    pub summary: &'static str,
+    /// The inputs the op reads by name.
+    pub inputs: &'static [Port],
+    /// Whether a stage may name inputs besides [`Spec::inputs`], and what they are (the
+    /// datasets of `tokenize`, the placeholders of `cmd`); `None`: it may not.
+    pub other_inputs: Option<&'static str>,
+    pub outputs: Outputs,
     /// Whether the op can continue from what an interrupted attempt left in its output
     /// directory (training checkpoints). Others start from an empty directory every time.
-    fn resumable(&self) -> bool {
-        false
-    }
+    pub resumable: bool,
+}
+
+/// One named input of an op.
+#[derive(Debug)]
+pub struct Port {
+    pub name: &'static str,
+    /// A stage without it is refused; an optional one is read when present.
+    pub required: bool,
+    /// What it is, for `nemo-dag ops` and error messages.
+    pub what: &'static str,
+}
+
+/// Where an op's outputs come from.
+#[derive(Debug)]
+pub enum Outputs {
+    /// The op names them: name → path inside the output directory. A stage may not declare
+    /// outputs of its own.
+    Fixed(&'static [(&'static str, &'static str)]),
+    /// The stage declares them (`cmd`).
+    Declared,
+}
+
+pub trait Op: Sync {
+    /// The op's declaration.
+    fn spec(&self) -> &'static Spec;
+    /// Validate the declaration before anything runs (the engine has already checked the
+    /// input names and outputs against the spec).
+    fn check(&self, stage: &StageDecl) -> Result<(), DeclError>;
     /// Produce every output under `ctx.out_dir`.
     fn run(&self, ctx: &mut RunContext) -> Result<Metrics, RunError>;
+
+    fn name(&self) -> &'static str {
+        self.spec().name
+    }
+    fn version(&self) -> u32 {
+        self.spec().version
+    }
+    fn summary(&self) -> &'static str {
+        self.spec().summary
+    }
+    fn resumable(&self) -> bool {
+        self.spec().resumable
+    }
+    /// The outputs a stage of the op produces: name → path relative to the output directory.
+    fn outputs(&self, stage: &StageDecl) -> BTreeMap<String, String> {
+        match self.spec().outputs {
+            Outputs::Fixed(list) => list
+                .iter()
+                .map(|(n, p)| (n.to_string(), p.to_string()))
+                .collect(),
+            Outputs::Declared => stage.outputs.clone(),
+        }
+    }
 }
 
 /// Parse an op's `params` into its typed struct; an unknown or mistyped field becomes a
