@@ -98,6 +98,24 @@ pub fn exec(spec: &JobSpec, ops: Registry) -> Result<JobResult> {
             ))
         })?;
 
+    let stage = StageDecl {
+        name: &spec.stage,
+        params: &spec.params,
+        inputs: spec.inputs.keys().map(String::as_str).collect(),
+        outputs: &spec.outputs,
+        cmd: spec.cmd.as_deref(),
+    };
+    // The op parses and checks its params here too (a job spec may come from another process
+    // or machine); `run` gets exactly what this check approved.
+    let checked = op.check(&stage).map_err(|e| {
+        Failure::Other(miette::miette!(
+            "stage `{}`: {}{}",
+            spec.stage,
+            e.message,
+            e.help.map(|h| format!("\n  help: {h}")).unwrap_or_default()
+        ))
+    })?;
+
     let tmp = store.tmp_dir(&spec.key);
     let resuming = tmp.exists() && op.resumable();
     if !resuming {
@@ -121,13 +139,6 @@ pub fn exec(spec: &JobSpec, ops: Registry) -> Result<JobResult> {
 
     let started_at = crate::store::timestamp();
     let clock = Instant::now();
-    let stage = StageDecl {
-        name: &spec.stage,
-        params: &spec.params,
-        inputs: spec.inputs.keys().map(String::as_str).collect(),
-        outputs: &spec.outputs,
-        cmd: spec.cmd.as_deref(),
-    };
     // Progress goes to stderr only, as lines the executor turns into a bar (never the log).
     let mut progress = |p: Progress| eprintln!("{}", p.to_line());
     let mut ctx = RunContext {
@@ -138,7 +149,7 @@ pub fn exec(spec: &JobSpec, ops: Registry) -> Result<JobResult> {
         progress: &mut progress,
         stop_after_step: stop_after_step(),
     };
-    let outcome = op.run(&mut ctx);
+    let outcome = op.run(&checked, &mut ctx);
     let seconds = clock.elapsed().as_secs_f64();
     let metrics = match outcome {
         Ok(m) => m,

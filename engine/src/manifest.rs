@@ -15,7 +15,7 @@
 
 use crate::diag::{InputError, Source};
 use crate::doc::{self, Format, KeyPath, Spans};
-use nemo_dag_op::{DeclError, Op, Outputs, Registry, Spec, StageDecl};
+use nemo_dag_op::{AnyOp, DeclError, Outputs, Registry, Spec, StageDecl};
 use petgraph::graph::{DiGraph, NodeIndex};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -79,7 +79,7 @@ pub struct Manifest {
 
 pub struct Stage {
     pub name: String,
-    pub op: &'static dyn Op,
+    pub op: &'static dyn AnyOp,
     pub params: Value,
     pub inputs: BTreeMap<String, Input>,
     pub outputs: BTreeMap<String, String>,
@@ -467,7 +467,7 @@ impl Manifest {
                 deps: Vec::new(),
             };
             check_spec(op.spec(), &stage.decl())
-                .and_then(|()| op.check(&stage.decl()))
+                .and_then(|()| op.check(&stage.decl()).map(drop))
                 .map_err(|e| {
                     let rest: Vec<&str> = e.path.iter().map(String::as_str).collect();
                     let mut err = self.locator.error(

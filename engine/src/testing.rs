@@ -3,7 +3,7 @@
 //! is never run; the engine's tests only load, key and plan manifests with it.
 
 use nemo_dag_op::{
-    DeclError, Metrics, Op, Outputs, Registry, RunContext, RunError, Spec, StageDecl,
+    AnyOp, DeclError, Metrics, Op, Outputs, Registry, RunContext, RunError, Spec, StageDecl,
 };
 
 struct DeclaredOutputs;
@@ -19,18 +19,20 @@ static SPEC: Spec = Spec {
 };
 
 impl Op for DeclaredOutputs {
+    type Params = serde_json::Value;
+
     fn spec(&self) -> &'static Spec {
         &SPEC
     }
-    fn check(&self, _: &StageDecl) -> Result<(), DeclError> {
+    fn check(&self, _: &Self::Params, _: &StageDecl) -> Result<(), DeclError> {
         Ok(())
     }
-    fn run(&self, _: &mut RunContext) -> Result<Metrics, RunError> {
+    fn run(&self, _: &Self::Params, _: &mut RunContext) -> Result<Metrics, RunError> {
         Err(RunError::new("the engine's test double never runs"))
     }
 }
 
 pub fn ops() -> Registry {
-    static OPS: &[&dyn Op] = &[&DeclaredOutputs];
+    static OPS: &[&dyn AnyOp] = &[&DeclaredOutputs];
     Registry::new(OPS)
 }

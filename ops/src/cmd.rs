@@ -34,11 +34,13 @@ static SPEC: Spec = Spec {
 };
 
 impl Op for Cmd {
+    type Params = Value;
+
     fn spec(&self) -> &'static Spec {
         &SPEC
     }
 
-    fn check(&self, stage: &StageDecl) -> Result<(), DeclError> {
+    fn check(&self, _params: &Value, stage: &StageDecl) -> Result<(), DeclError> {
         let Some(cmd) = stage.cmd else {
             return Err(
                 DeclError::new(&[], "a `cmd` stage needs a `cmd:` command line")
@@ -63,7 +65,7 @@ impl Op for Cmd {
         Ok(())
     }
 
-    fn run(&self, ctx: &mut RunContext) -> Result<Metrics, RunError> {
+    fn run(&self, _params: &Value, ctx: &mut RunContext) -> Result<Metrics, RunError> {
         let cmd = ctx.stage.cmd.ok_or_else(|| RunError::new("no cmd"))?;
         let line = expand(cmd, &ctx.stage, ctx)?;
         for rel in ctx.stage.outputs.values() {
@@ -272,6 +274,7 @@ fn expand(cmd: &str, stage: &StageDecl, ctx: &RunContext) -> Result<String, RunE
 #[cfg(test)]
 mod tests {
     use super::*;
+    use nemo_dag_op::AnyOp;
     use std::collections::BTreeMap;
 
     #[test]
@@ -318,7 +321,7 @@ mod tests {
             outputs: &outputs,
             cmd: Some("cat {inputs.data} {params.m} > {outputs.o}"),
         };
-        let err = Cmd.check(&stage).unwrap_err();
+        let err = AnyOp::check(&Cmd, &stage).unwrap_err();
         assert_eq!(err.path, vec!["cmd"]);
         assert!(err.message.contains("params.m"), "{}", err.message);
     }

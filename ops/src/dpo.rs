@@ -49,9 +49,7 @@
 
 use crate::pretrain::{check_training, input, model_tokenizer, train_and_publish};
 use nemo_dag_data::chat::{ChatTemplate, Json, Message, RenderFlags, Role, TemplateSource};
-use nemo_dag_op::{
-    DeclError, Metrics, Op, Outputs, Port, RunContext, RunError, Spec, StageDecl, typed_params,
-};
+use nemo_dag_op::{DeclError, Metrics, Op, Outputs, Port, RunContext, RunError, Spec, StageDecl};
 use serde::Deserialize;
 use serde_json::Value;
 use std::path::{Path, PathBuf};
@@ -72,7 +70,7 @@ fn d_template() -> String {
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
-struct Params {
+pub struct Params {
     /// β, NeMo-RL's `reference_policy_kl_penalty`.
     #[serde(default = "d_beta")]
     beta: f64,
@@ -115,12 +113,13 @@ static SPEC: Spec = Spec {
 };
 
 impl Op for Dpo {
+    type Params = Params;
+
     fn spec(&self) -> &'static Spec {
         &SPEC
     }
 
-    fn check(&self, stage: &StageDecl) -> Result<(), DeclError> {
-        let p: Params = typed_params(stage.params)?;
+    fn check(&self, p: &Params, _stage: &StageDecl) -> Result<(), DeclError> {
         if !(p.beta.is_finite() && p.beta > 0.0) {
             return Err(DeclError::new(&["params", "beta"], "beta must be > 0"));
         }
@@ -150,8 +149,7 @@ impl Op for Dpo {
         check_training(None, &p.schedule)
     }
 
-    fn run(&self, ctx: &mut RunContext) -> Result<Metrics, RunError> {
-        let p: Params = typed_params(ctx.stage.params).map_err(|e| RunError::new(e.message))?;
+    fn run(&self, p: &Params, ctx: &mut RunContext) -> Result<Metrics, RunError> {
         let model_dir = input(ctx, "model")?;
         let load = || {
             checkpoint::load_model(&model_dir)
@@ -206,7 +204,7 @@ impl Op for Dpo {
             .collect();
         let mut metrics = train_and_publish(
             ctx,
-            Trainer::new(model, p.schedule),
+            Trainer::new(model, p.schedule.clone()),
             &mut objective,
             &tok_path,
             move |s| tokens.get(s as usize).copied().unwrap_or(0),

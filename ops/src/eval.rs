@@ -42,9 +42,7 @@ use model::params::Rng;
 use model::sampling::{Sampling, StopStrings, generate, generate_until};
 use nemo_dag_data::chat::{ChatTemplate, Message, RenderFlags, Role, TemplateSource};
 use nemo_dag_data::megatron::IndexedReader;
-use nemo_dag_op::{
-    DeclError, Metrics, Op, Outputs, Port, RunContext, RunError, Spec, StageDecl, typed_params,
-};
+use nemo_dag_op::{DeclError, Metrics, Op, Outputs, Port, RunContext, RunError, Spec, StageDecl};
 use serde::Deserialize;
 use serde_json::{Value, json};
 use std::path::Path;
@@ -132,7 +130,7 @@ struct Generation {
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
-struct Params {
+pub struct Params {
     #[serde(default)]
     perplexity: Option<Perplexity>,
     #[serde(default)]
@@ -191,12 +189,13 @@ static SPEC: Spec = Spec {
 };
 
 impl Op for Eval {
+    type Params = Params;
+
     fn spec(&self) -> &'static Spec {
         &SPEC
     }
 
-    fn check(&self, stage: &StageDecl) -> Result<(), DeclError> {
-        let p: Params = typed_params(stage.params)?;
+    fn check(&self, p: &Params, stage: &StageDecl) -> Result<(), DeclError> {
         let need = |name: &str, why: &str| -> Result<(), DeclError> {
             if stage.inputs.contains(&name) {
                 Ok(())
@@ -275,8 +274,7 @@ impl Op for Eval {
         Ok(())
     }
 
-    fn run(&self, ctx: &mut RunContext) -> Result<Metrics, RunError> {
-        let p: Params = typed_params(ctx.stage.params).map_err(|e| RunError::new(e.message))?;
+    fn run(&self, p: &Params, ctx: &mut RunContext) -> Result<Metrics, RunError> {
         let model_dir = input(ctx, "model")?;
         let model = checkpoint::load_model(&model_dir)
             .map_err(|e| RunError::new(format!("cannot load the model: {e}")))?;
@@ -598,7 +596,7 @@ pub fn greedy(
 mod tests {
     use super::*;
     use model::config::ModelConfig;
-    use nemo_dag_op::{DeclError, Op, StageDecl};
+    use nemo_dag_op::{AnyOp, DeclError, StageDecl};
     use std::collections::BTreeMap;
 
     #[test]
@@ -625,13 +623,17 @@ mod tests {
     fn check(generation: Value) -> Result<(), DeclError> {
         let params = json!({ "generation": generation });
         let outputs = BTreeMap::new();
-        Eval.check(&StageDecl {
-            name: "eval",
-            params: &params,
-            inputs: vec!["model", "tasks"],
-            outputs: &outputs,
-            cmd: None,
-        })
+        AnyOp::check(
+            &Eval,
+            &StageDecl {
+                name: "eval",
+                params: &params,
+                inputs: vec!["model", "tasks"],
+                outputs: &outputs,
+                cmd: None,
+            },
+        )
+        .map(drop)
     }
 
     #[test]
@@ -710,16 +712,18 @@ mod tests {
             outputs: &outputs,
             cmd: None,
         };
-        assert!(Eval.check(&decl(vec!["model", "choices"])).is_ok());
-        let err = Eval.check(&decl(vec!["model"])).unwrap_err();
+        assert!(AnyOp::check(&Eval, &decl(vec!["model", "choices"])).is_ok());
+        let err = AnyOp::check(&Eval, &decl(vec!["model"])).unwrap_err();
         assert!(err.message.contains("`choices`"), "{}", err.message);
         let empty = json!({});
-        let err = Eval
-            .check(&StageDecl {
+        let err = AnyOp::check(
+            &Eval,
+            &StageDecl {
                 params: &empty,
                 ..decl(vec!["model"])
-            })
-            .unwrap_err();
+            },
+        )
+        .unwrap_err();
         assert!(err.message.contains("multiple_choice"), "{}", err.message);
     }
 

@@ -28,9 +28,7 @@ use crate::pretrain::input;
 use candle_core::Tensor;
 use model::config::{Activation, BlockKind, Position};
 use model::net::{Mixer, Model};
-use nemo_dag_op::{
-    DeclError, Metrics, Op, Outputs, Port, RunContext, RunError, Spec, StageDecl, typed_params,
-};
+use nemo_dag_op::{DeclError, Metrics, Op, Outputs, Port, RunContext, RunError, Spec, StageDecl};
 use serde::Deserialize;
 use serde_json::{Value, json};
 use std::collections::HashMap;
@@ -41,7 +39,7 @@ pub struct Export;
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
-struct Params {}
+pub struct Params {}
 
 static SPEC: Spec = Spec {
     name: "export",
@@ -58,16 +56,17 @@ static SPEC: Spec = Spec {
 };
 
 impl Op for Export {
+    type Params = Params;
+
     fn spec(&self) -> &'static Spec {
         &SPEC
     }
 
-    fn check(&self, stage: &StageDecl) -> Result<(), DeclError> {
-        let _: Params = typed_params(stage.params)?;
+    fn check(&self, _p: &Params, _stage: &StageDecl) -> Result<(), DeclError> {
         Ok(())
     }
 
-    fn run(&self, ctx: &mut RunContext) -> Result<Metrics, RunError> {
+    fn run(&self, _params: &Params, ctx: &mut RunContext) -> Result<Metrics, RunError> {
         let dir = input(ctx, "model")?;
         let model = checkpoint::load_model(&dir)
             .map_err(|e| RunError::new(format!("cannot load the model: {e}")))?;

@@ -28,9 +28,7 @@
 //! Python script can reproduce the data exactly).
 
 use nemo_dag_data::random::PyRandom;
-use nemo_dag_op::{
-    DeclError, Metrics, Op, Outputs, RunContext, RunError, Spec, StageDecl, typed_params,
-};
+use nemo_dag_op::{DeclError, Metrics, Op, Outputs, RunContext, RunError, Spec, StageDecl};
 use serde::Deserialize;
 use serde_json::{Value, json};
 use std::fmt::Write as _;
@@ -49,7 +47,7 @@ fn d_ops() -> Vec<String> {
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
-struct Params {
+pub struct Params {
     kind: String,
     count: usize,
     #[serde(default = "d_seed")]
@@ -77,12 +75,13 @@ static SPEC: Spec = Spec {
 };
 
 impl Op for Generate {
+    type Params = Params;
+
     fn spec(&self) -> &'static Spec {
         &SPEC
     }
 
-    fn check(&self, stage: &StageDecl) -> Result<(), DeclError> {
-        let p: Params = typed_params(stage.params)?;
+    fn check(&self, p: &Params, _stage: &StageDecl) -> Result<(), DeclError> {
         if p.kind != "arithmetic" {
             return Err(DeclError::new(
                 &["params", "kind"],
@@ -108,8 +107,7 @@ impl Op for Generate {
         Ok(())
     }
 
-    fn run(&self, ctx: &mut RunContext) -> Result<Metrics, RunError> {
-        let p: Params = typed_params(ctx.stage.params).map_err(|e| RunError::new(e.message))?;
+    fn run(&self, p: &Params, ctx: &mut RunContext) -> Result<Metrics, RunError> {
         let mut rng = PyRandom::new(p.seed);
         let (mut pretrain, mut chat, mut prompts) = (String::new(), String::new(), String::new());
         let mut preferences = String::new();
@@ -192,6 +190,7 @@ fn multiple_choice(i: usize, expr: &str, answer: i64) -> Value {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use nemo_dag_op::AnyOp;
     use std::collections::BTreeMap;
 
     #[test]
@@ -232,13 +231,16 @@ mod tests {
         let dir = std::env::temp_dir().join(format!("nemo-dag-gen-pref-{}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
         let params = json!({"kind": "arithmetic", "count": 30, "seed": 3, "ops": ["+", "-", "*"]});
-        let outputs = Generate.outputs(&StageDecl {
-            name: "g",
-            params: &params,
-            inputs: vec![],
-            outputs: &BTreeMap::new(),
-            cmd: None,
-        });
+        let outputs = AnyOp::outputs(
+            &Generate,
+            &StageDecl {
+                name: "g",
+                params: &params,
+                inputs: vec![],
+                outputs: &BTreeMap::new(),
+                cmd: None,
+            },
+        );
         assert_eq!(outputs["preferences"], "preferences.jsonl");
         crate::testing::run_op(&Generate, params, BTreeMap::new(), &dir)
             .0

@@ -48,9 +48,7 @@
 use crate::pretrain::{check_training, input, model_tokenizer, train_and_publish};
 use model::sampling::Sampling;
 use nemo_dag_data::chat::{ChatTemplate, Message, RenderFlags, TemplateSource};
-use nemo_dag_op::{
-    DeclError, Metrics, Op, Outputs, Port, RunContext, RunError, Spec, StageDecl, typed_params,
-};
+use nemo_dag_op::{DeclError, Metrics, Op, Outputs, Port, RunContext, RunError, Spec, StageDecl};
 use serde::Deserialize;
 use serde_json::Value;
 use std::path::Path;
@@ -77,7 +75,7 @@ fn d_true() -> bool {
 
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
-struct Params {
+pub struct Params {
     num_prompts_per_step: usize,
     num_generations_per_prompt: usize,
     #[serde(default = "d_max_new")]
@@ -229,18 +227,18 @@ static SPEC: Spec = Spec {
 };
 
 impl Op for Grpo {
+    type Params = Params;
+
     fn spec(&self) -> &'static Spec {
         &SPEC
     }
 
-    fn check(&self, stage: &StageDecl) -> Result<(), DeclError> {
-        let p: Params = typed_params(stage.params)?;
+    fn check(&self, p: &Params, _stage: &StageDecl) -> Result<(), DeclError> {
         p.check()?;
         check_training(None, &p.schedule)
     }
 
-    fn run(&self, ctx: &mut RunContext) -> Result<Metrics, RunError> {
-        let p: Params = typed_params(ctx.stage.params).map_err(|e| RunError::new(e.message))?;
+    fn run(&self, p: &Params, ctx: &mut RunContext) -> Result<Metrics, RunError> {
         let model_dir = input(ctx, "model")?;
         let load = || {
             checkpoint::load_model(&model_dir).map_err(|e| {
@@ -257,7 +255,7 @@ impl Op for Grpo {
             None
         };
         let (tokenizer, tok_path) = model_tokenizer(&model_dir)?;
-        let prompts = read_prompts(&input(ctx, "prompts")?, &p, &tokenizer, model.cfg.max_seq)?;
+        let prompts = read_prompts(&input(ctx, "prompts")?, p, &tokenizer, model.cfg.max_seq)?;
         writeln!(
             ctx.log,
             "grpo: {} train prompts · {} × {} rollouts per step · model {} ({} parameters){}",

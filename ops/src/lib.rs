@@ -38,13 +38,13 @@ mod testing;
 pub mod tokenize;
 pub mod train_tokenizer;
 
-use nemo_dag_op::{Op, Registry, RunError};
+use nemo_dag_op::{AnyOp, Registry, RunError};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 /// Every built-in op, in the order `nemo-dag` lists them.
 pub fn registry() -> Registry {
-    static OPS: &[&dyn Op] = &[
+    static OPS: &[&dyn AnyOp] = &[
         &cmd::Cmd,
         &generate::Generate,
         &train_tokenizer::TrainTokenizer,

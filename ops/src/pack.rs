@@ -30,9 +30,7 @@ use nemo_dag_data::chat::{
 use nemo_dag_data::sft::packing::{self, Algorithm, PackStats, Sequence};
 use nemo_dag_data::sft::parquet as packed_parquet;
 use nemo_dag_data::text::files_of;
-use nemo_dag_op::{
-    DeclError, Metrics, Op, Outputs, Port, RunContext, RunError, Spec, StageDecl, typed_params,
-};
+use nemo_dag_op::{DeclError, Metrics, Op, Outputs, Port, RunContext, RunError, Spec, StageDecl};
 use rayon::prelude::*;
 use serde::Deserialize;
 use serde_json::{Value, json};
@@ -73,7 +71,7 @@ fn d_tools() -> String {
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
-struct Params {
+pub struct Params {
     /// A bundled template name (`nano3`) or an inline Jinja template; a template file is given
     /// as the input `chat_template` instead (so its content is part of the key).
     #[serde(default = "d_template")]
@@ -144,12 +142,13 @@ static SPEC: Spec = Spec {
 };
 
 impl Op for Pack {
+    type Params = Params;
+
     fn spec(&self) -> &'static Spec {
         &SPEC
     }
 
-    fn check(&self, stage: &StageDecl) -> Result<(), DeclError> {
-        let p: Params = typed_params(stage.params)?;
+    fn check(&self, p: &Params, stage: &StageDecl) -> Result<(), DeclError> {
         if !stage.inputs.iter().any(|i| !RESERVED_INPUTS.contains(i)) {
             return Err(DeclError::new(
                 &["inputs"],
@@ -189,8 +188,7 @@ impl Op for Pack {
         Ok(())
     }
 
-    fn run(&self, ctx: &mut RunContext) -> Result<Metrics, RunError> {
-        let p: Params = typed_params(ctx.stage.params).map_err(|e| RunError::new(e.message))?;
+    fn run(&self, p: &Params, ctx: &mut RunContext) -> Result<Metrics, RunError> {
         let (tokenizer, _) = crate::load_tokenizer(ctx.inputs)?;
         let source = match (
             ctx.inputs.get("chat_template"),

@@ -35,7 +35,6 @@ use nemo_dag_data::megatron::gpt_dataset::{
 };
 use nemo_dag_op::{
     DeclError, Metrics, Op, Outputs, Port, Progress, RunContext, RunError, Spec, StageDecl,
-    typed_params,
 };
 use serde::Deserialize;
 use serde_json::Value;
@@ -46,7 +45,7 @@ pub struct Pretrain;
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
-struct Params {
+pub struct Params {
     model: ModelConfig,
     seq_length: usize,
     #[serde(flatten)]
@@ -75,12 +74,13 @@ static SPEC: Spec = Spec {
 };
 
 impl Op for Pretrain {
+    type Params = Params;
+
     fn spec(&self) -> &'static Spec {
         &SPEC
     }
 
-    fn check(&self, stage: &StageDecl) -> Result<(), DeclError> {
-        let p: Params = typed_params(stage.params)?;
+    fn check(&self, p: &Params, _stage: &StageDecl) -> Result<(), DeclError> {
         check_training(Some(&p.model), &p.schedule)?;
         if p.seq_length == 0 || p.seq_length > p.model.max_seq {
             return Err(DeclError::new(
@@ -94,8 +94,7 @@ impl Op for Pretrain {
         Ok(())
     }
 
-    fn run(&self, ctx: &mut RunContext) -> Result<Metrics, RunError> {
-        let p: Params = typed_params(ctx.stage.params).map_err(|e| RunError::new(e.message))?;
+    fn run(&self, p: &Params, ctx: &mut RunContext) -> Result<Metrics, RunError> {
         let (tokenizer, tok_path) = crate::load_tokenizer(ctx.inputs)?;
         let vocab = model_vocab(&p.model, tokenizer.get_vocab_size(true))?;
         let data_dir = input(ctx, "data")?;
@@ -119,7 +118,7 @@ impl Op for Pretrain {
         let (seq, g) = (p.seq_length as u64, p.schedule.global_batch as u64);
         train_and_publish(
             ctx,
-            Trainer::new(model, p.schedule),
+            Trainer::new(model, p.schedule.clone()),
             &mut NextToken::new(&mut source),
             tok_path,
             |_| seq * g,

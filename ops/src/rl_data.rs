@@ -26,9 +26,7 @@
 
 use nemo_dag_data::random::PyRandom;
 use nemo_dag_data::text::files_of;
-use nemo_dag_op::{
-    DeclError, Metrics, Op, Outputs, RunContext, RunError, Spec, StageDecl, typed_params,
-};
+use nemo_dag_op::{DeclError, Metrics, Op, Outputs, RunContext, RunError, Spec, StageDecl};
 use serde::Deserialize;
 use serde_json::{Map, Value, json};
 use std::collections::BTreeMap;
@@ -53,7 +51,7 @@ fn default_seed() -> u64 {
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
-struct Params {
+pub struct Params {
     #[serde(default = "default_question")]
     question_field: String,
     #[serde(default = "default_answer")]
@@ -92,12 +90,13 @@ static SPEC: Spec = Spec {
 };
 
 impl Op for RlData {
+    type Params = Params;
+
     fn spec(&self) -> &'static Spec {
         &SPEC
     }
 
-    fn check(&self, stage: &StageDecl) -> Result<(), DeclError> {
-        let p: Params = typed_params(stage.params)?;
+    fn check(&self, p: &Params, stage: &StageDecl) -> Result<(), DeclError> {
         if agent_for(&p.env).is_none() {
             return Err(DeclError::new(
                 &["params", "env"],
@@ -123,8 +122,7 @@ impl Op for RlData {
         Ok(())
     }
 
-    fn run(&self, ctx: &mut RunContext) -> Result<Metrics, RunError> {
-        let p: Params = typed_params(ctx.stage.params).map_err(|e| RunError::new(e.message))?;
+    fn run(&self, p: &Params, ctx: &mut RunContext) -> Result<Metrics, RunError> {
         let mut fixed: BTreeMap<&'static str, Vec<Value>> = BTreeMap::new();
         let mut unsplit: Vec<Value> = Vec::new();
         let mut envs: BTreeMap<String, u64> = BTreeMap::new();
@@ -140,8 +138,8 @@ impl Op for RlData {
                     let at = format!("{}:{}", file.display(), i + 1);
                     let row: Map<String, Value> = serde_json::from_str(line)
                         .map_err(|e| RunError::new(format!("{at}: not a JSON object: {e}")))?;
-                    let (record, split) = gym_record(&row, &p)
-                        .map_err(|why| RunError::new(format!("{at}: {why}")))?;
+                    let (record, split) =
+                        gym_record(&row, p).map_err(|why| RunError::new(format!("{at}: {why}")))?;
                     *envs
                         .entry(record["env"].as_str().unwrap_or("").to_string())
                         .or_default() += 1;

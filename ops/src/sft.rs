@@ -24,9 +24,7 @@ use model::layers::Layout;
 use model::net::Batch;
 use nemo_dag_data::sft::packing::PackedRow;
 use nemo_dag_data::sft::parquet as packed_parquet;
-use nemo_dag_op::{
-    DeclError, Metrics, Op, Outputs, Port, RunContext, RunError, Spec, StageDecl, typed_params,
-};
+use nemo_dag_op::{DeclError, Metrics, Op, Outputs, Port, RunContext, RunError, Spec, StageDecl};
 use serde::Deserialize;
 use std::path::Path;
 use train::order::RowOrder;
@@ -43,7 +41,7 @@ fn d_pad_token() -> String {
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
-struct Params {
+pub struct Params {
     /// Round each micro-batch's row length up to a multiple of this.
     #[serde(default = "d_pad_multiple")]
     pad_to_multiple: usize,
@@ -76,12 +74,13 @@ static SPEC: Spec = Spec {
 };
 
 impl Op for Sft {
+    type Params = Params;
+
     fn spec(&self) -> &'static Spec {
         &SPEC
     }
 
-    fn check(&self, stage: &StageDecl) -> Result<(), DeclError> {
-        let p: Params = typed_params(stage.params)?;
+    fn check(&self, p: &Params, _stage: &StageDecl) -> Result<(), DeclError> {
         if p.pad_to_multiple == 0 {
             return Err(DeclError::new(
                 &["params", "pad_to_multiple"],
@@ -92,8 +91,7 @@ impl Op for Sft {
         check_training(None, &p.schedule)
     }
 
-    fn run(&self, ctx: &mut RunContext) -> Result<Metrics, RunError> {
-        let p: Params = typed_params(ctx.stage.params).map_err(|e| RunError::new(e.message))?;
+    fn run(&self, p: &Params, ctx: &mut RunContext) -> Result<Metrics, RunError> {
         let model_dir = input(ctx, "model")?;
         let model = checkpoint::load_model(&model_dir)
             .map_err(|e| RunError::new(format!("cannot load the upstream model: {e}")))?;
@@ -147,7 +145,7 @@ impl Op for Sft {
             .collect();
         train_and_publish(
             ctx,
-            Trainer::new(model, p.schedule),
+            Trainer::new(model, p.schedule.clone()),
             &mut NextToken::new(&mut source),
             &tok_path,
             move |s| tokens.get(s as usize).copied().unwrap_or(0),

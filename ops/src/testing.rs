@@ -1,14 +1,14 @@
 //! Running an op in-process in unit tests, as `nemo-dag exec` would: check the declaration,
 //! then run it with its outputs, into `out`.
 
-use nemo_dag_op::{Metrics, Op, RunContext, RunError, StageDecl};
+use nemo_dag_op::{AnyOp, Metrics, RunContext, RunError, StageDecl};
 use serde_json::Value;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 /// Check and run `op` with `params` and `inputs` into `out`; its result and its log.
 pub fn run_op(
-    op: &dyn Op,
+    op: &dyn AnyOp,
     params: Value,
     inputs: BTreeMap<String, PathBuf>,
     out: &Path,
@@ -22,7 +22,7 @@ pub fn run_op(
         outputs: &BTreeMap::new(),
         cmd: None,
     };
-    op.check(&decl).unwrap();
+    let checked = op.check(&decl).unwrap();
     let outputs = op.outputs(&decl);
     let mut log = Vec::new();
     let mut ctx = RunContext {
@@ -36,6 +36,6 @@ pub fn run_op(
         progress: &mut |_| {},
         stop_after_step: None,
     };
-    let r = op.run(&mut ctx);
+    let r = op.run(&checked, &mut ctx);
     (r, String::from_utf8(log).unwrap())
 }

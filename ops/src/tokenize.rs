@@ -46,9 +46,7 @@
 
 use nemo_dag_data::megatron::{DType, IndexedWriter, smallest_for_vocab};
 use nemo_dag_data::text::{self, OnBadRow, ReadStats};
-use nemo_dag_op::{
-    DeclError, Metrics, Op, Outputs, Port, RunContext, RunError, Spec, StageDecl, typed_params,
-};
+use nemo_dag_op::{DeclError, Metrics, Op, Outputs, Port, RunContext, RunError, Spec, StageDecl};
 use rayon::prelude::*;
 use serde::Deserialize;
 use serde_json::{Value, json};
@@ -95,7 +93,7 @@ fn default_dtype() -> String {
 
 #[derive(Debug, Clone, Deserialize)]
 #[serde(deny_unknown_fields)]
-struct Params {
+pub struct Params {
     #[serde(default)]
     datasets: Option<Vec<DatasetSpec>>,
     #[serde(default)]
@@ -212,12 +210,13 @@ static SPEC: Spec = Spec {
 };
 
 impl Op for Tokenize {
+    type Params = Params;
+
     fn spec(&self) -> &'static Spec {
         &SPEC
     }
 
-    fn check(&self, stage: &StageDecl) -> Result<(), DeclError> {
-        let p: Params = typed_params(stage.params)?;
+    fn check(&self, p: &Params, stage: &StageDecl) -> Result<(), DeclError> {
         let blend = p.blend(&stage.inputs)?;
         let all = blend.all();
         if all.is_empty() {
@@ -292,8 +291,7 @@ impl Op for Tokenize {
         Ok(())
     }
 
-    fn run(&self, ctx: &mut RunContext) -> Result<Metrics, RunError> {
-        let p: Params = typed_params(ctx.stage.params).map_err(|e| RunError::new(e.message))?;
+    fn run(&self, p: &Params, ctx: &mut RunContext) -> Result<Metrics, RunError> {
         let (tokenizer, tok_path) = crate::load_tokenizer(ctx.inputs)?;
         let special = |name: &str, token: &Option<String>| -> Result<Option<u32>, RunError> {
             token

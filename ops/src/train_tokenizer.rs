@@ -18,9 +18,7 @@
 //! are read in input-name order, files in path order.
 
 use nemo_dag_data::text::{self, OnBadRow, ReadStats};
-use nemo_dag_op::{
-    DeclError, Metrics, Op, Outputs, RunContext, RunError, Spec, StageDecl, typed_params,
-};
+use nemo_dag_op::{DeclError, Metrics, Op, Outputs, RunContext, RunError, Spec, StageDecl};
 use serde::Deserialize;
 use serde_json::Value;
 use tokenizers::models::bpe::{BPE, BpeTrainerBuilder};
@@ -52,7 +50,7 @@ fn default_text_field() -> String {
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
-struct Params {
+pub struct Params {
     #[serde(default = "default_vocab")]
     vocab_size: usize,
     #[serde(default = "default_min_frequency")]
@@ -80,12 +78,13 @@ static SPEC: Spec = Spec {
 };
 
 impl Op for TrainTokenizer {
+    type Params = Params;
+
     fn spec(&self) -> &'static Spec {
         &SPEC
     }
 
-    fn check(&self, stage: &StageDecl) -> Result<(), DeclError> {
-        let p: Params = typed_params(stage.params)?;
+    fn check(&self, p: &Params, stage: &StageDecl) -> Result<(), DeclError> {
         if p.vocab_size < 256 + p.special_tokens.len() {
             return Err(DeclError::new(
                 &["params", "vocab_size"],
@@ -105,8 +104,7 @@ impl Op for TrainTokenizer {
         Ok(())
     }
 
-    fn run(&self, ctx: &mut RunContext) -> Result<Metrics, RunError> {
-        let p: Params = typed_params(ctx.stage.params).map_err(|e| RunError::new(e.message))?;
+    fn run(&self, p: &Params, ctx: &mut RunContext) -> Result<Metrics, RunError> {
         let mut docs = Vec::new();
         let mut stats = ReadStats::default();
         for (name, path) in ctx.inputs {
@@ -132,7 +130,7 @@ impl Op for TrainTokenizer {
             stats.rows += input_stats.rows;
             stats.skipped += input_stats.skipped;
         }
-        let tokenizer = train(&docs, &p)?;
+        let tokenizer = train(&docs, p)?;
         let out = ctx.out_dir.join("tokenizer.json");
         tokenizer
             .save(&out, true)
@@ -187,6 +185,7 @@ fn train(docs: &[String], p: &Params) -> Result<Tokenizer, RunError> {
 #[cfg(test)]
 pub(crate) mod tests {
     use super::*;
+    use nemo_dag_op::AnyOp;
     use std::collections::BTreeMap;
 
     /// A small byte-level BPE trained on `docs`, for other modules' tests.
@@ -230,7 +229,7 @@ pub(crate) mod tests {
             outputs: &outputs,
             cmd: None,
         };
-        let err = TrainTokenizer.check(&decl).unwrap_err();
+        let err = AnyOp::check(&TrainTokenizer, &decl).unwrap_err();
         assert_eq!(err.path, vec!["params", "vocab_size"]);
         let value = serde_json::json!({"vocab_sise": 1000});
         let decl = StageDecl {
@@ -240,7 +239,7 @@ pub(crate) mod tests {
             outputs: &outputs,
             cmd: None,
         };
-        let err = TrainTokenizer.check(&decl).unwrap_err();
+        let err = AnyOp::check(&TrainTokenizer, &decl).unwrap_err();
         assert!(err.message.contains("unknown field"), "{}", err.message);
     }
 }

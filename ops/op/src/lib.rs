@@ -1,8 +1,9 @@
 //! The op protocol: everything nemo-dag's engine and its ops share, and nothing else.
 //!
-//! An op is a plain Rust value implementing [`Op`]: it validates its stage declaration
-//! ([`Op::check`]), names the outputs it will produce ([`Op::outputs`]) and, given the
-//! resolved inputs and a private output directory, produces them ([`Op::run`]). An op never
+//! An op is a plain Rust value implementing [`Op`]: it declares itself once ([`Spec`]: name,
+//! version, inputs, outputs), validates its typed params against a stage ([`Op::check`]) and,
+//! given the resolved inputs and a private output directory, produces its outputs
+//! ([`Op::run`]). The engine holds it as an [`AnyOp`], which parses the params once. An op never
 //! knows which executor runs it, where the store lives, or how keys are computed; the engine
 //! never knows what an op computes, only its name, version, declared outputs and `run`. Neither
 //! side imports the other: both import this crate, and the `nemo-dag` binary hands the engine
@@ -234,14 +235,38 @@ pub enum Outputs {
     Declared,
 }
 
+/// An op, as its author writes it: its spec, and `check` and `run` over its typed params. The
+/// blanket [`AnyOp`] impl parses the params once, in `check`, and hands `run` exactly the value
+/// `check` approved.
 pub trait Op: Sync {
+    /// The op's parameters (`#[serde(deny_unknown_fields)]`, so a misspelt one is an error at
+    /// its path in the manifest).
+    type Params: DeserializeOwned + Send + Sync + 'static;
     /// The op's declaration.
     fn spec(&self) -> &'static Spec;
     /// Validate the declaration before anything runs (the engine has already checked the
     /// input names and outputs against the spec).
-    fn check(&self, stage: &StageDecl) -> Result<(), DeclError>;
+    fn check(&self, params: &Self::Params, stage: &StageDecl) -> Result<(), DeclError>;
     /// Produce every output under `ctx.out_dir`.
-    fn run(&self, ctx: &mut RunContext) -> Result<Metrics, RunError>;
+    fn run(&self, params: &Self::Params, ctx: &mut RunContext) -> Result<Metrics, RunError>;
+}
+
+/// What a successful [`AnyOp::check`] approved (the op's parsed params), for [`AnyOp::run`].
+pub struct Checked(Box<dyn std::any::Any + Send + Sync>);
+
+impl fmt::Debug for Checked {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("Checked(..)")
+    }
+}
+
+/// An op as the engine holds it (`&dyn AnyOp` in the [`Registry`]): every [`Op`] is one.
+pub trait AnyOp: Sync {
+    fn spec(&self) -> &'static Spec;
+    /// Parse the params and validate the declaration.
+    fn check(&self, stage: &StageDecl) -> Result<Checked, DeclError>;
+    /// Run with what `check` approved for this same stage.
+    fn run(&self, checked: &Checked, ctx: &mut RunContext) -> Result<Metrics, RunError>;
 
     fn name(&self) -> &'static str {
         self.spec().name
@@ -264,6 +289,28 @@ pub trait Op: Sync {
                 .collect(),
             Outputs::Declared => stage.outputs.clone(),
         }
+    }
+}
+
+impl<T: Op> AnyOp for T {
+    fn spec(&self) -> &'static Spec {
+        Op::spec(self)
+    }
+
+    fn check(&self, stage: &StageDecl) -> Result<Checked, DeclError> {
+        let params: T::Params = typed_params(stage.params)?;
+        Op::check(self, &params, stage)?;
+        Ok(Checked(Box::new(params)))
+    }
+
+    fn run(&self, checked: &Checked, ctx: &mut RunContext) -> Result<Metrics, RunError> {
+        let params = checked.0.downcast_ref::<T::Params>().ok_or_else(|| {
+            RunError::new(format!(
+                "{}: run was given what another op's check approved",
+                Op::spec(self).name
+            ))
+        })?;
+        Op::run(self, params, ctx)
     }
 }
 
@@ -291,6 +338,120 @@ pub fn typed_params<T: DeserializeOwned>(params: &Value) -> Result<T, DeclError>
 #[cfg(test)]
 mod tests {
     use super::*;
+    use serde::Deserialize;
+    use serde_json::json;
+
+    #[derive(Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct EchoParams {
+        n: u32,
+    }
+
+    /// Writes its `n` into the metrics; refuses `n: 0` in its own check.
+    struct Echo;
+
+    static ECHO: Spec = Spec {
+        name: "echo",
+        version: 1,
+        summary: "test op",
+        inputs: &[],
+        other_inputs: None,
+        outputs: Outputs::Fixed(&[("out", "out.txt")]),
+        resumable: false,
+    };
+
+    impl Op for Echo {
+        type Params = EchoParams;
+        fn spec(&self) -> &'static Spec {
+            &ECHO
+        }
+        fn check(&self, p: &EchoParams, _: &StageDecl) -> Result<(), DeclError> {
+            if p.n == 0 {
+                return Err(DeclError::new(&["params", "n"], "n must be > 0"));
+            }
+            Ok(())
+        }
+        fn run(&self, p: &EchoParams, _: &mut RunContext) -> Result<Metrics, RunError> {
+            Ok(Metrics::from_iter([("n".to_string(), json!(p.n))]))
+        }
+    }
+
+    /// Another op, to hand Echo's approved params to.
+    struct Other;
+
+    impl Op for Other {
+        type Params = Value;
+        fn spec(&self) -> &'static Spec {
+            &ECHO
+        }
+        fn check(&self, _: &Value, _: &StageDecl) -> Result<(), DeclError> {
+            Ok(())
+        }
+        fn run(&self, _: &Value, _: &mut RunContext) -> Result<Metrics, RunError> {
+            Ok(Metrics::new())
+        }
+    }
+
+    fn run(op: &dyn AnyOp, checked: &Checked) -> Result<Metrics, RunError> {
+        let (inputs, mut log) = (BTreeMap::new(), Vec::new());
+        let params = json!({});
+        let outputs = BTreeMap::new();
+        let mut ctx = RunContext {
+            stage: StageDecl {
+                name: "s",
+                params: &params,
+                inputs: vec![],
+                outputs: &outputs,
+                cmd: None,
+            },
+            inputs: &inputs,
+            out_dir: Path::new("."),
+            log: &mut log,
+            progress: &mut |_| {},
+            stop_after_step: None,
+        };
+        op.run(checked, &mut ctx)
+    }
+
+    #[test]
+    fn check_parses_the_params_once_and_run_gets_what_it_approved() {
+        let decl = |params: &Value| -> Result<Checked, DeclError> {
+            let outputs = BTreeMap::new();
+            AnyOp::check(
+                &Echo,
+                &StageDecl {
+                    name: "s",
+                    params,
+                    inputs: vec![],
+                    outputs: &outputs,
+                    cmd: None,
+                },
+            )
+        };
+        let checked = decl(&json!({"n": 3})).unwrap();
+        // The context's own params are ignored: run reads what check approved.
+        assert_eq!(run(&Echo, &checked).unwrap()["n"], 3);
+        let misspelt = decl(&json!({"m": 3})).unwrap_err();
+        assert_eq!(misspelt.path, ["params", "m"]);
+        let refused = decl(&json!({"n": 0})).unwrap_err();
+        assert_eq!(refused.message, "n must be > 0");
+        // What one op approved is no other op's params: an error, not a panic.
+        let err = run(&Other, &checked).unwrap_err();
+        assert!(err.message.contains("another op's check"), "{err}");
+        let other = AnyOp::check(
+            &Other,
+            &StageDecl {
+                name: "s",
+                params: &json!({}),
+                inputs: vec![],
+                outputs: &BTreeMap::new(),
+                cmd: None,
+            },
+        )
+        .unwrap();
+        let err = run(&Echo, &other).unwrap_err();
+        assert!(err.message.contains("another op's check"), "{err}");
+    }
 
     #[test]
     fn progress_lines_round_trip_and_other_lines_are_not_progress() {

@@ -3,25 +3,25 @@
 //! The engine never names an op: the `nemo-dag` binary hands it a [`Registry`] built from the
 //! ops crate's static list, so the engine builds and tests without any ML code.
 
-use crate::Op;
+use crate::AnyOp;
 
 /// The ops a manifest may name, in the order `nemo-dag ops` lists them.
 #[derive(Clone, Copy)]
 pub struct Registry {
-    ops: &'static [&'static dyn Op],
+    ops: &'static [&'static dyn AnyOp],
 }
 
 impl Registry {
-    pub const fn new(ops: &'static [&'static dyn Op]) -> Self {
+    pub const fn new(ops: &'static [&'static dyn AnyOp]) -> Self {
         Registry { ops }
     }
 
     /// The op a manifest calls `name`.
-    pub fn get(&self, name: &str) -> Option<&'static dyn Op> {
+    pub fn get(&self, name: &str) -> Option<&'static dyn AnyOp> {
         self.ops.iter().copied().find(|op| op.name() == name)
     }
 
-    pub fn iter(&self) -> impl Iterator<Item = &'static dyn Op> + '_ {
+    pub fn iter(&self) -> impl Iterator<Item = &'static dyn AnyOp> + '_ {
         self.ops.iter().copied()
     }
 
