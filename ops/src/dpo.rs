@@ -47,7 +47,9 @@
 //!
 //! Outputs as `sft`: `model` (weights, config, tokenizer) and `checkpoint` (resumable).
 
-use crate::pretrain::{check_training, input, model_tokenizer, train_and_publish};
+use crate::training::{
+    MODEL_OUTPUTS, UPSTREAM_MODEL, check_training, input, model_tokenizer, train_and_publish,
+};
 use nemo_dag_data::chat::{ChatTemplate, Json, Message, RenderFlags, Role, TemplateSource};
 use nemo_dag_op::{DeclError, Metrics, Op, Outputs, Port, RunContext, RunError, Spec, StageDecl};
 use serde::Deserialize;
@@ -96,11 +98,7 @@ static SPEC: Spec = Spec {
     version: 1,
     summary: "direct preference optimization of an upstream model on chosen/rejected pairs",
     inputs: &[
-        Port {
-            name: "model",
-            required: true,
-            what: "an upstream model",
-        },
+        UPSTREAM_MODEL,
         Port {
             name: "data",
             required: true,
@@ -108,7 +106,7 @@ static SPEC: Spec = Spec {
         },
     ],
     other_inputs: None,
-    outputs: Outputs::Fixed(&[("model", "model"), ("checkpoint", "checkpoint")]),
+    outputs: Outputs::Fixed(MODEL_OUTPUTS),
     resumable: true,
 };
 

@@ -35,7 +35,7 @@
 //! Output `results/results.json`; the same numbers are the artifact's metrics, and the log ends
 //! with a small table.
 
-use crate::pretrain::{blend_split, input, model_tokenizer};
+use crate::training::{blend_split, input, model_tokenizer};
 use model::layers::Layout;
 use model::net::{Batch, Model};
 use model::params::Rng;

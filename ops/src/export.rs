@@ -24,7 +24,7 @@
 //! | `final_norm` | `model.norm.weight` |
 //! | `output` | `lm_head.weight` (absent with tied embeddings) |
 
-use crate::pretrain::input;
+use crate::training::input;
 use candle_core::Tensor;
 use model::config::{Activation, BlockKind, Position};
 use model::net::{Mixer, Model};

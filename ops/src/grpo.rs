@@ -45,7 +45,9 @@
 //! scoring 1), `response_length` (mean new tokens), `truncated` (fraction that hit the limit),
 //! `kl` (mean k3 per response token, only when the KL term is on).
 
-use crate::pretrain::{check_training, input, model_tokenizer, train_and_publish};
+use crate::training::{
+    MODEL_OUTPUTS, UPSTREAM_MODEL, check_training, input, model_tokenizer, train_and_publish,
+};
 use model::sampling::Sampling;
 use nemo_dag_data::chat::{ChatTemplate, Message, RenderFlags, TemplateSource};
 use nemo_dag_op::{DeclError, Metrics, Op, Outputs, Port, RunContext, RunError, Spec, StageDecl};
@@ -210,11 +212,7 @@ static SPEC: Spec = Spec {
     version: 1,
     summary: "reinforcement learning (GRPO) on prompts with verifiable answers",
     inputs: &[
-        Port {
-            name: "model",
-            required: true,
-            what: "an upstream model",
-        },
+        UPSTREAM_MODEL,
         Port {
             name: "prompts",
             required: true,
@@ -222,7 +220,7 @@ static SPEC: Spec = Spec {
         },
     ],
     other_inputs: None,
-    outputs: Outputs::Fixed(&[("model", "model"), ("checkpoint", "checkpoint")]),
+    outputs: Outputs::Fixed(MODEL_OUTPUTS),
     resumable: true,
 };
 

@@ -11,15 +11,15 @@
 //! - [`tokenize`]: text datasets → Megatron `.bin`/`.idx` shards and `blend.json`.
 //! - [`pack`]: chat JSONL → chat-templated, loss-masked, packed Parquet SFT shards.
 //! - [`rl_data`]: prompts with verifiable answers → NeMo-Gym-shaped RL JSONL.
-//! - [`pretrain`]: train a model from scratch on tokenized data (and what the four training
-//!   ops share: the upstream model and tokenizer, checks, train-and-publish).
+//! - [`pretrain`]: train a model from scratch on tokenized data.
 //! - [`sft`]: fine-tune an upstream model on packed chat data.
 //! - [`dpo`]: direct preference optimization of an upstream model on chosen/rejected pairs.
 //! - [`grpo`]: reinforcement learning (GRPO) on prompts with verifiable answers.
 //! - [`export`]: a dense model as a Hugging Face Llama checkpoint.
 //! - [`eval`]: perplexity, multiple-choice log-likelihood and verifiable generation accuracy.
 //!
-//! Each file is an op's params, its checks and the wiring of its `run`; the formats live in
+//! Each file is an op's params, its spec, its checks and the wiring of its `run` (`training.rs`
+//! holds what the training ops share); the formats live in
 //! `nemo-dag-data`, the networks in `nemo-dag-model`, the training loop and the DPO/GRPO
 //! algorithms in `nemo-dag-train` (docs/architecture.md).
 
@@ -37,6 +37,7 @@ pub mod sft;
 mod testing;
 pub mod tokenize;
 pub mod train_tokenizer;
+mod training;
 
 use nemo_dag_op::{AnyOp, Registry, RunError};
 use std::collections::BTreeMap;

@@ -19,7 +19,10 @@
 //! The loss is per token over the global batch: Σ masked cross-entropy / Σ loss mask.
 //! Rows are visited in a seeded shuffled order, epoch after epoch.
 
-use crate::pretrain::{blend_split, check_training, input, model_tokenizer, train_and_publish};
+use crate::training::{
+    MODEL_OUTPUTS, UPSTREAM_MODEL, blend_split, check_training, input, model_tokenizer,
+    train_and_publish,
+};
 use model::layers::Layout;
 use model::net::Batch;
 use nemo_dag_data::sft::packing::PackedRow;
@@ -57,11 +60,7 @@ static SPEC: Spec = Spec {
     version: 1,
     summary: "fine-tune an upstream model on packed chat data (loss on assistant tokens)",
     inputs: &[
-        Port {
-            name: "model",
-            required: true,
-            what: "an upstream model: a pretrain or sft artifact's model",
-        },
+        UPSTREAM_MODEL,
         Port {
             name: "data",
             required: true,
@@ -69,7 +68,7 @@ static SPEC: Spec = Spec {
         },
     ],
     other_inputs: None,
-    outputs: Outputs::Fixed(&[("model", "model"), ("checkpoint", "checkpoint")]),
+    outputs: Outputs::Fixed(MODEL_OUTPUTS),
     resumable: true,
 };
 

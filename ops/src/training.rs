@@ -1,0 +1,157 @@
+//! What the four training ops (`pretrain`, `sft`, `dpo`, `grpo`) and `eval`/`export` share:
+//! the input and output declarations of a model, checks of a training stage, the upstream
+//! model's tokenizer, reading a `blend.json` split, and training to the end with a checkpoint
+//! to resume from, then publishing the model.
+
+use model::config::ModelConfig;
+use nemo_dag_op::{DeclError, Metrics, Port, Progress, RunContext, RunError};
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+use train::{Objective, Schedule, Trainer, checkpoint};
+
+/// The input every op after `pretrain` reads: the model it starts from.
+pub(crate) const UPSTREAM_MODEL: Port = Port {
+    name: "model",
+    required: true,
+    what: "an upstream model: a pretrain or sft artifact's model",
+};
+
+/// What every training op publishes: the model, and the checkpoint a rerun resumes from.
+pub(crate) const MODEL_OUTPUTS: &[(&str, &str)] =
+    &[("model", "model"), ("checkpoint", "checkpoint")];
+
+/// Declaration checks shared by the training ops.
+pub(crate) fn check_training(
+    model: Option<&ModelConfig>,
+    schedule: &Schedule,
+) -> Result<(), DeclError> {
+    if let Some(model) = model {
+        model
+            .validate()
+            .map_err(|e| DeclError::new(&["params", "model", e.field], e.message))?;
+    }
+    schedule
+        .check()
+        .map_err(|(field, msg)| DeclError::new(&["params", field], msg))?;
+    Ok(())
+}
+
+/// The vocabulary the model is built with: the tokenizer's, or a larger `model.vocab`.
+pub(crate) fn model_vocab(cfg: &ModelConfig, tokenizer_vocab: usize) -> Result<usize, RunError> {
+    if cfg.vocab == 0 {
+        return Ok(tokenizer_vocab);
+    }
+    if cfg.vocab < tokenizer_vocab {
+        return Err(RunError::new(format!(
+            "model.vocab is {} but the tokenizer has {tokenizer_vocab} tokens",
+            cfg.vocab
+        )));
+    }
+    Ok(cfg.vocab)
+}
+
+/// The tokenizer a model artifact carries (`model/tokenizer.json`), and its path.
+pub(crate) fn model_tokenizer(
+    model_dir: &Path,
+) -> Result<(tokenizers::Tokenizer, PathBuf), RunError> {
+    let path = model_dir.join("tokenizer.json");
+    let tokenizer = tokenizers::Tokenizer::from_file(&path)
+        .map_err(|e| RunError::new(format!("cannot load {}: {e}", path.display())))?;
+    Ok((tokenizer, path))
+}
+
+pub(crate) fn input(ctx: &RunContext, name: &str) -> Result<PathBuf, RunError> {
+    ctx.inputs
+        .get(name)
+        .cloned()
+        .ok_or_else(|| RunError::new(format!("no `{name}` input")))
+}
+
+/// Resume from the stage's own checkpoint if an interrupted attempt left one, train, and
+/// write `model/` (with the tokenizer) beside `checkpoint/`.
+pub(crate) fn train_and_publish(
+    ctx: &mut RunContext,
+    mut trainer: Trainer,
+    objective: &mut dyn Objective,
+    tokenizer: &Path,
+    tokens_per_step: impl Fn(u64) -> u64,
+) -> Result<Metrics, RunError> {
+    let ckpt = ctx.out_dir.join("checkpoint");
+    if let Some(dir) = checkpoint::latest(&ckpt) {
+        checkpoint::restore(&mut trainer, &dir)
+            .map_err(|e| RunError::new(format!("cannot resume from {}: {e}", dir.display())))?;
+        writeln!(
+            ctx.log,
+            "resuming from the checkpoint at step {}",
+            trainer.step
+        )?;
+    }
+    let progress = &mut *ctx.progress;
+    let summary = trainer.run(
+        objective,
+        &ckpt,
+        tokens_per_step,
+        ctx.log,
+        &mut |done, total, figures| {
+            progress(Progress {
+                done,
+                total,
+                message: figures.to_string(),
+            })
+        },
+        ctx.stop_after_step,
+    )?;
+    let model_dir = ctx.out_dir.join("model");
+    checkpoint::save_model(&trainer.model, &model_dir)
+        .map_err(|e| RunError::new(format!("cannot write {}: {e}", model_dir.display())))?;
+    std::fs::copy(tokenizer, model_dir.join("tokenizer.json"))?;
+    let _ = std::fs::remove_dir_all(ctx.out_dir.join("checkpoint.old"));
+    match summary {
+        Value::Object(m) => Ok(m),
+        _ => Ok(Metrics::new()),
+    }
+}
+
+/// The `(weight, path)` entries of one split of an artifact's `blend.json` (a `tokenize` or
+/// `pack` artifact, named by `kind` in errors). Weights must be positive numbers (written as
+/// strings, as Megatron's blend files hold them); an empty or missing split is an error when
+/// `required`.
+pub(crate) fn blend_split(
+    dir: &Path,
+    split: &str,
+    kind: &str,
+    required: bool,
+) -> Result<Vec<(f64, PathBuf)>, RunError> {
+    let path = dir.join("blend.json");
+    let text = std::fs::read_to_string(&path).map_err(|e| {
+        RunError::new(format!(
+            "{}: {e} (the input must be a {kind} artifact)",
+            path.display()
+        ))
+    })?;
+    let blend: Value = serde_json::from_str(&text)
+        .map_err(|e| RunError::new(format!("{}: {e}", path.display())))?;
+    let list = blend[split].as_array().cloned().unwrap_or_default();
+    if list.len() % 2 != 0 || (required && list.is_empty()) {
+        return Err(RunError::new(format!(
+            "{}: `{split}` must be a non-empty [weight, path, …] list",
+            path.display()
+        )));
+    }
+    list.chunks(2)
+        .map(|pair| {
+            let w = pair[0]
+                .as_str()
+                .and_then(|s| s.parse::<f64>().ok())
+                .or_else(|| pair[0].as_f64())
+                .filter(|w| *w > 0.0 && w.is_finite());
+            match (w, pair[1].as_str()) {
+                (Some(w), Some(rel)) => Ok((w, dir.join(rel))),
+                _ => Err(RunError::new(format!(
+                    "{}: bad `{split}` entry {pair:?}",
+                    path.display()
+                ))),
+            }
+        })
+        .collect()
+}
