@@ -304,7 +304,11 @@ fn unknown_override_key() {
     let p = with_manifest("unknown-override", "m.yaml", TWO_STAGE_YAML);
     assert_bad_input(&p, &["run", "m.yaml", "stages.gen.params.zzz=1"], &["zzz"]);
     assert_bad_input(&p, &["run", "m.yaml", "vars.zzq=5"], &["zzq"]);
-    assert_bad_input(&p, &["run", "m.yaml", "stages.gne.params.n=5"], &["gne"]);
+    assert_bad_input(
+        &p,
+        &["run", "m.yaml", "stages.gne.params.n=5"],
+        &["gne", "did you mean `gen`?"],
+    );
     // Not KEY=VALUE at all.
     assert_bad_input(
         &p,

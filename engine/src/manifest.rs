@@ -875,15 +875,15 @@ fn apply_override(tree: &mut Value, text: &str) -> Result<(), InputError> {
                     } else {
                         format!("`{here}`")
                     };
-                    let keys: Vec<&str> = m.keys().map(String::as_str).collect();
-                    let help = format!(
-                        "keys at {where_}: {}",
-                        if keys.is_empty() {
-                            "none".to_string()
-                        } else {
-                            keys.join(", ")
-                        }
-                    );
+                    let help = if m.is_empty() {
+                        format!("keys at {where_}: none")
+                    } else {
+                        crate::diag::did_you_mean(
+                            seg,
+                            &format!("keys at {where_}"),
+                            m.keys().map(String::as_str),
+                        )
+                    };
                     return Err(InputError::new(format!(
                         "override `{text}`: {where_} has no key `{seg}`, so there is nothing to override"
                     ))

@@ -130,7 +130,7 @@ pub fn load(start: &Path, name: &str) -> Result<Profile, InputError> {
             if available.is_empty() {
                 "the file defines no profiles; add a table like [mycluster] with executor = \"slurm\"".to_string()
             } else {
-                format!("available profiles: {}", available.join(", "))
+                crate::diag::did_you_mean(name, "available profiles", available.iter().copied())
             },
         ));
     }
@@ -161,7 +161,11 @@ pub fn load(start: &Path, name: &str) -> Result<Profile, InputError> {
                 &[current, "extends"],
                 format!("profile `{current}` extends unknown profile `{parent}`"),
             )
-            .help(format!("available profiles: {}", available.join(", "))));
+            .help(crate::diag::did_you_mean(
+                parent,
+                "available profiles",
+                available.iter().copied(),
+            )));
         }
         chain.push(parent.to_string());
     }
@@ -245,5 +249,15 @@ mod tests {
         );
         let e = load(&dir, "cli").unwrap_err();
         assert!(e.message.contains("no profile `cli`"), "{}", e.message);
+        let (dir, _) = write_env("[mycluster]\nexecutor='slurm'\n[local]\nexecutor='local'\n");
+        let e = load(&dir, "mycluter").unwrap_err();
+        assert!(
+            e.help
+                .as_deref()
+                .unwrap_or("")
+                .starts_with("did you mean `mycluster`?"),
+            "{:?}",
+            e.help
+        );
     }
 }
