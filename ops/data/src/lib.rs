@@ -7,6 +7,7 @@
 //! - [`tokenizer`]: a fast byte-level BPE encoder that gives `tokenizers`' ids.
 //! - [`megatron`]: Megatron's `.bin`/`.idx` datasets, and its `GPTDataset` and blending indices.
 //! - [`sft`]: packing chat sequences into bins, and the packed Parquet files SFT reads.
+//! - [`preference`]: the preference pairs DPO reads.
 //! - [`reward`]: verifiable-answer scoring of generated math responses.
 //! - [`random`]: the Mersenne Twister, seeded as CPython's `random` and numpy's `RandomState`.
 //!
@@ -14,6 +15,7 @@
 
 pub mod chat;
 pub mod megatron;
+pub mod preference;
 pub mod random;
 pub mod reward;
 pub mod sft;
