@@ -4,6 +4,7 @@
     cargo build --release
     python3 -m venv target/torch-venv && target/torch-venv/bin/pip install torch numpy
     target/torch-venv/bin/python bench/train_bench.py [--steps 20] [--threads 1,2]
+    python3 bench/train_bench.py --baseline-bin OTHER/nemo-dag   # this build against another
 
 The model is the same in both: a Llama-style dense stack `*-*-*-*-` (4 attention + 4 SwiGLU MLP
 blocks), hidden 128, 4 query heads sharing 2 KV heads of 32, FFN 384, RMSNorm, rotary positions,
@@ -100,19 +101,20 @@ def manifest(model, steps):
     )
 
 
-def nemo_dag(model, steps, threads, work):
+def nemo_dag(model, steps, threads, work, binary=None):
+    binary = binary or BIN
     path = Path(work) / "bench.yaml"
     path.write_text(manifest(model, steps))  # JSON is YAML
     env = dict(os.environ, RAYON_NUM_THREADS=str(threads))
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     subprocess.run(
-        [str(BIN), "run", str(path), "--force", "train"],
+        [str(binary), "run", str(path), "--force", "train"],
         check=True,
         env=env,
         capture_output=True,
     )
     show = subprocess.run(
-        [str(BIN), "show", "train", "--manifest", str(path), "--json"],
+        [str(binary), "show", "train", "--manifest", str(path), "--json"],
         check=True,
         capture_output=True,
         text=True,
@@ -247,14 +249,37 @@ def torch_hybrid_tokens_per_s(vocab, steps, threads, sdpa):
     return timed(step, steps)
 
 
+def against_baseline(baseline, steps, threads, repeat):
+    """This build against another nemo-dag build (no PyTorch): the two alternate, `repeat`
+    times per model and thread count, so that a refactor can show it did not get slower."""
+    with tempfile.TemporaryDirectory() as work:
+        print(f"{'model':<8} {'threads':>7} {'this build tok/s':>17} {'baseline tok/s':>15} {'ratio':>6}")
+        for name, model in [("dense", DENSE), ("hybrid", HYBRID)]:
+            for n in threads:
+                ours, base = [], []
+                for _ in range(repeat):
+                    ours.append(nemo_dag(model, steps, n, work, BIN)[0])
+                    base.append(nemo_dag(model, steps, n, work, baseline)[0])
+                for o, b in zip(ours, base):
+                    print(f"{name:<8} {n:>7} {o:>17.0f} {b:>15.0f} {o / b:>6.2f}", flush=True)
+
+
 def main():
+    global BIN
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--bin", type=Path, default=BIN, help="the nemo-dag build to time")
+    ap.add_argument("--baseline-bin", type=Path,
+                    help="compare with this other nemo-dag build instead of PyTorch")
+    ap.add_argument("--repeat", type=int, default=3, help="runs of each build (--baseline-bin)")
     args = ap.parse_args()
+    BIN = args.bin
     if not BIN.exists():
         sys.exit(f"{BIN} is missing: run `cargo build --release` first")
     threads = [int(t) for t in args.threads.split(",")]
+    if args.baseline_bin:
+        return against_baseline(args.baseline_bin, args.steps, threads, args.repeat)
     with tempfile.TemporaryDirectory() as work:
         print(
             f"{'model':<8} {'threads':>7} {'nemo-dag tok/s':>15} {'torch tok/s':>12} {'ratio':>6} {'torch sdpa':>11} {'ratio':>6}"

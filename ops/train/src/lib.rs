@@ -23,6 +23,7 @@
 
 pub mod checkpoint;
 pub mod choice;
+pub mod data;
 pub mod dpo;
 pub mod grpo;
 pub mod optim;
