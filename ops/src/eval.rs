@@ -36,10 +36,8 @@
 //! with a small table.
 
 use crate::training::{blend_split, input, model_tokenizer};
-use model::layers::Layout;
-use model::net::{Batch, Model};
-use model::params::Rng;
-use model::sampling::{Sampling, StopStrings, generate, generate_until};
+use model::net::Model;
+use model::sampling::Sampling;
 use nemo_dag_data::chat::{ChatTemplate, Message, RenderFlags, Role, TemplateSource};
 use nemo_dag_data::megatron::IndexedReader;
 use nemo_dag_op::{DeclError, Metrics, Op, Outputs, Port, RunContext, RunError, Spec, StageDecl};
@@ -126,6 +124,24 @@ struct Generation {
     /// tokens such as `<tool_call>` included), e.g. how often a model calls a tool unasked.
     #[serde(default)]
     contains: Vec<String>,
+}
+
+impl Generation {
+    /// The algorithm's settings.
+    fn config(&self) -> train::eval::Generation {
+        train::eval::Generation {
+            sampling: Sampling {
+                temperature: self.temperature,
+                top_p: self.top_p,
+                top_k: self.top_k,
+                max_tokens: self.max_tokens,
+            },
+            batch: self.batch,
+            seed: self.seed,
+            stop: self.stop.clone(),
+            contains: self.contains.clone(),
+        }
+    }
 }
 
 #[derive(Debug, Deserialize)]
@@ -346,6 +362,7 @@ impl Op for Eval {
     }
 }
 
+/// Perplexity on the start of a split of a `tokenize` artifact ([`train::eval::perplexity`]).
 fn perplexity(model: &Model, data: &Path, p: &Perplexity) -> Result<Value, RunError> {
     let mut stream: Vec<u32> = Vec::new();
     let want = p.max_windows * p.seq_length + 1;
@@ -363,47 +380,19 @@ fn perplexity(model: &Model, data: &Path, p: &Perplexity) -> Result<Value, RunEr
             );
         }
     }
-    if stream.len() < p.seq_length + 1 {
-        return Err(RunError::new(format!(
-            "split `{}` of {} has {} tokens, fewer than one window of {}",
-            p.split,
-            data.join("blend.json").display(),
-            stream.len(),
-            p.seq_length + 1
-        )));
-    }
-    if let Some(t) = stream.iter().find(|t| **t as usize >= model.vocab) {
-        return Err(RunError::new(format!(
-            "token id {t} is outside the model's vocabulary ({})",
-            model.vocab
-        )));
-    }
-    let windows = ((stream.len() - 1) / p.seq_length).min(p.max_windows);
-    let (mut sum, mut tokens) = (0.0, 0.0);
-    for chunk in (0..windows).collect::<Vec<_>>().chunks(8) {
-        let t = p.seq_length;
-        let mut batch = Batch {
-            ids: Vec::new(),
-            labels: Vec::new(),
-            loss_mask: vec![1.0; chunk.len() * t],
-            layout: Layout::plain(chunk.len(), t),
-            valid: None,
-        };
-        for w in chunk {
-            batch.ids.extend_from_slice(&stream[w * t..w * t + t]);
-            batch
-                .labels
-                .extend_from_slice(&stream[w * t + 1..w * t + t + 1]);
-        }
-        let loss = model.loss(&batch, 1.0, false).map_err(train::err)?;
-        sum += loss.main_sum;
-        tokens += loss.tokens;
-    }
-    let mean = sum / tokens.max(1.0);
+    let (mean, tokens) = train::eval::perplexity(model, &stream, p.seq_length, p.max_windows)
+        .map_err(|e| {
+            RunError::new(format!(
+                "split `{}` of {}: {}",
+                p.split,
+                data.join("blend.json").display(),
+                e.message
+            ))
+        })?;
     // A model that knows nothing scores about its vocabulary size: the reference point.
     Ok(json!({
         "split": p.split,
-        "tokens": tokens as u64,
+        "tokens": tokens,
         "loss": mean,
         "perplexity": mean.exp(),
         "uniform_perplexity": model.vocab,
@@ -486,46 +475,20 @@ fn generation(
             .map_err(|e| RunError::new(format!("cannot tokenize a prompt: {e}")))?;
         prompts.push(enc.get_ids().to_vec());
     }
-    let sampling = Sampling {
-        temperature: g.temperature,
-        top_p: g.top_p,
-        top_k: g.top_k,
-        max_tokens: g.max_tokens,
-    };
-    let stop_strings = StopStrings {
-        tokenizer,
-        stops: &g.stop,
-    };
+    let responses = train::eval::respond(model, tokenizer, &prompts, &stops, &g.config())?;
     let mut total = 0.0;
     let mut hits = vec![0usize; g.contains.len()];
     let mut examples = Vec::new();
-    // Batches of `g.batch` prompts, side by side on the workers; scored in order.
-    let batches: Vec<&[Vec<u32>]> = prompts.chunks(g.batch).collect();
-    let outputs = kernels::workers::map(batches.len(), kernels::workers::threads(), |i| {
-        let start = i * g.batch;
-        let mut rngs: Vec<Rng> = (start..start + batches[i].len())
-            .map(|r| row_rng(g.seed, r))
-            .collect();
-        generate_until(model, batches[i], &sampling, &stops, &mut rngs, |_, ids| {
-            stop_strings.hit(ids)
-        })
-    })
-    .map_err(|e| RunError::new(format!("cannot start a generation thread: {e}")))?;
-    for (i, batch) in outputs.into_iter().enumerate() {
-        let batch = batch.map_err(train::err)?;
-        for (k, out) in batch.iter().enumerate() {
-            let (q, expected, env) = &rows[i * g.batch + k];
-            let (response, _) = stop_strings.cut(&out.ids).map_err(RunError::new)?;
-            let reward =
-                nemo_dag_data::reward::score(env.as_deref().unwrap_or(&g.env), &response, expected)
-                    .map_err(RunError::new)?;
-            total += reward;
-            for (hit, holds) in hits.iter_mut().zip(holds(tokenizer, &out.ids, g)?) {
-                *hit += usize::from(holds);
-            }
-            if examples.len() < 5 {
-                examples.push(json!({"question": q, "response": response, "expected_answer": expected, "reward": reward}));
-            }
+    for ((q, expected, env), r) in rows.iter().zip(&responses) {
+        let reward =
+            nemo_dag_data::reward::score(env.as_deref().unwrap_or(&g.env), &r.text, expected)
+                .map_err(RunError::new)?;
+        total += reward;
+        for (hit, holds) in hits.iter_mut().zip(&r.contains) {
+            *hit += usize::from(*holds);
+        }
+        if examples.len() < 5 {
+            examples.push(json!({"question": q, "response": r.text, "expected_answer": expected, "reward": reward}));
         }
     }
     let contains: serde_json::Map<String, Value> = g
@@ -546,79 +509,12 @@ fn generation(
     Ok(result)
 }
 
-/// Whether a response holds each of `g.contains`: its ids decoded with special tokens kept
-/// (`<tool_call>` is one in the recipes' tokenizers), cut before the first stop string.
-fn holds(
-    tokenizer: &tokenizers::Tokenizer,
-    ids: &[u32],
-    g: &Generation,
-) -> Result<Vec<bool>, RunError> {
-    if g.contains.is_empty() {
-        return Ok(Vec::new());
-    }
-    let raw = tokenizer
-        .decode(ids, false)
-        .map_err(|e| RunError::new(format!("cannot decode a response: {e}")))?;
-    let (raw, _) = model::sampling::cut_at_stop(&raw, &g.stop);
-    Ok(g.contains
-        .iter()
-        .map(|s| raw.contains(s.as_str()))
-        .collect())
-}
-
-/// The generator of row `i` of a task file: its own SplitMix64 stream, so a row's sample
-/// depends on `seed` and `i` only (not on `batch` or the other rows).
-fn row_rng(seed: u64, i: usize) -> Rng {
-    Rng::new(seed ^ (i as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15))
-}
-
-/// Greedy decoding of a batch of prompts (left padded; the padding is invisible to every row),
-/// cached. Returns each row's generated ids, stop excluded.
-pub fn greedy(
-    model: &Model,
-    prompts: &[Vec<u32>],
-    max_tokens: usize,
-    stops: &[u32],
-) -> Result<Vec<Vec<u32>>, RunError> {
-    let mut rngs = vec![Rng::new(0); prompts.len()];
-    let out = generate(
-        model,
-        prompts,
-        &Sampling::greedy(max_tokens),
-        stops,
-        &mut rngs,
-    )
-    .map_err(train::err)?;
-    Ok(out.into_iter().map(|c| c.ids).collect())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-    use model::config::ModelConfig;
+
     use nemo_dag_op::{AnyOp, DeclError, StageDecl};
     use std::collections::BTreeMap;
-
-    #[test]
-    fn batched_left_padded_greedy_equals_one_prompt_at_a_time() {
-        let cfg: ModelConfig = serde_json::from_value(json!({
-            "pattern": "M*-", "hidden": 16, "heads": 2, "head_dim": 8, "ffn": 32,
-            "mamba": {"heads": 2, "head_dim": 8, "state": 4, "chunk": 4}, "max_seq": 64
-        }))
-        .unwrap();
-        let model = Model::new(&cfg, 40, 3).unwrap();
-        let prompts = vec![vec![5, 6, 7, 8, 9], vec![11, 12], vec![1, 2, 3]];
-        let together = greedy(&model, &prompts, 6, &[]).unwrap();
-        for (p, got) in prompts.iter().zip(&together) {
-            let alone = greedy(&model, std::slice::from_ref(p), 6, &[]).unwrap();
-            assert_eq!(&alone[0], got, "prompt {p:?}");
-            assert_eq!(got.len(), 6);
-        }
-        // A stop token ends a row and is not part of its output.
-        let first = together[0][0];
-        let stopped = greedy(&model, &prompts[..1], 6, &[first]).unwrap();
-        assert!(stopped[0].is_empty());
-    }
 
     fn check(generation: Value) -> Result<(), DeclError> {
         let params = json!({ "generation": generation });
@@ -657,48 +553,6 @@ mod tests {
             assert_eq!(err.path, ["params", "generation", field], "{bad}");
             assert!(err.message.contains(field), "{}", err.message);
         }
-    }
-
-    #[test]
-    fn contains_reads_special_tokens_and_stops_at_a_stop_string() {
-        let vocab: serde_json::Map<String, Value> = ["<unk>", "the", "answer", "STOP"]
-            .iter()
-            .enumerate()
-            .map(|(i, w)| (w.to_string(), json!(i)))
-            .collect();
-        let tokenizer: tokenizers::Tokenizer = json!({
-            "version": "1.0", "truncation": null, "padding": null,
-            "added_tokens": [{"id": 4, "content": "<tool_call>", "single_word": false,
-                "lstrip": false, "rstrip": false, "normalized": false, "special": true}],
-            "normalizer": null, "pre_tokenizer": {"type": "Whitespace"},
-            "post_processor": null, "decoder": null,
-            "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "<unk>"}
-        })
-        .to_string()
-        .parse()
-        .unwrap();
-        let g: Generation = serde_json::from_value(
-            json!({"contains": ["<tool_call>", "answer"], "stop": ["STOP"]}),
-        )
-        .unwrap();
-        // Decoding for the score skips special tokens; `contains` must still see the call.
-        assert_eq!(tokenizer.decode(&[4, 1], true).unwrap(), "the");
-        assert_eq!(holds(&tokenizer, &[4, 1], &g).unwrap(), [true, false]);
-        assert_eq!(holds(&tokenizer, &[1, 2, 4], &g).unwrap(), [true, true]);
-        // Nothing after the stop string counts.
-        assert_eq!(
-            holds(&tokenizer, &[1, 3, 4, 2], &g).unwrap(),
-            [false, false]
-        );
-    }
-
-    #[test]
-    fn a_row_draws_from_its_own_generator() {
-        // Row i's stream depends on (seed, i) only, and differs between rows and seeds.
-        let draw = |seed, i| row_rng(seed, i).next_u64();
-        assert_eq!(draw(0, 3), draw(0, 3));
-        assert_ne!(draw(0, 3), draw(0, 4));
-        assert_ne!(draw(0, 3), draw(1, 3));
     }
 
     #[test]

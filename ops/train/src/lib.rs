@@ -25,6 +25,7 @@ pub mod checkpoint;
 pub mod choice;
 pub mod data;
 pub mod dpo;
+pub mod eval;
 pub mod grpo;
 pub mod optim;
 pub mod order;

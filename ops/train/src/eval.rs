@@ -1,0 +1,243 @@
+//! Scoring a model, the algorithms of `eval` (multiple choice is [`crate::choice`]):
+//!
+//! - [`perplexity`]: the mean next-token loss over consecutive windows of a held-out token
+//!   stream (nemo-dag's own measure; a model that knows nothing scores its vocabulary size).
+//! - [`respond`]: generated responses to prompts (cached decoding, batches side by side on the
+//!   workers), each cut before its first stop string, with the substrings it holds. The caller
+//!   scores them (`nemo_dag_data::reward`, as NeMo-Gym's verifiers do).
+//! - [`greedy`]: greedy decoding of a batch of prompts.
+
+use crate::err;
+use model::layers::Layout;
+use model::net::{Batch, Model};
+use model::params::Rng;
+use model::sampling::{Sampling, StopStrings, generate, generate_until};
+use nemo_dag_op::RunError;
+
+/// Mean loss per token and the tokens scored: the stream cut into at most `max_windows`
+/// consecutive windows of `seq_length` inputs (each label the next token), 8 windows a batch.
+pub fn perplexity(
+    model: &Model,
+    stream: &[u32],
+    seq_length: usize,
+    max_windows: usize,
+) -> Result<(f64, u64), RunError> {
+    if stream.len() < seq_length + 1 {
+        return Err(RunError::new(format!(
+            "{} tokens, fewer than one window of {}",
+            stream.len(),
+            seq_length + 1
+        )));
+    }
+    if let Some(t) = stream.iter().find(|t| **t as usize >= model.vocab) {
+        return Err(RunError::new(format!(
+            "token id {t} is outside the model's vocabulary ({})",
+            model.vocab
+        )));
+    }
+    let windows = ((stream.len() - 1) / seq_length).min(max_windows);
+    let (mut sum, mut tokens) = (0.0, 0.0);
+    for chunk in (0..windows).collect::<Vec<_>>().chunks(8) {
+        let t = seq_length;
+        let mut batch = Batch {
+            ids: Vec::new(),
+            labels: Vec::new(),
+            loss_mask: vec![1.0; chunk.len() * t],
+            layout: Layout::plain(chunk.len(), t),
+            valid: None,
+        };
+        for w in chunk {
+            batch.ids.extend_from_slice(&stream[w * t..w * t + t]);
+            batch
+                .labels
+                .extend_from_slice(&stream[w * t + 1..w * t + t + 1]);
+        }
+        let loss = model.loss(&batch, 1.0, false).map_err(err)?;
+        sum += loss.main_sum;
+        tokens += loss.tokens;
+    }
+    Ok((sum / tokens.max(1.0), tokens as u64))
+}
+
+/// How [`respond`] generates.
+#[derive(Debug, Clone)]
+pub struct Generation {
+    pub sampling: Sampling,
+    /// Prompts decoded together.
+    pub batch: usize,
+    /// Row `i` samples from its own generator, seeded from `(seed, i)`.
+    pub seed: u64,
+    /// A response ends before the first of these strings.
+    pub stop: Vec<String>,
+    /// Substrings to look for in each response (special tokens kept, e.g. `<tool_call>`).
+    pub contains: Vec<String>,
+}
+
+/// One generated response.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Response {
+    /// The response text, cut before its first stop string.
+    pub text: String,
+    /// For each of [`Generation::contains`], whether the response holds it.
+    pub contains: Vec<bool>,
+}
+
+/// A response to each of `prompts` (token ids), in order. A row ends on one of `stop_ids`, a
+/// stop string, or `max_tokens`; what a row generates depends on its index and the seed only
+/// (not on `batch` or the other rows).
+pub fn respond(
+    model: &Model,
+    tokenizer: &tokenizers::Tokenizer,
+    prompts: &[Vec<u32>],
+    stop_ids: &[u32],
+    g: &Generation,
+) -> Result<Vec<Response>, RunError> {
+    let stop_strings = StopStrings {
+        tokenizer,
+        stops: &g.stop,
+    };
+    let batches: Vec<&[Vec<u32>]> = prompts.chunks(g.batch.max(1)).collect();
+    let outputs = kernels::workers::map(batches.len(), kernels::workers::threads(), |i| {
+        let start = i * g.batch.max(1);
+        let mut rngs: Vec<Rng> = (start..start + batches[i].len())
+            .map(|r| row_rng(g.seed, r))
+            .collect();
+        generate_until(
+            model,
+            batches[i],
+            &g.sampling,
+            stop_ids,
+            &mut rngs,
+            |_, ids| stop_strings.hit(ids),
+        )
+    })
+    .map_err(|e| RunError::new(format!("cannot start a generation thread: {e}")))?;
+    let mut responses = Vec::with_capacity(prompts.len());
+    for batch in outputs {
+        for out in batch.map_err(err)? {
+            let (text, _) = stop_strings.cut(&out.ids).map_err(RunError::new)?;
+            let contains = holds(tokenizer, &out.ids, g)?;
+            responses.push(Response { text, contains });
+        }
+    }
+    Ok(responses)
+}
+
+/// Whether a response holds each of `g.contains`: its ids decoded with special tokens kept
+/// (`<tool_call>` is one in the recipes' tokenizers), cut before the first stop string.
+fn holds(
+    tokenizer: &tokenizers::Tokenizer,
+    ids: &[u32],
+    g: &Generation,
+) -> Result<Vec<bool>, RunError> {
+    if g.contains.is_empty() {
+        return Ok(Vec::new());
+    }
+    let raw = tokenizer
+        .decode(ids, false)
+        .map_err(|e| RunError::new(format!("cannot decode a response: {e}")))?;
+    let (raw, _) = model::sampling::cut_at_stop(&raw, &g.stop);
+    Ok(g.contains
+        .iter()
+        .map(|s| raw.contains(s.as_str()))
+        .collect())
+}
+
+/// The generator of row `i` of a task file: its own SplitMix64 stream, so a row's sample
+/// depends on `seed` and `i` only (not on `batch` or the other rows).
+fn row_rng(seed: u64, i: usize) -> Rng {
+    Rng::new(seed ^ (i as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15))
+}
+
+/// Greedy decoding of a batch of prompts (left padded; the padding is invisible to every row),
+/// cached. Returns each row's generated ids, stop excluded.
+pub fn greedy(
+    model: &Model,
+    prompts: &[Vec<u32>],
+    max_tokens: usize,
+    stops: &[u32],
+) -> Result<Vec<Vec<u32>>, RunError> {
+    let mut rngs = vec![Rng::new(0); prompts.len()];
+    let out = generate(
+        model,
+        prompts,
+        &Sampling::greedy(max_tokens),
+        stops,
+        &mut rngs,
+    )
+    .map_err(err)?;
+    Ok(out.into_iter().map(|c| c.ids).collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use model::config::ModelConfig;
+    use serde_json::{Value, json};
+
+    #[test]
+    fn batched_left_padded_greedy_equals_one_prompt_at_a_time() {
+        let cfg: ModelConfig = serde_json::from_value(json!({
+            "pattern": "M*-", "hidden": 16, "heads": 2, "head_dim": 8, "ffn": 32,
+            "mamba": {"heads": 2, "head_dim": 8, "state": 4, "chunk": 4}, "max_seq": 64
+        }))
+        .unwrap();
+        let model = Model::new(&cfg, 40, 3).unwrap();
+        let prompts = vec![vec![5, 6, 7, 8, 9], vec![11, 12], vec![1, 2, 3]];
+        let together = greedy(&model, &prompts, 6, &[]).unwrap();
+        for (p, got) in prompts.iter().zip(&together) {
+            let alone = greedy(&model, std::slice::from_ref(p), 6, &[]).unwrap();
+            assert_eq!(&alone[0], got, "prompt {p:?}");
+            assert_eq!(got.len(), 6);
+        }
+        // A stop token ends a row and is not part of its output.
+        let first = together[0][0];
+        let stopped = greedy(&model, &prompts[..1], 6, &[first]).unwrap();
+        assert!(stopped[0].is_empty());
+    }
+
+    #[test]
+    fn contains_reads_special_tokens_and_stops_at_a_stop_string() {
+        let vocab: serde_json::Map<String, Value> = ["<unk>", "the", "answer", "STOP"]
+            .iter()
+            .enumerate()
+            .map(|(i, w)| (w.to_string(), json!(i)))
+            .collect();
+        let tokenizer: tokenizers::Tokenizer = json!({
+            "version": "1.0", "truncation": null, "padding": null,
+            "added_tokens": [{"id": 4, "content": "<tool_call>", "single_word": false,
+                "lstrip": false, "rstrip": false, "normalized": false, "special": true}],
+            "normalizer": null, "pre_tokenizer": {"type": "Whitespace"},
+            "post_processor": null, "decoder": null,
+            "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "<unk>"}
+        })
+        .to_string()
+        .parse()
+        .unwrap();
+        let g = Generation {
+            sampling: Sampling::greedy(4),
+            batch: 1,
+            seed: 0,
+            stop: vec!["STOP".into()],
+            contains: vec!["<tool_call>".into(), "answer".into()],
+        };
+        // Decoding for the score skips special tokens; `contains` must still see the call.
+        assert_eq!(tokenizer.decode(&[4, 1], true).unwrap(), "the");
+        assert_eq!(holds(&tokenizer, &[4, 1], &g).unwrap(), [true, false]);
+        assert_eq!(holds(&tokenizer, &[1, 2, 4], &g).unwrap(), [true, true]);
+        // Nothing after the stop string counts.
+        assert_eq!(
+            holds(&tokenizer, &[1, 3, 4, 2], &g).unwrap(),
+            [false, false]
+        );
+    }
+
+    #[test]
+    fn a_row_draws_from_its_own_generator() {
+        // Row i's stream depends on (seed, i) only, and differs between rows and seeds.
+        let draw = |seed, i| row_rng(seed, i).next_u64();
+        assert_eq!(draw(0, 3), draw(0, 3));
+        assert_ne!(draw(0, 3), draw(0, 4));
+        assert_ne!(draw(0, 3), draw(1, 3));
+    }
+}
