@@ -339,10 +339,10 @@ fn read_prompts(
             _ => return Err(at("a prompt row needs `expected_answer`".into())),
         };
         let env = row["env"].as_str().unwrap_or(&p.env).to_string();
-        nemo_dag_data::reward::score(&env, "", "").map_err(at)?;
+        nemo_dag_data::reward::score(&env, "", "").map_err(|e| at(e.message))?;
         let rendered = template
             .render(&messages, None, true, RenderFlags::default())
-            .map_err(at)?;
+            .map_err(|e| at(e.message))?;
         let ids = tokenizer
             .encode(rendered, false)
             .map_err(|e| at(format!("cannot tokenize the prompt: {e}")))?

@@ -110,7 +110,7 @@ pub struct Params {
 }
 
 impl Params {
-    fn algorithm(&self) -> Result<Algorithm, String> {
+    fn algorithm(&self) -> Result<Algorithm, nemo_dag_data::Error> {
         Algorithm::from_name(&self.algorithm, self.seed)
     }
 }

@@ -11,9 +11,11 @@
 //! - [`reward`]: verifiable-answer scoring of generated math responses.
 //! - [`random`]: the Mersenne Twister, seeded as CPython's `random` and numpy's `RandomState`.
 //!
-//! Errors are plain messages (`String`) that name the file and place; the ops wrap them.
+//! Every fallible function returns [`Error`]: a message naming the file and place, and help
+//! where there is some. (An op's `RunError` takes it with `?`.)
 
 pub mod chat;
+mod error;
 pub mod megatron;
 pub mod preference;
 pub mod random;
@@ -21,3 +23,5 @@ pub mod reward;
 pub mod sft;
 pub mod text;
 pub mod tokenizer;
+
+pub use error::{Error, Result};

@@ -29,7 +29,7 @@ pub struct PreferenceRow {
 
 /// The preference file an input names (a `generate` directory's `preferences.jsonl`, or the
 /// file itself) and its rows.
-pub fn read_preferences(path: &Path) -> Result<(PathBuf, Vec<PreferenceRow>), String> {
+pub fn read_preferences(path: &Path) -> Result<(PathBuf, Vec<PreferenceRow>), crate::Error> {
     let file = if path.is_dir() {
         path.join("preferences.jsonl")
     } else {
@@ -52,7 +52,10 @@ pub fn read_preferences(path: &Path) -> Result<(PathBuf, Vec<PreferenceRow>), St
         rows.push(row);
     }
     if rows.is_empty() {
-        return Err(format!("{} has no preference rows", file.display()));
+        return Err(crate::Error::new(format!(
+            "{} has no preference rows",
+            file.display()
+        )));
     }
     Ok((file, rows))
 }
@@ -60,9 +63,9 @@ pub fn read_preferences(path: &Path) -> Result<(PathBuf, Vec<PreferenceRow>), St
 const SHAPES: &str = "a preference row is {\"context\": [messages], \"completions\": [{\"rank\": 0, \"completion\": [messages]}, {\"rank\": 1, \"completion\": [messages]}]} or {\"prompt\": …, \"chosen\": …, \"rejected\": …}";
 
 /// One row in either shape (see the module docs).
-fn parse_row(v: &Json, line: usize) -> Result<PreferenceRow, String> {
+fn parse_row(v: &Json, line: usize) -> Result<PreferenceRow, crate::Error> {
     if !matches!(v, Json::Object(_)) {
-        return Err(format!("not a JSON object; {SHAPES}"));
+        return Err(crate::Error::new(format!("not a JSON object; {SHAPES}")));
     }
     let tools = match v.get("tools") {
         None | Some(Json::Null) => None,
@@ -79,10 +82,10 @@ fn parse_row(v: &Json, line: usize) -> Result<PreferenceRow, String> {
             None => return Err("missing `completions`".into()),
         };
         if completions.len() != 2 {
-            return Err(format!(
+            return Err(crate::Error::new(format!(
                 "DPO needs exactly two completions, this row has {}",
                 completions.len()
-            ));
+            )));
         }
         let mut ranked = Vec::new();
         for (k, c) in completions.iter().enumerate() {
@@ -90,17 +93,23 @@ fn parse_row(v: &Json, line: usize) -> Result<PreferenceRow, String> {
                 Some(Json::Number(n)) => n
                     .as_i64()
                     .ok_or_else(|| format!("completions[{k}].rank must be an integer"))?,
-                Some(_) => return Err(format!("completions[{k}].rank must be an integer")),
-                None => return Err(format!("completions[{k}] has no `rank`")),
+                Some(_) => {
+                    return Err(crate::Error::new(format!(
+                        "completions[{k}].rank must be an integer"
+                    )));
+                }
+                None => {
+                    return Err(crate::Error::new(format!("completions[{k}] has no `rank`")));
+                }
             };
             let name = format!("completions[{k}].completion");
             ranked.push((rank, messages(c.get("completion"), &name, None)?));
         }
         if ranked[0].0 == ranked[1].0 {
-            return Err(format!(
+            return Err(crate::Error::new(format!(
                 "both completions have rank {}; the lower rank is the preferred one",
                 ranked[0].0
-            ));
+            )));
         }
         ranked.sort_by_key(|(rank, _)| *rank);
         let rejected = ranked.pop().map(|(_, m)| m).unwrap_or_default();
@@ -130,20 +139,27 @@ fn messages(
     v: Option<&Json>,
     name: &str,
     string_role: Option<Role>,
-) -> Result<Vec<Message>, String> {
+) -> Result<Vec<Message>, crate::Error> {
     match (v, string_role) {
-        (None | Some(Json::Null), _) => Err(format!("missing `{name}`")),
+        (None | Some(Json::Null), _) => Err(crate::Error::new(format!("missing `{name}`"))),
         (Some(Json::String(s)), Some(role)) => Ok(vec![Message::new(role, s.clone())]),
-        (Some(Json::Array(items)), _) if items.is_empty() => {
-            Err(format!("`{name}` is an empty message list"))
-        }
+        (Some(Json::Array(items)), _) if items.is_empty() => Err(crate::Error::new(format!(
+            "`{name}` is an empty message list"
+        ))),
         (Some(Json::Array(items)), _) => items
             .iter()
             .enumerate()
-            .map(|(k, m)| Message::try_from(m.clone()).map_err(|e| format!("{name}[{k}]: {e}")))
+            .map(|(k, m)| {
+                Message::try_from(m.clone())
+                    .map_err(|e| crate::Error::new(format!("{name}[{k}]: {e}")))
+            })
             .collect(),
-        (Some(_), Some(_)) => Err(format!("`{name}` must be a string or a message list")),
-        (Some(_), None) => Err(format!("`{name}` must be a message list")),
+        (Some(_), Some(_)) => Err(crate::Error::new(format!(
+            "`{name}` must be a string or a message list"
+        ))),
+        (Some(_), None) => Err(crate::Error::new(format!(
+            "`{name}` must be a message list"
+        ))),
     }
 }
 
@@ -161,7 +177,7 @@ mod tests {
     fn read_err(dir: &Path, rows: &str) -> String {
         let f = dir.join("p.jsonl");
         std::fs::write(&f, rows).unwrap();
-        read_preferences(&f).unwrap_err()
+        read_preferences(&f).unwrap_err().message
     }
 
     #[test]

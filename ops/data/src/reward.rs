@@ -95,13 +95,15 @@ pub fn exact(response: &str, expected: &str) -> f64 {
 pub const ENVIRONMENTS: &str = "math, mcq, format, exact";
 
 /// Score by environment name; an unknown environment is an error.
-pub fn score(env: &str, response: &str, expected: &str) -> Result<f64, String> {
+pub fn score(env: &str, response: &str, expected: &str) -> Result<f64, crate::Error> {
     match env {
         "math" => Ok(math(response, expected)),
         "mcq" => Ok(mcq(response, expected)),
         "format" => Ok(format(response, expected)),
         "exact" => Ok(exact(response, expected)),
-        other => Err(format!("no reward environment `{other}` ({ENVIRONMENTS})")),
+        other => Err(crate::Error::new(format!(
+            "no reward environment `{other}` ({ENVIRONMENTS})"
+        ))),
     }
 }
 

@@ -33,7 +33,7 @@ pub struct Document {
 }
 
 /// The files of an input (a file, or every file under a directory), sorted by path.
-pub fn files_of(path: &Path) -> Result<Vec<PathBuf>, String> {
+pub fn files_of(path: &Path) -> Result<Vec<PathBuf>, crate::Error> {
     let meta = std::fs::metadata(path).map_err(|e| format!("{}: {e}", path.display()))?;
     if !meta.is_dir() {
         return Ok(vec![path.to_path_buf()]);
@@ -77,7 +77,7 @@ pub struct ReadStats {
 }
 
 /// Call `each` with every document of `file`, in order, stopping after `limit` documents.
-pub fn read_documents<E: From<String>>(
+pub fn read_documents<E: From<crate::Error>>(
     file: &Path,
     text_field: &str,
     on_bad: OnBadRow,
@@ -89,7 +89,8 @@ pub fn read_documents<E: From<String>>(
     if is_parquet(file) {
         return read_parquet(file, text_field, on_bad, limit, stats, each);
     }
-    let bytes = std::fs::read(file).map_err(|e| format!("{}: {e}", file.display()))?;
+    let bytes =
+        std::fs::read(file).map_err(|e| crate::Error::new(format!("{}: {e}", file.display())))?;
     if !is_jsonl(file) {
         if reached(stats) {
             return Ok(());
@@ -111,7 +112,7 @@ pub fn read_documents<E: From<String>>(
                 })?;
             }
             (Err(_), OnBadRow::Skip) => stats.skipped += 1,
-            (Err(e), OnBadRow::Fail) => return Err(E::from(e)),
+            (Err(e), OnBadRow::Fail) => return Err(E::from(crate::Error::from(e))),
         }
         return Ok(());
     }
@@ -135,10 +136,10 @@ pub fn read_documents<E: From<String>>(
             Err(why) => match on_bad {
                 OnBadRow::Skip => stats.skipped += 1,
                 OnBadRow::Fail => {
-                    return Err(E::from(format!(
+                    return Err(E::from(crate::Error::new(format!(
                         "{}:{line}: {why} (set `on_bad_row: skip` to skip and count such rows)",
                         file.display()
-                    )));
+                    ))));
                 }
             },
         }
@@ -146,7 +147,7 @@ pub fn read_documents<E: From<String>>(
     Ok(())
 }
 
-fn read_parquet<E: From<String>>(
+fn read_parquet<E: From<crate::Error>>(
     file: &Path,
     text_field: &str,
     on_bad: OnBadRow,
@@ -156,7 +157,7 @@ fn read_parquet<E: From<String>>(
 ) -> Result<(), E> {
     use parquet::file::reader::{FileReader, SerializedFileReader};
     use parquet::record::Field;
-    let at = |e: &dyn std::fmt::Display| format!("{}: {e}", file.display());
+    let at = |e: &dyn std::fmt::Display| crate::Error::new(format!("{}: {e}", file.display()));
     let f = std::fs::File::open(file).map_err(|e| at(&e))?;
     let reader = SerializedFileReader::new(f).map_err(|e| at(&e))?;
     let columns: Vec<String> = reader
@@ -197,28 +198,28 @@ fn read_parquet<E: From<String>>(
             }
             (None, OnBadRow::Skip) => stats.skipped += 1,
             (None, OnBadRow::Fail) => {
-                return Err(E::from(format!(
+                return Err(E::from(crate::Error::new(format!(
                     "{} row {}: `{text_field}` is null or not a string (set `on_bad_row: skip` to skip and count such rows)",
                     file.display(),
                     i + 1
-                )));
+                ))));
             }
         }
     }
     Ok(())
 }
 
-fn parse_row(raw: &[u8], text_field: &str) -> Result<String, String> {
+fn parse_row(raw: &[u8], text_field: &str) -> Result<String, crate::Error> {
     let line = std::str::from_utf8(raw)
         .map_err(|e| format!("invalid UTF-8 at byte {}", e.valid_up_to()))?;
     let value: Value = serde_json::from_str(line).map_err(|e| format!("not valid JSON: {e}"))?;
     match value.get(text_field) {
         Some(Value::String(s)) => Ok(s.clone()),
-        Some(Value::Null) | None => Err(format!("no `{text_field}` field")),
-        Some(other) => Err(format!(
+        Some(Value::Null) | None => Err(crate::Error::new(format!("no `{text_field}` field"))),
+        Some(other) => Err(crate::Error::new(format!(
             "`{text_field}` is not a string but {}",
             kind(other)
-        )),
+        ))),
     }
 }
 

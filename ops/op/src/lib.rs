@@ -68,6 +68,9 @@ impl DeclError {
 
 /// Why a stage failed while running: a message, what to do about it, and the error it came
 /// from. Its `Display` is the message, then `help: …` on a line of its own when there is help.
+///
+/// Any error converts into it with `?`, keeping the error as its source (as `anyhow::Error`
+/// does; for that, `RunError` itself does not implement `std::error::Error`).
 #[derive(Debug)]
 pub struct RunError {
     pub message: String,
@@ -100,6 +103,11 @@ impl RunError {
             source: Some(Box::new(source)),
         }
     }
+
+    /// The error this one came from, if any.
+    pub fn source(&self) -> Option<&(dyn std::error::Error + Send + Sync + 'static)> {
+        self.source.as_deref()
+    }
 }
 
 impl fmt::Display for RunError {
@@ -112,27 +120,13 @@ impl fmt::Display for RunError {
     }
 }
 
-impl std::error::Error for RunError {
-    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
-        self.source
-            .as_deref()
-            .map(|e| e as &(dyn std::error::Error + 'static))
-    }
-}
-
-impl From<std::io::Error> for RunError {
-    fn from(e: std::io::Error) -> Self {
+impl<E: std::error::Error + Send + Sync + 'static> From<E> for RunError {
+    fn from(e: E) -> Self {
         RunError {
             message: e.to_string(),
             help: None,
             source: Some(Box::new(e)),
         }
-    }
-}
-
-impl From<String> for RunError {
-    fn from(message: String) -> Self {
-        RunError::new(message)
     }
 }
 
@@ -411,6 +405,22 @@ mod tests {
             stop_after_step: None,
         };
         op.run(checked, &mut ctx)
+    }
+
+    #[test]
+    fn any_error_becomes_a_run_error_with_question_mark_and_stays_its_source() {
+        fn fails() -> Result<(), RunError> {
+            Err(std::io::Error::other("disk on fire"))?;
+            Ok(())
+        }
+        let e = fails().unwrap_err();
+        assert_eq!(e.message, "disk on fire");
+        assert_eq!(
+            e.source().map(|s| s.to_string()).as_deref(),
+            Some("disk on fire")
+        );
+        let e = RunError::new("no model").with_help("add `inputs: {model: …}`");
+        assert_eq!(e.to_string(), "no model\n  help: add `inputs: {model: …}`");
     }
 
     #[test]

@@ -19,8 +19,8 @@ pub enum Json {
 
 impl Json {
     /// Parse JSON text.
-    pub fn parse(text: &str) -> Result<Json, String> {
-        serde_json::from_str(text).map_err(|e| e.to_string())
+    pub fn parse(text: &str) -> Result<Json, crate::Error> {
+        (serde_json::from_str(text).map_err(|e| e.to_string())).map_err(crate::Error::from)
     }
 
     /// The value under `key`, for an object.
@@ -273,11 +273,13 @@ impl Message {
 }
 
 impl TryFrom<Json> for Message {
-    type Error = String;
+    type Error = crate::Error;
 
-    fn try_from(json: Json) -> Result<Message, String> {
+    fn try_from(json: Json) -> Result<Message, crate::Error> {
         let Json::Object(entries) = json else {
-            return Err("a message must be a JSON object".to_string());
+            return Err(crate::Error::from(
+                "a message must be a JSON object".to_string(),
+            ));
         };
         let mut role = None;
         let mut message = Message::new(Role::User, "");
@@ -293,21 +295,33 @@ impl TryFrom<Json> for Message {
                     message.content = match value {
                         Json::Null => String::new(),
                         Json::String(s) => s,
-                        _ => return Err("message content must be a string".to_string()),
+                        _ => {
+                            return Err(crate::Error::from(
+                                "message content must be a string".to_string(),
+                            ));
+                        }
                     }
                 }
                 "reasoning_content" => {
                     message.reasoning_content = match value {
                         Json::Null => None,
                         Json::String(s) => Some(s),
-                        _ => return Err("reasoning_content must be a string".to_string()),
+                        _ => {
+                            return Err(crate::Error::from(
+                                "reasoning_content must be a string".to_string(),
+                            ));
+                        }
                     }
                 }
                 "tool_calls" => {
                     message.tool_calls = match value {
                         Json::Null => None,
                         Json::Array(calls) => Some(calls),
-                        _ => return Err("tool_calls must be a list".to_string()),
+                        _ => {
+                            return Err(crate::Error::from(
+                                "tool_calls must be a list".to_string(),
+                            ));
+                        }
                     }
                 }
                 _ => message.extra.push((key, value)),
@@ -352,7 +366,7 @@ impl Default for RowFields {
 impl Conversation {
     /// Parse one JSONL line; see [`Conversation::from_record`].
     pub fn from_row(line: &str, fields: &RowFields) -> Result<Conversation, DropReason> {
-        let record = Json::parse(line).map_err(DropReason::InvalidRow)?;
+        let record = Json::parse(line).map_err(|e| DropReason::InvalidRow(e.message))?;
         Conversation::from_record(&record, fields)
     }
 
@@ -381,7 +395,7 @@ impl Conversation {
             .iter()
             .map(|m| Message::try_from(m.clone()))
             .collect::<Result<Vec<_>, _>>()
-            .map_err(DropReason::InvalidRow)?;
+            .map_err(|e| DropReason::InvalidRow(e.message))?;
         for message in messages.iter_mut().filter(|m| m.role == Role::Assistant) {
             for call in message.tool_calls.iter_mut().flatten() {
                 parse_tool_arguments(call)?;

@@ -32,7 +32,7 @@ pub(super) const TEMPLATE_NAME: &str = "chat_template";
 
 impl ChatTemplate {
     /// Compile template text.
-    pub fn new(source: impl Into<String>) -> Result<ChatTemplate, String> {
+    pub fn new(source: impl Into<String>) -> Result<ChatTemplate, crate::Error> {
         let mut env = Environment::new();
         let syntax = minijinja::syntax::SyntaxConfig::builder()
             .trim_blocks(true)
@@ -53,7 +53,7 @@ impl ChatTemplate {
     }
 
     /// Load and compile a template from its source.
-    pub fn load(src: &TemplateSource) -> Result<ChatTemplate, String> {
+    pub fn load(src: &TemplateSource) -> Result<ChatTemplate, crate::Error> {
         ChatTemplate::new(load_template(src)?)
     }
 
@@ -64,10 +64,12 @@ impl ChatTemplate {
         tools: Option<&[Json]>,
         add_generation_prompt: bool,
         flags: RenderFlags,
-    ) -> Result<String, String> {
+    ) -> Result<String, crate::Error> {
         let messages: Vec<Value> = messages.iter().map(|m| m.to_json().to_value()).collect();
-        self.render_values(&messages, &tools_value(tools), add_generation_prompt, flags)
-            .map_err(|e| format!("{e:#}"))
+        (self
+            .render_values(&messages, &tools_value(tools), add_generation_prompt, flags)
+            .map_err(|e| format!("{e:#}")))
+        .map_err(crate::Error::from)
     }
 
     /// Render already-converted messages. The switches are passed both as top-level

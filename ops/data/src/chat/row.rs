@@ -76,7 +76,7 @@ fn row_sequences(
     encode: &impl Fn(&str) -> Vec<u32>,
     stats: &mut ChatStats,
 ) -> Result<Vec<TokenizedSequence>, DropReason> {
-    let record = Json::parse(line).map_err(DropReason::InvalidRow)?;
+    let record = Json::parse(line).map_err(|e| DropReason::InvalidRow(e.message))?;
     if let Some(filter) = &cfg.used_in_filter
         && !matches_used_in(record.get(&cfg.used_in_field), filter)
     {

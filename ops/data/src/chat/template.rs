@@ -70,18 +70,19 @@ impl TemplateSource {
 }
 
 /// The template text a [`TemplateSource`] names.
-pub fn load_template(src: &TemplateSource) -> Result<String, String> {
+pub fn load_template(src: &TemplateSource) -> Result<String, crate::Error> {
     match src {
         TemplateSource::Bundled(name) => match name.as_str() {
             "nano3" => Ok(NANO3_TEMPLATE.to_string()),
-            other => Err(format!(
+            other => Err(crate::Error::new(format!(
                 "unknown bundled chat template {other:?} (bundled: {})",
                 BUNDLED_TEMPLATES.join(", ")
-            )),
+            ))),
         },
         TemplateSource::Inline(text) => Ok(text.clone()),
-        TemplateSource::File(path) => std::fs::read_to_string(path)
-            .map_err(|e| format!("cannot read chat template {}: {e}", path.display())),
+        TemplateSource::File(path) => (std::fs::read_to_string(path)
+            .map_err(|e| format!("cannot read chat template {}: {e}", path.display())))
+        .map_err(crate::Error::from),
         TemplateSource::TokenizerConfig(path) => template_from_tokenizer_config(path),
     }
 }
@@ -89,7 +90,7 @@ pub fn load_template(src: &TemplateSource) -> Result<String, String> {
 /// `chat_template` of a `tokenizer_config.json`: a string, or a list of `{name, template}`
 /// from which `default` is taken (what `transformers` uses when no name is asked for).
 /// Newer checkpoints keep the template in a `chat_template.jinja` beside the config instead.
-fn template_from_tokenizer_config(path: &Path) -> Result<String, String> {
+fn template_from_tokenizer_config(path: &Path) -> Result<String, crate::Error> {
     let config_path = if path.is_dir() {
         path.join("tokenizer_config.json")
     } else {
@@ -109,29 +110,31 @@ fn template_from_tokenizer_config(path: &Path) -> Result<String, String> {
                         .flatten()
                 })
             };
-            named("default").ok_or_else(|| {
+            (named("default").ok_or_else(|| {
                 format!(
                     "{}: chat_template lists several templates but none named \"default\"",
                     config_path.display()
                 )
-            })
+            }))
+            .map_err(crate::Error::from)
         }
         Some(serde_json::Value::Null) | None => {
             let sibling = config_path
                 .parent()
                 .unwrap_or_else(|| Path::new("."))
                 .join("chat_template.jinja");
-            std::fs::read_to_string(&sibling).map_err(|_| {
+            (std::fs::read_to_string(&sibling).map_err(|_| {
                 format!(
                     "{} has no chat_template and there is no {}",
                     config_path.display(),
                     sibling.display()
                 )
-            })
+            }))
+            .map_err(crate::Error::from)
         }
-        Some(_) => Err(format!(
+        Some(_) => Err(crate::Error::new(format!(
             "{}: chat_template is neither a string nor a list",
             config_path.display()
-        )),
+        ))),
     }
 }

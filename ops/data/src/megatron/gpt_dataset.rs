@@ -35,25 +35,12 @@
 //! `*_with` variants with one shared [`NumpyRandomState`].
 
 use crate::random::NumpyRandomState;
-use std::fmt;
 
 /// Megatron's threshold for shuffling the final epoch separately (`separate_final_epoch`).
 const SEPARATE_FINAL_EPOCH_THRESHOLD: f64 = 0.80;
 
-/// Why indices could not be built from the given sizes / indices.
-#[derive(Debug, Clone, PartialEq)]
-pub struct GptDatasetError(pub String);
-
-impl fmt::Display for GptDatasetError {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str(&self.0)
-    }
-}
-
-impl std::error::Error for GptDatasetError {}
-
-fn err<T>(message: impl Into<String>) -> Result<T, GptDatasetError> {
-    Err(GptDatasetError(message.into()))
+fn err<T>(message: impl Into<String>) -> crate::Result<T> {
+    Err(crate::Error::new(message))
 }
 
 /// Number of epochs needed to draw `num_samples` samples of `seq_length` tokens
@@ -65,14 +52,14 @@ pub fn num_epochs(
     num_samples: Option<u64>,
     seq_length: usize,
     add_extra_token: bool,
-) -> Result<usize, GptDatasetError> {
+) -> crate::Result<usize> {
     let Some(num_samples) = num_samples else {
         return Ok(1);
     };
     let requested = num_samples
         .checked_mul(seq_length as u64)
         .and_then(|t| t.checked_add(u64::from(add_extra_token)))
-        .ok_or_else(|| GptDatasetError("requested token count overflows u64".into()))?;
+        .ok_or_else(|| crate::Error::new("requested token count overflows u64"))?;
     if requested == 0 {
         return Ok(1);
     }
@@ -159,18 +146,18 @@ pub fn build_sample_index(
     num_epochs: usize,
     tokens_per_epoch: u64,
     add_extra_token: bool,
-) -> Result<Vec<(usize, usize)>, GptDatasetError> {
+) -> crate::Result<Vec<(usize, usize)>> {
     if seq_length == 0 {
         return err("seq_length must be positive");
     }
     let extra = i64::from(add_extra_token);
     let total = (num_epochs as u64)
         .checked_mul(tokens_per_epoch)
-        .ok_or_else(|| GptDatasetError("num_epochs × tokens_per_epoch overflows".into()))?;
+        .ok_or_else(|| crate::Error::new("num_epochs × tokens_per_epoch overflows"))?;
     let num_samples = (total as i64 - extra).max(0) as usize / seq_length;
-    let size_of = |position: usize| -> Result<i64, GptDatasetError> {
+    let size_of = |position: usize| -> crate::Result<i64> {
         let doc = *doc_index.get(position).ok_or_else(|| {
-            GptDatasetError(format!(
+            crate::Error::new(format!(
                 "document index exhausted at position {position}: tokens_per_epoch or num_epochs \
                  exceed what the documents hold"
             ))
@@ -268,7 +255,7 @@ pub fn build_gpt_indices(
     num_samples: Option<u64>,
     seed: u32,
     add_extra_token: bool,
-) -> Result<GptIndices, GptDatasetError> {
+) -> crate::Result<GptIndices> {
     let mut tokens_per_epoch: u64 = 0;
     for &doc in documents {
         match sizes.get(doc as usize) {
@@ -327,22 +314,22 @@ pub fn sample_tokens(
     add_extra_token: bool,
     pad: u32,
     mut read: impl FnMut(u32, usize, usize) -> Vec<u32>,
-) -> Result<Vec<u32>, GptDatasetError> {
+) -> crate::Result<Vec<u32>> {
     let extra = usize::from(add_extra_token);
     let j = *shuffle_index
         .get(i)
-        .ok_or_else(|| GptDatasetError(format!("sample {i} out of range")))?;
+        .ok_or_else(|| crate::Error::new(format!("sample {i} out of range")))?;
     let (Some(&(d0, o0)), Some(&(d1, o1))) = (sample_index.get(j), sample_index.get(j + 1)) else {
         return err(format!("shuffled sample {j} has no sample-index rows"));
     };
-    let doc_at = |position: usize| -> Result<(u32, usize), GptDatasetError> {
-        let doc = *doc_index
-            .get(position)
-            .ok_or_else(|| GptDatasetError(format!("document position {position} out of range")))?;
+    let doc_at = |position: usize| -> crate::Result<(u32, usize)> {
+        let doc = *doc_index.get(position).ok_or_else(|| {
+            crate::Error::new(format!("document position {position} out of range"))
+        })?;
         let size = sizes
             .get(doc as usize)
             .and_then(|&n| usize::try_from(n).ok())
-            .ok_or_else(|| GptDatasetError(format!("document id {doc} has no valid size")))?;
+            .ok_or_else(|| crate::Error::new(format!("document id {doc} has no valid size")))?;
         Ok((doc, size))
     };
     let mut tokens = Vec::with_capacity(seq_length + extra);

@@ -46,15 +46,15 @@ pub enum Algorithm {
 
 impl Algorithm {
     /// The algorithm a manifest names; `seed` is used by `first_fit_shuffle` only.
-    pub fn from_name(name: &str, seed: u64) -> Result<Self, String> {
+    pub fn from_name(name: &str, seed: u64) -> Result<Self, crate::Error> {
         match name {
             "first_fit_decreasing" => Ok(Algorithm::FirstFitDecreasing),
             "first_fit_shuffle" => Ok(Algorithm::FirstFitShuffle { seed }),
             "concatenative" => Ok(Algorithm::Concatenative),
-            other => Err(format!(
+            other => Err(crate::Error::new(format!(
                 "unknown packing algorithm `{other}`; valid names: {}",
                 ALGORITHM_NAMES.join(", ")
-            )),
+            ))),
         }
     }
 
@@ -376,17 +376,19 @@ pub fn split_shard_counts(
     train: f64,
     valid: f64,
     test: f64,
-) -> Result<(usize, usize, usize), String> {
+) -> Result<(usize, usize, usize), crate::Error> {
     for (name, ratio) in [("train", train), ("valid", valid), ("test", test)] {
         if !ratio.is_finite() || ratio < 0.0 {
-            return Err(format!("{name} ratio must be a number ≥ 0, got {ratio}"));
+            return Err(crate::Error::new(format!(
+                "{name} ratio must be a number ≥ 0, got {ratio}"
+            )));
         }
     }
     let sum = train + valid + test;
     if (sum - 1.0).abs() > 1e-6 {
-        return Err(format!(
+        return Err(crate::Error::new(format!(
             "split ratios must sum to 1.0, got {sum} (train={train}, valid={valid}, test={test})"
-        ));
+        )));
     }
     if total_shards <= 2 {
         return Ok((total_shards, 0, 0));

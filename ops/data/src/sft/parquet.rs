@@ -22,7 +22,6 @@ use parquet::file::writer::SerializedFileWriter;
 use parquet::record::{ListAccessor, RowAccessor};
 use parquet::schema::parser::parse_message_type;
 use std::fs::File;
-use std::io;
 use std::path::Path;
 use std::sync::Arc;
 
@@ -35,8 +34,8 @@ message packed_sft {
 
 pub const ROW_GROUP_BINS: usize = 1000;
 
-fn err(path: &Path, e: impl std::fmt::Display) -> io::Error {
-    io::Error::other(format!("{}: {e}", path.display()))
+fn err(path: &Path, e: impl std::fmt::Display) -> crate::Error {
+    crate::Error::new(format!("{}: {e}", path.display()))
 }
 
 /// The values of column `i` (in schema order) of one row, as the INT32 Parquet stores.
@@ -49,7 +48,7 @@ fn column_values(row: &PackedRow, i: usize) -> Vec<i32> {
 }
 
 /// Write `rows` as one Parquet shard at `path`.
-pub fn write(path: &Path, rows: &[PackedRow]) -> io::Result<()> {
+pub fn write(path: &Path, rows: &[PackedRow]) -> crate::Result<()> {
     let schema = Arc::new(parse_message_type(SCHEMA).map_err(|e| err(path, e))?);
     let props = Arc::new(
         WriterProperties::builder()
@@ -90,11 +89,11 @@ pub fn write(path: &Path, rows: &[PackedRow]) -> io::Result<()> {
     }
     writer.close().map_err(|e| err(path, e))?;
     File::open(&tmp)?.sync_all()?;
-    std::fs::rename(&tmp, path)
+    std::fs::rename(&tmp, path).map_err(crate::Error::from)
 }
 
 /// Read a shard back (tests, and the SFT data loader).
-pub fn read(path: &Path) -> io::Result<Vec<PackedRow>> {
+pub fn read(path: &Path) -> crate::Result<Vec<PackedRow>> {
     let file = File::open(path)?;
     let reader = SerializedFileReader::new(file).map_err(|e| err(path, e))?;
     let names: Vec<String> = reader
@@ -115,7 +114,7 @@ pub fn read(path: &Path) -> io::Result<Vec<PackedRow>> {
     let mut rows = Vec::new();
     for row in reader.get_row_iter(None).map_err(|e| err(path, e))? {
         let row = row.map_err(|e| err(path, e))?;
-        let list = |i: usize| -> io::Result<Vec<i32>> {
+        let list = |i: usize| -> crate::Result<Vec<i32>> {
             let l = row.get_list(i).map_err(|e| err(path, e))?;
             (0..l.len())
                 .map(|j| {
@@ -128,7 +127,7 @@ pub fn read(path: &Path) -> io::Result<Vec<PackedRow>> {
         let mask = list(1)?
             .into_iter()
             .map(|m| u8::try_from(m).map_err(|_| err(path, "loss_mask value out of range")))
-            .collect::<io::Result<Vec<u8>>>()?;
+            .collect::<crate::Result<Vec<u8>>>()?;
         rows.push(PackedRow {
             input_ids: list(0)?,
             loss_mask: mask,

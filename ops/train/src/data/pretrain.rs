@@ -66,7 +66,7 @@ impl PretrainData {
                 seed,
                 true,
             )
-            .map_err(|e| RunError::new(format!("{}: {}", prefix.display(), e.0)))?;
+            .map_err(|e| RunError::new(format!("{}: {}", prefix.display(), e.message)))?;
             datasets.push(Dataset { reader, indices });
         }
         let which = if datasets.len() == 1 {
@@ -110,7 +110,7 @@ impl PretrainData {
                 }
             },
         )
-        .map_err(|e| RunError::new(e.0))?;
+        .map_err(|e| RunError::new(e.message))?;
         if let Some(e) = failed {
             return Err(RunError::new(e.to_string()));
         }
