@@ -11,7 +11,6 @@ use crate::params::to_f32_vec;
 use candle_core::{Device, Tensor};
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
-use std::io;
 use std::path::Path;
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -22,12 +21,12 @@ pub struct ModelFile {
     pub config: ModelConfig,
 }
 
-fn bad(e: impl std::fmt::Display) -> io::Error {
-    io::Error::other(e.to_string())
+fn bad(e: impl std::fmt::Display) -> candle_core::Error {
+    candle_core::Error::Msg(e.to_string())
 }
 
 /// Every tensor of the model: parameters, then MoE expert biases.
-fn model_tensors(model: &Model) -> io::Result<HashMap<String, Tensor>> {
+fn model_tensors(model: &Model) -> candle_core::Result<HashMap<String, Tensor>> {
     let mut map = HashMap::new();
     for (name, var) in model.params.iter() {
         map.insert(name.to_string(), var.as_tensor().clone());
@@ -41,7 +40,7 @@ fn model_tensors(model: &Model) -> io::Result<HashMap<String, Tensor>> {
 }
 
 /// Write `config.json` and `model.safetensors` into `dir` (created if needed).
-pub fn save_model(model: &Model, dir: &Path) -> io::Result<()> {
+pub fn save_model(model: &Model, dir: &Path) -> candle_core::Result<()> {
     std::fs::create_dir_all(dir)?;
     let file = ModelFile {
         nemo_dag_model: 1,
@@ -57,10 +56,10 @@ pub fn save_model(model: &Model, dir: &Path) -> io::Result<()> {
 }
 
 /// Read a model directory's `config.json`.
-pub fn read_model_file(dir: &Path) -> io::Result<ModelFile> {
+pub fn read_model_file(dir: &Path) -> candle_core::Result<ModelFile> {
     let path = dir.join("config.json");
-    let text = std::fs::read_to_string(&path)
-        .map_err(|e| io::Error::new(e.kind(), format!("{}: {e}", path.display())))?;
+    let text =
+        std::fs::read_to_string(&path).map_err(|e| bad(format!("{}: {e}", path.display())))?;
     let file: ModelFile = serde_json::from_str(&text).map_err(|e| {
         bad(format!(
             "{} is not a nemo-dag model config: {e}",
@@ -78,7 +77,7 @@ pub fn read_model_file(dir: &Path) -> io::Result<ModelFile> {
 }
 
 /// Load a model directory: build the model from its config and overwrite every parameter.
-pub fn load_model(dir: &Path) -> io::Result<Model> {
+pub fn load_model(dir: &Path) -> candle_core::Result<Model> {
     let file = read_model_file(dir)?;
     let model = Model::new(&file.config, file.vocab, 0).map_err(bad)?;
     load_weights(&model, &dir.join("model.safetensors"))?;
@@ -86,7 +85,7 @@ pub fn load_model(dir: &Path) -> io::Result<Model> {
 }
 
 /// Overwrite every parameter (and MoE expert bias) of `model` with the tensors of `path`.
-pub fn load_weights(model: &Model, path: &Path) -> io::Result<()> {
+pub fn load_weights(model: &Model, path: &Path) -> candle_core::Result<()> {
     let tensors = candle_core::safetensors::load(path, &Device::Cpu)
         .map_err(|e| bad(format!("{}: {e}", path.display())))?;
     for (name, var) in model.params.iter() {

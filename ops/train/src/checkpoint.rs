@@ -10,13 +10,13 @@ use candle_core::{Device, Tensor};
 use model::checkpoint::load_weights;
 pub use model::checkpoint::{ModelFile, load_model, read_model_file, save_model};
 use model::params::to_f32_vec;
+use nemo_dag_op::RunError;
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
-use std::io;
 use std::path::{Path, PathBuf};
 
-fn bad(e: impl std::fmt::Display) -> io::Error {
-    io::Error::other(e.to_string())
+fn bad(e: impl std::fmt::Display) -> RunError {
+    RunError::new(e.to_string())
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -27,7 +27,7 @@ struct State {
 }
 
 /// Save a full checkpoint into `dir` (replacing what is there, atomically as a directory).
-pub fn save(trainer: &Trainer, dir: &Path) -> io::Result<()> {
+pub fn save(trainer: &Trainer, dir: &Path) -> Result<(), RunError> {
     let tmp = sibling(dir, "tmp");
     let old = sibling(dir, "old");
     let _ = std::fs::remove_dir_all(&tmp);
@@ -67,7 +67,7 @@ pub fn latest(dir: &Path) -> Option<PathBuf> {
 }
 
 /// Restore weights, optimizer and progress from a checkpoint directory.
-pub fn restore(trainer: &mut Trainer, dir: &Path) -> io::Result<()> {
+pub fn restore(trainer: &mut Trainer, dir: &Path) -> Result<(), RunError> {
     let file = read_model_file(dir)?;
     if file.config != trainer.model.cfg || file.vocab != trainer.model.vocab {
         return Err(bad(format!(
