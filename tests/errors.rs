@@ -233,6 +233,17 @@ fn reference_to_a_missing_stage() {
         "stages:\n  gen:\n    op: cmd\n    outputs: {o: o.txt}\n    cmd: \"echo > {outputs.o}\"\n  use:\n    op: cmd\n    inputs: {i: \"nope:out\"}\n    outputs: {o: o.txt}\n    cmd: \"cat {inputs.i} > {outputs.o}\"\n",
     );
     assert_bad_input(&p, &["run", "m.yaml"], &["nope"]);
+    // A misspelt stage gets the nearest name.
+    let p = with_manifest(
+        "misspelt-ref-stage",
+        "m.yaml",
+        "stages:\n  gen:\n    op: cmd\n    outputs: {o: o.txt}\n    cmd: \"echo > {outputs.o}\"\n  use:\n    op: cmd\n    inputs: {i: \"gne:o\"}\n    outputs: {o: o.txt}\n    cmd: \"cat {inputs.i} > {outputs.o}\"\n",
+    );
+    assert_bad_input(
+        &p,
+        &["run", "m.yaml"],
+        &["no stage `gne`", "did you mean `gen`?"],
+    );
 }
 
 #[test]

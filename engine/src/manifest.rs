@@ -431,8 +431,8 @@ impl Manifest {
                                 .locator
                                 .error(&at, false, format!("input `{input}` refers to `{stage}:{output}`, but there is no stage `{stage}`"))
                                 .help(format!(
-                                    "stages: {}; a file path that contains ':' can be written as `./{written}`",
-                                    names.iter().cloned().collect::<Vec<_>>().join(", ")
+                                    "{}; a file path that contains ':' can be written as `./{written}`",
+                                    crate::diag::did_you_mean(stage, "stages", names.iter().map(String::as_str))
                                 )));
                         }
                         Input::Stage {
