@@ -402,7 +402,11 @@ impl Manifest {
             let op = ops.get(&r.op).ok_or_else(|| {
                 self.locator
                     .error(&loc(&["op"]), false, format!("unknown op `{}`", r.op))
-                    .help(ops.help_for_unknown(&r.op))
+                    .help(crate::diag::did_you_mean(
+                        &r.op,
+                        "the ops are",
+                        ops.names().into_iter(),
+                    ))
             })?;
             if !r.params.is_object() {
                 return Err(self.locator.error(
@@ -466,8 +470,9 @@ impl Manifest {
                 resources: r.resources,
                 deps: Vec::new(),
             };
-            check_spec(op.spec(), &stage.decl())
-                .and_then(|()| op.check(&stage.decl()).map(drop))
+            let decl = stage.decl();
+            check_spec(op.spec(), &decl)
+                .and_then(|()| op.check(&decl).map(drop))
                 .map_err(|e| {
                     let rest: Vec<&str> = e.path.iter().map(String::as_str).collect();
                     let mut err = self.locator.error(

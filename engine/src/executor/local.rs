@@ -12,7 +12,7 @@ use crate::digest::Digester;
 use crate::exec::{JobResult, JobSpec};
 use crate::manifest::{Input, Manifest};
 use crate::plan::{self, Resolved};
-pub use crate::store::short;
+use crate::store::short;
 use crate::store::{Published, RunRecord, Store};
 use nemo_dag_op::Progress;
 use std::collections::{BTreeSet, HashMap, HashSet};

@@ -11,19 +11,15 @@ impl Store {
     /// The store of a manifest: `explicit` (`--store`), else `$NEMO_DAG_STORE`, else
     /// `.nemo-dag` beside the manifest.
     pub fn for_manifest(explicit: Option<&Path>, manifest: &Path) -> Store {
-        let root = explicit
-            .map(Path::to_path_buf)
-            .or_else(|| std::env::var_os("NEMO_DAG_STORE").map(PathBuf::from))
-            .unwrap_or_else(|| beside(manifest));
-        Store::new(root)
+        Store::new(named(explicit).unwrap_or_else(|| beside(manifest)))
     }
 
     /// The store a command without a manifest argument works on: `explicit`, else
     /// `$NEMO_DAG_STORE`, else the one beside `manifest`, else the nearest `.nemo-dag` in the
     /// working directory or a parent.
     pub fn find(explicit: Option<&Path>, manifest: Option<&Path>) -> Result<Store> {
-        if explicit.is_some() || std::env::var_os("NEMO_DAG_STORE").is_some() {
-            return Ok(Store::for_manifest(explicit, Path::new("")));
+        if let Some(root) = named(explicit) {
+            return Ok(Store::new(root));
         }
         if let Some(m) = manifest {
             return Ok(Store::new(beside(m)));
@@ -100,6 +96,13 @@ impl Store {
             ))
         })
     }
+}
+
+/// The store named by `--store`, else by `$NEMO_DAG_STORE`.
+fn named(explicit: Option<&Path>) -> Option<PathBuf> {
+    explicit
+        .map(Path::to_path_buf)
+        .or_else(|| std::env::var_os("NEMO_DAG_STORE").map(PathBuf::from))
 }
 
 /// `.nemo-dag` in the directory of `manifest`.

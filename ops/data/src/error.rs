@@ -23,11 +23,6 @@ impl Error {
         self.help = Some(help.into());
         self
     }
-
-    /// Whether the message holds `text` (for tests and callers that look for a cause).
-    pub fn contains(&self, text: &str) -> bool {
-        self.message.contains(text)
-    }
 }
 
 impl fmt::Display for Error {
@@ -60,9 +55,9 @@ impl From<std::io::Error> for Error {
     }
 }
 
-/// The message alone, for callers that keep plain messages (a `DeclError`'s, say).
+/// The message and its help, for callers that keep plain messages (a `DeclError`'s, say).
 impl From<Error> for String {
     fn from(e: Error) -> Self {
-        e.message
+        e.to_string()
     }
 }

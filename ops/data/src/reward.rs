@@ -168,6 +168,11 @@ mod tests {
     fn exact_compares_whole_trimmed_responses() {
         assert_eq!(exact(" Paris\n", "Paris"), 1.0);
         assert_eq!(exact("Paris.", "Paris"), 0.0);
-        assert!(score("chess", "", "").unwrap_err().contains("format"));
+        assert!(
+            score("chess", "", "")
+                .unwrap_err()
+                .message
+                .contains("format")
+        );
     }
 }

@@ -112,7 +112,7 @@ pub fn read_documents<E: From<crate::Error>>(
                 })?;
             }
             (Err(_), OnBadRow::Skip) => stats.skipped += 1,
-            (Err(e), OnBadRow::Fail) => return Err(E::from(crate::Error::from(e))),
+            (Err(e), OnBadRow::Fail) => return Err(E::from(crate::Error::new(e))),
         }
         return Ok(());
     }

@@ -92,18 +92,6 @@ impl RunError {
         self
     }
 
-    /// `context: source`, keeping `source` as the error's cause.
-    pub fn caused_by(
-        context: impl fmt::Display,
-        source: impl std::error::Error + Send + Sync + 'static,
-    ) -> Self {
-        RunError {
-            message: format!("{context}: {source}"),
-            help: None,
-            source: Some(Box::new(source)),
-        }
-    }
-
     /// The error this one came from, if any.
     pub fn source(&self) -> Option<&(dyn std::error::Error + Send + Sync + 'static)> {
         self.source.as_deref()

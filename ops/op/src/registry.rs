@@ -28,16 +28,6 @@ impl Registry {
     pub fn names(&self) -> Vec<&'static str> {
         self.ops.iter().map(|op| op.name()).collect()
     }
-
-    /// What to tell someone who wrote `op: name` for an op that does not exist: the nearest
-    /// name if one is close, and the whole list.
-    pub fn help_for_unknown(&self, name: &str) -> String {
-        let names = self.names();
-        match nearest(name, names.iter().copied()) {
-            Some(near) => format!("did you mean `{near}`? the ops are: {}", names.join(", ")),
-            None => format!("the ops are: {}", names.join(", ")),
-        }
-    }
 }
 
 impl std::fmt::Debug for Registry {

@@ -20,7 +20,7 @@ pub enum Json {
 impl Json {
     /// Parse JSON text.
     pub fn parse(text: &str) -> Result<Json, crate::Error> {
-        (serde_json::from_str(text).map_err(|e| e.to_string())).map_err(crate::Error::from)
+        serde_json::from_str(text).map_err(|e| crate::Error::new(e.to_string()))
     }
 
     /// The value under `key`, for an object.
@@ -277,9 +277,7 @@ impl TryFrom<Json> for Message {
 
     fn try_from(json: Json) -> Result<Message, crate::Error> {
         let Json::Object(entries) = json else {
-            return Err(crate::Error::from(
-                "a message must be a JSON object".to_string(),
-            ));
+            return Err(crate::Error::new("a message must be a JSON object"));
         };
         let mut role = None;
         let mut message = Message::new(Role::User, "");
@@ -296,9 +294,7 @@ impl TryFrom<Json> for Message {
                         Json::Null => String::new(),
                         Json::String(s) => s,
                         _ => {
-                            return Err(crate::Error::from(
-                                "message content must be a string".to_string(),
-                            ));
+                            return Err(crate::Error::new("message content must be a string"));
                         }
                     }
                 }
@@ -307,9 +303,7 @@ impl TryFrom<Json> for Message {
                         Json::Null => None,
                         Json::String(s) => Some(s),
                         _ => {
-                            return Err(crate::Error::from(
-                                "reasoning_content must be a string".to_string(),
-                            ));
+                            return Err(crate::Error::new("reasoning_content must be a string"));
                         }
                     }
                 }
@@ -318,9 +312,7 @@ impl TryFrom<Json> for Message {
                         Json::Null => None,
                         Json::Array(calls) => Some(calls),
                         _ => {
-                            return Err(crate::Error::from(
-                                "tool_calls must be a list".to_string(),
-                            ));
+                            return Err(crate::Error::new("tool_calls must be a list"));
                         }
                     }
                 }

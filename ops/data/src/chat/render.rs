@@ -66,10 +66,8 @@ impl ChatTemplate {
         flags: RenderFlags,
     ) -> Result<String, crate::Error> {
         let messages: Vec<Value> = messages.iter().map(|m| m.to_json().to_value()).collect();
-        (self
-            .render_values(&messages, &tools_value(tools), add_generation_prompt, flags)
-            .map_err(|e| format!("{e:#}")))
-        .map_err(crate::Error::from)
+        self.render_values(&messages, &tools_value(tools), add_generation_prompt, flags)
+            .map_err(|e| crate::Error::new(format!("{e:#}")))
     }
 
     /// Render already-converted messages. The switches are passed both as top-level

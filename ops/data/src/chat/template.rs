@@ -80,9 +80,9 @@ pub fn load_template(src: &TemplateSource) -> Result<String, crate::Error> {
             ))),
         },
         TemplateSource::Inline(text) => Ok(text.clone()),
-        TemplateSource::File(path) => (std::fs::read_to_string(path)
-            .map_err(|e| format!("cannot read chat template {}: {e}", path.display())))
-        .map_err(crate::Error::from),
+        TemplateSource::File(path) => std::fs::read_to_string(path).map_err(|e| {
+            crate::Error::new(format!("cannot read chat template {}: {e}", path.display()))
+        }),
         TemplateSource::TokenizerConfig(path) => template_from_tokenizer_config(path),
     }
 }
@@ -110,27 +110,25 @@ fn template_from_tokenizer_config(path: &Path) -> Result<String, crate::Error> {
                         .flatten()
                 })
             };
-            (named("default").ok_or_else(|| {
-                format!(
+            named("default").ok_or_else(|| {
+                crate::Error::new(format!(
                     "{}: chat_template lists several templates but none named \"default\"",
                     config_path.display()
-                )
-            }))
-            .map_err(crate::Error::from)
+                ))
+            })
         }
         Some(serde_json::Value::Null) | None => {
             let sibling = config_path
                 .parent()
                 .unwrap_or_else(|| Path::new("."))
                 .join("chat_template.jinja");
-            (std::fs::read_to_string(&sibling).map_err(|_| {
-                format!(
+            std::fs::read_to_string(&sibling).map_err(|_| {
+                crate::Error::new(format!(
                     "{} has no chat_template and there is no {}",
                     config_path.display(),
                     sibling.display()
-                )
-            }))
-            .map_err(crate::Error::from)
+                ))
+            })
         }
         Some(_) => Err(crate::Error::new(format!(
             "{}: chat_template is neither a string nor a list",

@@ -261,10 +261,10 @@ impl IndexedWriter {
     pub fn add_document(&mut self, tokens: &[u32]) -> crate::Result<()> {
         let bin_tmp = path_with(&self.prefix, ".bin.tmp");
         let Some(bin) = self.bin.as_mut() else {
-            return Err(crate::Error::from(io::Error::other(format!(
+            return Err(crate::Error::new(format!(
                 "{}: writer failed earlier",
                 bin_tmp.display()
-            ))));
+            )));
         };
         if !tokens.is_empty() {
             let len = i32::try_from(tokens.len()).map_err(|_| {
@@ -276,14 +276,11 @@ impl IndexedWriter {
             self.buf.clear();
             for (i, &t) in tokens.iter().enumerate() {
                 if self.dtype.encode(t, &mut self.buf).is_none() {
-                    return Err(crate::Error::from(io::Error::new(
-                        io::ErrorKind::InvalidInput,
-                        format!(
-                            "{}: token {t} at position {i} of document {} does not fit dtype {}",
-                            bin_tmp.display(),
-                            self.document_indices.len() - 1,
-                            self.dtype.name()
-                        ),
+                    return Err(crate::Error::new(format!(
+                        "{}: token {t} at position {i} of document {} does not fit dtype {}",
+                        bin_tmp.display(),
+                        self.document_indices.len() - 1,
+                        self.dtype.name()
                     )));
                 }
             }
@@ -304,10 +301,10 @@ impl IndexedWriter {
         let bin_tmp = path_with(&self.prefix, ".bin.tmp");
         let idx_tmp = path_with(&self.prefix, ".idx.tmp");
         let Some(bin) = self.bin.take() else {
-            return Err(crate::Error::from(io::Error::other(format!(
+            return Err(crate::Error::new(format!(
                 "{}: writer failed earlier",
                 bin_tmp.display()
-            ))));
+            )));
         };
         let bin = bin
             .into_inner()
@@ -559,25 +556,19 @@ impl IndexedReader {
     /// range is not inside the sequence.
     pub fn tokens(&self, i: usize, offset: usize, len: usize) -> crate::Result<Vec<u32>> {
         if i >= self.len() {
-            return Err(crate::Error::from(io::Error::new(
-                io::ErrorKind::InvalidInput,
-                format!(
-                    "{}: sequence {i} out of range ({} sequences)",
-                    self.bin_path.display(),
-                    self.len()
-                ),
+            return Err(crate::Error::new(format!(
+                "{}: sequence {i} out of range ({} sequences)",
+                self.bin_path.display(),
+                self.len()
             )));
         }
         // Validated at open: non-negative, and pointer + len·item ≤ the .bin size.
         let size = self.lengths[i] as usize;
         if offset + len > size {
-            return Err(crate::Error::from(io::Error::new(
-                io::ErrorKind::InvalidInput,
-                format!(
-                    "{}: tokens {offset}..{} of sequence {i}, which has {size}",
-                    self.bin_path.display(),
-                    offset + len
-                ),
+            return Err(crate::Error::new(format!(
+                "{}: tokens {offset}..{} of sequence {i}, which has {size}",
+                self.bin_path.display(),
+                offset + len
             )));
         }
         let item = self.dtype.size();
@@ -981,11 +972,8 @@ mod tests {
         let err = IndexedReader::open(&p).unwrap_err().to_string();
         assert!(err.contains("corpus_text_document.bin: 3 bytes"), "{err}");
         fs::remove_file(bin_path(&p)).unwrap();
-        assert!(
-            IndexedReader::open(&p)
-                .unwrap_err()
-                .contains("No such file")
-        );
+        let err = IndexedReader::open(&p).unwrap_err();
+        assert!(err.message.contains("No such file"), "{err}");
     }
 
     #[test]

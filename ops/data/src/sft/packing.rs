@@ -506,9 +506,9 @@ mod tests {
             shuffle(7)
         );
         let err = Algorithm::from_name("best_fit", 0).unwrap_err();
-        assert!(err.contains("best_fit"), "{err}");
+        assert!(err.message.contains("best_fit"), "{err}");
         for name in ALGORITHM_NAMES {
-            assert!(err.contains(name), "{err}");
+            assert!(err.message.contains(name), "{err}");
         }
     }
 
@@ -897,7 +897,7 @@ mod tests {
     #[test]
     fn split_ratios_are_validated() {
         let err = split_shard_counts(10, 0.9, 0.1, 0.1).unwrap_err();
-        assert!(err.contains("sum to 1.0"), "{err}");
+        assert!(err.message.contains("sum to 1.0"), "{err}");
         assert!(split_shard_counts(10, 0.98, 0.01, 0.0100005).is_ok());
         assert!(split_shard_counts(10, 1.1, -0.1, 0.0).is_err());
         assert!(split_shard_counts(10, f64::NAN, 0.5, 0.5).is_err());
