@@ -4,8 +4,13 @@
 //! the file is not read again, so an unchanged 100 GB corpus costs one `stat`. A file modified
 //! within the last [`RACY_SECONDS`] is never memoised — its timestamp could still match after
 //! a later write in the same tick (git's "racy clean" problem). A directory's digest covers its
-//! sorted entries: relative path, kind, and content digest (or link target); a `.nemo-dag`
-//! store inside an input directory is skipped.
+//! sorted entries: relative path, kind, and content digest; a `.nemo-dag` store inside an input
+//! directory is skipped.
+//!
+//! Digests describe what a program reading the path sees: symbolic links are followed (a link
+//! to a file is that file's content, a link to a directory that directory's), and only regular
+//! files and directories have a digest. A FIFO would block the reader forever and a device
+//! like `/dev/zero` never ends, so they, dangling links and link cycles are errors.
 
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
@@ -90,12 +95,13 @@ impl Digester {
         crate::store::write_atomic(memo_file, &bytes, false)
     }
 
-    /// The digest of a file or directory (hex).
+    /// The digest of a file or directory (hex), as a reader following links sees it.
     pub fn digest(&mut self, path: &Path) -> io::Result<String> {
         let meta = std::fs::metadata(path)?;
         if meta.is_dir() {
             self.digest_dir(path)
         } else {
+            check_regular(path, &meta)?;
             self.digest_file(path, &meta)
         }
     }
@@ -123,43 +129,86 @@ impl Digester {
         Ok(digest)
     }
 
+    /// A directory's entries (links followed), sorted by relative path, then hashed.
     fn digest_dir(&mut self, root: &Path) -> io::Result<String> {
         let mut hasher = blake3::Hasher::new();
         hasher.update(b"nemo-dag dir v1\n");
-        let mut stack = vec![PathBuf::new()];
         let mut entries = Vec::new();
-        while let Some(rel) = stack.pop() {
-            let mut children: Vec<_> =
-                std::fs::read_dir(root.join(&rel))?.collect::<io::Result<Vec<_>>>()?;
-            children.sort_by_key(|e| e.file_name());
-            for child in children {
-                // A store inside an input directory is never part of its content.
-                if child.file_name() == ".nemo-dag" {
-                    continue;
-                }
-                entries.push(rel.join(child.file_name()));
-                if child.file_type()?.is_dir() {
-                    stack.push(rel.join(child.file_name()));
-                }
-            }
-        }
-        entries.sort();
-        for rel in entries {
-            let full = root.join(&rel);
-            let meta = std::fs::symlink_metadata(&full)?;
+        let mut visiting = vec![std::fs::canonicalize(root)?];
+        walk(root, PathBuf::new(), &mut visiting, &mut entries)?;
+        entries.sort_by(|a, b| a.0.cmp(&b.0));
+        for (rel, meta) in entries {
             let name = rel.to_string_lossy();
-            if meta.file_type().is_symlink() {
-                let target = std::fs::read_link(&full)?;
-                hasher.update(format!("L {name}\0{}\n", target.to_string_lossy()).as_bytes());
-            } else if meta.is_dir() {
+            if meta.is_dir() {
                 hasher.update(format!("D {name}\n").as_bytes());
             } else {
-                let d = self.digest_file(&full, &meta)?;
+                let d = self.digest_file(&root.join(&rel), &meta)?;
                 hasher.update(format!("F {name}\0{d}\n").as_bytes());
             }
         }
         Ok(hasher.finalize().to_hex().to_string())
     }
+}
+
+/// Collect every entry under `root/rel` with the metadata of what it names (links followed).
+/// `visiting` holds the canonical directories on the current path, to refuse link cycles.
+fn walk(
+    root: &Path,
+    rel: PathBuf,
+    visiting: &mut Vec<PathBuf>,
+    out: &mut Vec<(PathBuf, std::fs::Metadata)>,
+) -> io::Result<()> {
+    for child in std::fs::read_dir(root.join(&rel))? {
+        let child = child?;
+        // A store inside an input directory is never part of its content.
+        if child.file_name() == ".nemo-dag" {
+            continue;
+        }
+        let child_rel = rel.join(child.file_name());
+        let full = root.join(&child_rel);
+        let meta = std::fs::metadata(&full).map_err(|e| {
+            let dangling = e.kind() == io::ErrorKind::NotFound;
+            io::Error::new(
+                e.kind(),
+                if dangling {
+                    format!("{} is a symbolic link to nothing", full.display())
+                } else {
+                    format!("{}: {e}", full.display())
+                },
+            )
+        })?;
+        if meta.is_dir() {
+            let canonical = std::fs::canonicalize(&full)?;
+            if visiting.contains(&canonical) {
+                return Err(io::Error::new(
+                    io::ErrorKind::InvalidInput,
+                    format!("{} links back to a directory above it", full.display()),
+                ));
+            }
+            out.push((child_rel.clone(), meta));
+            visiting.push(canonical);
+            walk(root, child_rel, visiting, out)?;
+            visiting.pop();
+        } else {
+            check_regular(&full, &meta)?;
+            out.push((child_rel, meta));
+        }
+    }
+    Ok(())
+}
+
+/// Only regular files are read to the end: a FIFO blocks, a device may never end.
+fn check_regular(path: &Path, meta: &std::fs::Metadata) -> io::Result<()> {
+    if meta.is_file() {
+        return Ok(());
+    }
+    Err(io::Error::new(
+        io::ErrorKind::InvalidInput,
+        format!(
+            "{} is not a regular file or directory (a FIFO, socket or device cannot be an input)",
+            path.display()
+        ),
+    ))
 }
 
 /// blake3 of a file's bytes: small files read at once, large ones memory-mapped on every core.
