@@ -13,6 +13,9 @@ mod errors;
 /// Crashes, kills, concurrent runs and interrupted builds leave the store consistent.
 mod robustness;
 
+/// What the store serves is what was published: kills, gc, tampering, symlinks, odd inputs.
+mod integrity;
+
 /// The data ops against their Python references: tokenizers, Megatron's reader, packing.
 mod data;
 

@@ -3,12 +3,14 @@
 //!
 //! 1. Take the key's lock (a concurrent run of the same stage waits here).
 //! 2. If the key is already published, stop: someone else built it (`cached`).
-//! 3. Run the op in `tmp/<key>/out`, its log in `tmp/<key>/log.txt` (and on stderr). A `tmp/<key>`
-//!    left by a killed attempt is wiped, unless the op can resume from it (checkpoints).
-//! 4. Digest the outputs, write `artifact.json`, fsync everything, rename into `artifacts/<key>`.
+//! 3. Run the op in a fresh attempt directory, `tmp/<key>.<attempt>/out`, its log in
+//!    `…/log.txt` (and on stderr). A resumable op (checkpoints) continues its last attempt's
+//!    directory once that attempt's processes are gone ([`crate::store::attempt`]).
+//! 4. Check that no output links out of the stage, make the files read-only, digest them,
+//!    write `artifact.json`, fsync everything, rename into `artifacts/<key>`.
 //!
-//! A failure moves the attempt to `failed/<key>/` (for its log) and publishes nothing; a
-//! resumable op's attempt stays in `tmp/<key>/` (its checkpoints) with a copy of the log in
+//! A failure moves the attempt to `failed/<key>/` (for its log, until `gc`) and publishes
+//! nothing; a resumable op's attempt stays in `tmp/` (its checkpoints) with a copy of the log in
 //! `failed/<key>/`.
 
 use crate::diag::InputError;
@@ -16,6 +18,7 @@ use crate::diag::{Failure, Result, io_err};
 use crate::digest::Digester;
 use crate::executor::local::{self, Outcome};
 use crate::manifest::{LoadArgs, Manifest};
+use crate::stage_log::StageLog;
 use crate::store::{ARTIFACT_SCHEMA, Artifact, InputRecord, OutputRecord, Store};
 use nemo_dag_op::{Progress, Registry, RunContext, StageDecl};
 use serde::{Deserialize, Serialize};
@@ -58,27 +61,12 @@ pub struct JobResult {
     pub log: Option<String>,
 }
 
-/// Writes the stage log to its file and, live, to stderr.
-struct Tee {
-    file: std::fs::File,
-}
-
-impl Write for Tee {
-    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
-        self.file.write_all(buf)?;
-        let _ = std::io::stderr().write_all(buf);
-        Ok(buf.len())
-    }
-
-    fn flush(&mut self) -> std::io::Result<()> {
-        self.file.flush()
-    }
-}
-
 pub fn exec(spec: &JobSpec, ops: Registry) -> Result<JobResult> {
     let store = Store::new(spec.store.clone());
     store.ensure()?;
+    let _shared = store.hold_shared()?;
     let _lock = store.lock(&spec.key)?;
+    store.set_aside_invalid(&spec.key)?;
     if !spec.force && store.is_published(&spec.key) {
         return Ok(JobResult {
             state: "cached".into(),
@@ -116,21 +104,13 @@ pub fn exec(spec: &JobSpec, ops: Registry) -> Result<JobResult> {
         ))
     })?;
 
-    let tmp = store.tmp_dir(&spec.key);
-    let resuming = tmp.exists() && op.resumable();
-    if !resuming {
-        let _ = std::fs::remove_dir_all(&tmp);
-    }
+    let attempt = store.start_attempt(&spec.key, op.resumable())?;
+    let tmp = attempt.dir;
     let out_dir = tmp.join("out");
     std::fs::create_dir_all(&out_dir).map_err(|e| io_err("cannot create", &out_dir, e))?;
     let log_path = tmp.join("log.txt");
-    let file = std::fs::File::options()
-        .create(true)
-        .append(true)
-        .open(&log_path)
-        .map_err(|e| io_err("cannot create", &log_path, e))?;
-    let mut log = Tee { file };
-    if resuming {
+    let mut log = StageLog::open(&log_path).map_err(|e| io_err("cannot create", &log_path, e))?;
+    if attempt.resumed {
         let _ = writeln!(
             log,
             "nemo-dag: resuming an interrupted attempt at this stage"
@@ -149,38 +129,30 @@ pub fn exec(spec: &JobSpec, ops: Registry) -> Result<JobResult> {
         progress: &mut progress,
         stop_after_step: stop_after_step(),
     };
-    let outcome = op.run(&checked, &mut ctx);
+    let outcome = op
+        .run(&checked, &mut ctx)
+        .map_err(|e| e.to_string())
+        .and_then(|metrics| check_output_links(&out_dir).map(|()| metrics));
     let seconds = clock.elapsed().as_secs_f64();
     let metrics = match outcome {
         Ok(m) => m,
         Err(e) => {
             let _ = writeln!(log, "nemo-dag: stage `{}` failed: {e}", spec.stage);
-            drop(log);
-            let failed = store.failed_dir(&spec.key);
-            let _ = std::fs::remove_dir_all(&failed);
-            // A resumable op (training) keeps its attempt where the next run looks for it, so
-            // a crash on day five resumes from the last checkpoint; only the log is copied.
-            let kept = if op.resumable() {
-                std::fs::create_dir_all(&failed).is_ok()
-                    && std::fs::copy(&log_path, failed.join("log.txt")).is_ok()
-            } else {
-                std::fs::rename(&tmp, &failed).is_ok()
-            };
-            let log = if kept {
-                failed.join("log.txt")
-            } else {
-                log_path
-            };
+            let _ = log.finish();
+            let log = keep_failed_attempt(&store, &spec.key, &tmp, op.resumable());
             return Ok(JobResult {
                 state: "failed".into(),
                 key: Some(spec.key.clone()),
-                error: Some(e.to_string()),
+                error: Some(e),
                 log: Some(log.display().to_string()),
             });
         }
     };
-    drop(log);
+    log.finish()
+        .map_err(|e| io_err("cannot write", &log_path, e))?;
 
+    let _ = std::fs::remove_file(tmp.join(crate::store::attempt::MARKER));
+    crate::store::seal(&tmp).map_err(|e| io_err("cannot make read-only", &tmp, e))?;
     let mut digester = Digester::fresh();
     let mut outputs = BTreeMap::new();
     for (name, rel) in &spec.outputs {
@@ -218,8 +190,10 @@ pub fn exec(spec: &JobSpec, ops: Registry) -> Result<JobResult> {
     };
     let json = serde_json::to_vec_pretty(&artifact).map_err(|e| miette::miette!("{e}"))?;
     crate::store::sync_tree(&tmp).map_err(|e| io_err("cannot sync", &tmp, e))?;
-    crate::store::write_atomic(&tmp.join("artifact.json"), &json, true)
+    let meta = tmp.join("artifact.json");
+    crate::store::write_atomic(&meta, &json, true)
         .map_err(|e| io_err("cannot write artifact.json in", &tmp, e))?;
+    crate::store::seal(&meta).map_err(|e| io_err("cannot make read-only", &meta, e))?;
     store.publish(&tmp, &spec.key, spec.force)?;
     Ok(JobResult {
         state: "executed".into(),
@@ -233,6 +207,56 @@ pub fn exec(spec: &JobSpec, ops: Registry) -> Result<JobResult> {
                 .to_string(),
         ),
     })
+}
+
+/// Keep a failed attempt in `failed/<key>/` for its log (until `gc`), and return the log's
+/// path. A resumable op (training) leaves its attempt where the next run looks for it, so a
+/// crash on day five resumes from the last checkpoint; only the log is copied.
+fn keep_failed_attempt(store: &Store, key: &str, attempt: &Path, resumable: bool) -> PathBuf {
+    let failed = store.failed_dir(key);
+    let _ = std::fs::remove_dir_all(&failed);
+    let log = attempt.join("log.txt");
+    let kept = if resumable {
+        std::fs::create_dir_all(&failed).is_ok()
+            && std::fs::copy(&log, failed.join("log.txt")).is_ok()
+    } else {
+        std::fs::rename(attempt, &failed).is_ok()
+    };
+    if kept { failed.join("log.txt") } else { log }
+}
+
+/// A symbolic link among the outputs may only point inside them, by a relative path: a link
+/// out of the stage would let published content change after publication, and an absolute
+/// link breaks when the attempt is renamed into place.
+fn check_output_links(out_dir: &Path) -> std::result::Result<(), String> {
+    let root = std::fs::canonicalize(out_dir).map_err(|e| e.to_string())?;
+    let mut todo = vec![out_dir.to_path_buf()];
+    while let Some(dir) = todo.pop() {
+        for entry in std::fs::read_dir(&dir).map_err(|e| format!("{}: {e}", dir.display()))? {
+            let entry = entry.map_err(|e| e.to_string())?;
+            let path = entry.path();
+            let ty = entry.file_type().map_err(|e| e.to_string())?;
+            if ty.is_dir() {
+                todo.push(path);
+                continue;
+            }
+            if !ty.is_symlink() {
+                continue;
+            }
+            let target = std::fs::read_link(&path).map_err(|e| e.to_string())?;
+            let inside = !target.is_absolute()
+                && std::fs::canonicalize(&path).is_ok_and(|t| t.starts_with(&root));
+            if !inside {
+                let rel = path.strip_prefix(out_dir).unwrap_or(&path);
+                return Err(format!(
+                    "output {} is a symbolic link to {}, outside the stage's outputs: write the file itself (`cp -L`), or link within the outputs by a relative path",
+                    rel.display(),
+                    target.display()
+                ));
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Total size in bytes of a file, or of the files under a directory.
@@ -257,6 +281,27 @@ fn stop_after_step() -> Option<u64> {
         .and_then(|v| v.parse().ok())
 }
 
+/// When `exec` leads its own process group (the local executor starts it so), a SIGTERM,
+/// SIGHUP or SIGINT — which is also what it gets when the run that started it dies
+/// ([`nemo_dag_op::process::term_with_parent`]) — kills the whole group: the stage's commands
+/// and anything they forked die with it, instead of writing on into an abandoned attempt.
+fn take_the_group_down_on_termination() {
+    extern "C" fn kill_group(_: libc::c_int) {
+        // SAFETY: kill is async-signal-safe; 0 is our own process group, ourselves included.
+        unsafe { libc::kill(0, libc::SIGKILL) };
+    }
+    // SAFETY: getpgrp and getpid have no preconditions.
+    let leader = unsafe { libc::getpgrp() == libc::getpid() };
+    if !leader {
+        return;
+    }
+    let handler: extern "C" fn(libc::c_int) = kill_group;
+    for signal in [libc::SIGTERM, libc::SIGHUP, libc::SIGINT] {
+        // SAFETY: installing a handler that only calls an async-signal-safe function.
+        unsafe { libc::signal(signal, handler as libc::sighandler_t) };
+    }
+}
+
 /// Where `nemo-dag exec` finds its job.
 pub enum JobSource {
     /// A job spec (JSON) an executor wrote, or `-` for stdin.
@@ -273,6 +318,7 @@ pub enum JobSource {
 /// return the exit code (1 when it failed). In [`JobSource::Stage`] mode the stage is also
 /// recorded in the manifest's run record once built, as a local run would.
 pub fn exec_command(source: Option<JobSource>, ops: Registry) -> i32 {
+    take_the_group_down_on_termination();
     let mut recorded: Option<(Manifest, Store, String)> = None;
     let spec = match source {
         Some(JobSource::Spec(path)) => read_spec(&path),
@@ -317,10 +363,13 @@ pub fn exec_command(source: Option<JobSource>, ops: Registry) -> i32 {
             seconds: 0.0,
             error: None,
             log: None,
-            outputs: None,
         };
         let argv: Vec<String> = std::env::args().collect();
-        local::record_run(manifest, store, &argv, &[outcome]);
+        if let Err(e) = local::record_run(manifest, store, &argv, &[outcome]) {
+            eprintln!("nemo-dag exec: {e:?}");
+            println!("{}", serde_json::to_string(&result).unwrap_or_default());
+            return 1;
+        }
     }
     if let Some(error) = &result.error
         && result.log.is_none()

@@ -9,8 +9,10 @@
 //! - [`key`]: the stage key, blake3 of the canonical JSON of everything that determines the
 //!   stage's output.
 //! - [`plan`]: each stage's freshness against the store (with reasons).
-//! - [`store`]: the on-disk artifact store: atomic publish, per-key locks, run records, gc.
-//! - [`exec`]: builds one stage and publishes it (the one code path every executor runs).
+//! - [`store`]: the on-disk artifact store: atomic publish, per-key locks, attempts, run
+//!   records, verified reads, gc.
+//! - [`exec`]: builds one stage and publishes it (the one code path every executor runs), with
+//!   its capped [`stage_log`].
 //! - [`executor`]: what runs the stale stages: [`executor::local`] (a tokio scheduler of
 //!   `exec` child processes) and [`executor::slurm`] (one `sbatch` job per stale stage, chained
 //!   with `afterok`), with the `env.toml` [`executor::profile`]s.
@@ -27,12 +29,14 @@
 pub mod diag;
 pub mod digest;
 pub mod doc;
+pub mod duration;
 pub mod exec;
 pub mod executor;
 pub mod graph;
 pub mod key;
 pub mod manifest;
 pub mod plan;
+pub mod stage_log;
 pub mod store;
 #[cfg(test)]
 mod testing;

@@ -29,16 +29,7 @@ pub fn resolve(
     for (name, input) in &stage.inputs {
         let record = match input {
             Input::File { written, path } => {
-                let digest = digester.digest(path).map_err(|e| {
-                    manifest.error_at(
-                        &["stages", &stage.name, "inputs", name],
-                        format!("input `{name}` ({written}): {e}"),
-                    )
-                })?;
-                InputRecord::File {
-                    path: path.display().to_string(),
-                    digest,
-                }
+                file_input(manifest, stage, name, written, path, digester)?
             }
             Input::Stage { stage: up, output } => {
                 let Some(published) = upstream.get(up) else {
@@ -65,6 +56,45 @@ pub fn resolve(
         inputs,
         upstream_keys,
     }))
+}
+
+/// The record of one input file or directory, its digest computed (or remembered).
+fn file_input(
+    manifest: &Manifest,
+    stage: &Stage,
+    name: &str,
+    written: &str,
+    path: &std::path::Path,
+    digester: &mut Digester,
+) -> Result<InputRecord, InputError> {
+    let digest = digester.digest(path).map_err(|e| {
+        manifest.error_at(
+            &["stages", &stage.name, "inputs", name],
+            format!("input `{name}` ({written}): {e}"),
+        )
+    })?;
+    Ok(InputRecord::File {
+        path: path.display().to_string(),
+        digest,
+    })
+}
+
+/// Digest every file input of the `selected` stages: a run reads all of its inputs before it
+/// writes anything, so an unreadable one stops it with nothing written.
+pub fn check_file_inputs(
+    manifest: &Manifest,
+    selected: &std::collections::BTreeSet<String>,
+    digester: &mut Digester,
+) -> Result<(), InputError> {
+    for name in manifest.order.iter().filter(|n| selected.contains(*n)) {
+        let stage = &manifest.stages[name];
+        for (input, source) in &stage.inputs {
+            if let Input::File { written, path } = source {
+                file_input(manifest, stage, input, written, path, digester)?;
+            }
+        }
+    }
+    Ok(())
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -106,12 +136,13 @@ pub fn plan(manifest: &Manifest, store: &Store, digester: &mut Digester) -> Resu
         // The previous artifact is only read to explain a stage that is not up to date.
         let prev = || previous.get(name).and_then(|k| store.load(k));
         let (freshness, key, reasons) = match &resolved {
-            Some(r) => match store.lookup(&record, name, &r.key) {
-                Some(published) => {
+            Some(r) => match store.lookup(&r.key, digester) {
+                Ok(Some(published)) => {
                     known.insert(name.clone(), published);
                     (Freshness::UpToDate, Some(r.key.clone()), Vec::new())
                 }
-                None => {
+                Err(damage) => (Freshness::Stale, Some(r.key.clone()), vec![damage]),
+                Ok(None) => {
                     let mut reasons = why_stale(stage, Some(r), prev().as_ref(), &fresh);
                     if reasons.is_empty() {
                         reasons.push(if previous.get(name) == Some(&r.key) {

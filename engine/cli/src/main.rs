@@ -44,6 +44,8 @@ enum Command {
     Show(commands::show::Args),
     /// Show every ancestor of an artifact: op, key, params and input digests
     Lineage(commands::lineage::Args),
+    /// Re-read published artifacts and report any that changed after publication
+    Verify(commands::verify::Args),
     /// Check a manifest without running anything
     Validate(commands::ManifestArgs),
     /// Cancel the manifest's queued and running cluster jobs
@@ -82,12 +84,17 @@ fn main() {
 fn run(ops: Registry) -> i32 {
     let argv: Vec<String> = std::env::args().collect();
     let cli = Cli::parse();
+    // Messages are not re-wrapped: a path or a command in one must survive copy and paste.
+    let _ = miette::set_hook(Box::new(|_| {
+        Box::new(miette::MietteHandlerOpts::new().wrap_lines(false).build())
+    }));
     if matches!(
         cli.command,
         Command::Status(_)
             | Command::Graph(_)
             | Command::Show(_)
             | Command::Lineage(_)
+            | Command::Verify(_)
             | Command::Validate(_)
             | Command::Ops
     ) {
@@ -103,6 +110,7 @@ fn run(ops: Registry) -> i32 {
         Command::Graph(a) => commands::graph::exec(a, ops),
         Command::Show(a) => commands::show::exec(a),
         Command::Lineage(a) => commands::lineage::exec(a),
+        Command::Verify(a) => commands::verify::exec(a),
         Command::Validate(a) => commands::validate::exec(a, ops),
         Command::Cancel(a) => commands::cancel::exec(a, ops),
         Command::Gc(a) => commands::gc::exec(a),

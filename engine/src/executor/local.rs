@@ -4,8 +4,13 @@
 //! from the actual digests of those outputs; if that key is already in the store the stage is
 //! `cached` (or `cutoff`, when an upstream stage just re-ran and produced identical bytes) and
 //! nothing is started. Otherwise a child process `nemo-dag exec` builds and publishes it — the
-//! same code path a Slurm job runs. Each child gets its own process group, so Ctrl-C can stop
-//! whole command trees, and dies with us if we are killed (PR_SET_PDEATHSIG).
+//! same code path a Slurm job runs. Each child leads its own process group: Ctrl-C, SIGTERM or
+//! SIGHUP of the run kill every group, a child whose run dies (even by `kill -9`) kills its own
+//! group (PR_SET_PDEATHSIG → [`crate::exec`]), and when a child ends, whatever is left of its
+//! group is killed too. A stage with `resources.time` is killed when its time is up.
+//!
+//! The run holds the store's shared lock (so `gc` waits for it) and records each stage in the
+//! run record as soon as it is published or found cached.
 
 use crate::diag::{Failure, InputError, Result};
 use crate::digest::Digester;
@@ -15,11 +20,11 @@ use crate::plan::{self, Resolved};
 use crate::store::short;
 use crate::store::{Published, RunRecord, Store};
 use nemo_dag_op::Progress;
-use std::collections::{BTreeSet, HashMap, HashSet};
+use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
 use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::process::Stdio;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::task::JoinSet;
 
@@ -43,9 +48,6 @@ pub struct Outcome {
     pub error: Option<String>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub log: Option<String>,
-    /// Output → digest of what the stage published (for the run record).
-    #[serde(skip)]
-    pub outputs: Option<std::collections::BTreeMap<String, String>>,
 }
 
 /// The stages `--target` selects: the targets and everything upstream of them.
@@ -194,6 +196,8 @@ struct StageEcho {
     bar: Option<indicatif::ProgressBar>,
     name: String,
     width: usize,
+    /// The last few lines (not progress), for a stage that dies without a report.
+    last: VecDeque<String>,
 }
 
 impl StageEcho {
@@ -225,6 +229,10 @@ impl StageEcho {
             self.multi.as_ref(),
             format!("{:>w$} │ {line}", self.name, w = self.width),
         );
+        if self.last.len() == LAST_LINES {
+            self.last.pop_front();
+        }
+        self.last.push_back(line.chars().take(500).collect());
     }
 }
 
@@ -239,15 +247,39 @@ impl Drop for StageEcho {
 
 type JobOutput = (String, std::io::Result<JobResult>, f64);
 
+/// How many of a stage's last lines a failure report quotes.
+const LAST_LINES: usize = 8;
+
 pub fn run(manifest: &Manifest, store: &Store, opts: &RunOptions) -> Result<Vec<Outcome>> {
     let selected = select(manifest, &opts.targets)?;
     check_names(manifest, &opts.force, "--force")?;
+    // Every input is read before anything is written: bad input leaves no trace.
+    let mut digester = Digester::load(&store.memo_file());
+    plan::check_file_inputs(manifest, &selected, &mut digester)?;
     store.ensure()?;
+    let _shared = store.hold_shared()?;
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
         .map_err(|e| miette::miette!("cannot start the scheduler: {e}"))?;
-    runtime.block_on(schedule(manifest, store, opts, selected))
+    runtime.block_on(schedule(manifest, store, opts, selected, digester))
+}
+
+/// The first termination signal the run gets, by name.
+async fn termination() -> &'static str {
+    use tokio::signal::unix::{SignalKind, signal};
+    let (Ok(mut term), Ok(mut hup)) = (
+        signal(SignalKind::terminate()),
+        signal(SignalKind::hangup()),
+    ) else {
+        let _ = tokio::signal::ctrl_c().await;
+        return "SIGINT";
+    };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => "SIGINT",
+        _ = term.recv() => "SIGTERM",
+        _ = hup.recv() => "SIGHUP",
+    }
 }
 
 async fn schedule(
@@ -255,11 +287,11 @@ async fn schedule(
     store: &Store,
     opts: &RunOptions,
     selected: BTreeSet<String>,
+    mut digester: Digester,
 ) -> Result<Vec<Outcome>> {
     let jobs = opts.jobs.max(1);
     let exe =
         std::env::current_exe().map_err(|e| miette::miette!("cannot find nemo-dag itself: {e}"))?;
-    let mut digester = Digester::load(&store.memo_file());
     let order: Vec<&String> = manifest
         .order
         .iter()
@@ -292,7 +324,6 @@ async fn schedule(
         .map(|n| (position[n.as_str()], n.as_str()))
         .collect();
 
-    let record = plan::last_run_record(manifest, store);
     let mut published: HashMap<String, Published> = HashMap::new();
     let mut executed: HashSet<String> = HashSet::new();
     let mut outcomes: HashMap<String, Outcome> = HashMap::new();
@@ -301,8 +332,14 @@ async fn schedule(
     let mut failed = false;
     let mut tasks: JoinSet<JobOutput> = JoinSet::new();
     let mut interrupted = false;
-    let ctrl_c = tokio::signal::ctrl_c();
-    tokio::pin!(ctrl_c);
+    let mut record_error: Option<Failure> = None;
+    let mut record = |o: &Outcome| {
+        if let Err(e) = record_run(manifest, store, &opts.argv, std::slice::from_ref(o)) {
+            record_error.get_or_insert(e);
+        }
+    };
+    let stop = termination();
+    tokio::pin!(stop);
 
     loop {
         // Start (or settle from the cache) every ready stage that fits.
@@ -316,18 +353,37 @@ async fn schedule(
                     miette::miette!("internal: stage {name} became ready before its inputs")
                 })?;
             let forced = opts.force.iter().any(|f| f == name);
-            if !forced && let Some(found) = store.lookup(&record, name, &resolved.key) {
-                ready.remove(&(pos, name));
-                let cutoff = stage.deps.iter().any(|d| executed.contains(d));
-                let state = if cutoff { "cutoff" } else { "cached" };
-                reporter.stage_line(name, &format!("{state} {}", short(&resolved.key)));
-                let mut o = outcome(name, Some(&resolved.key), state, 0.0);
-                o.outputs = Some(found.outputs.clone());
-                outcomes.insert(name.to_string(), o);
-                published.insert(name.to_string(), found);
-                release(name, &dependents, &mut waiting, &mut ready, &position);
-                reporter.done(&running.keys().map(String::as_str).collect::<Vec<_>>());
-                continue;
+            let found = if forced {
+                Ok(None)
+            } else {
+                store.lookup(&resolved.key, &mut digester)
+            };
+            match found {
+                Ok(None) => {}
+                Ok(Some(found)) => {
+                    ready.remove(&(pos, name));
+                    let cutoff = stage.deps.iter().any(|d| executed.contains(d));
+                    let state = if cutoff { "cutoff" } else { "cached" };
+                    reporter.stage_line(name, &format!("{state} {}", short(&resolved.key)));
+                    let o = outcome(name, Some(&resolved.key), state, 0.0);
+                    record(&o);
+                    outcomes.insert(name.to_string(), o);
+                    published.insert(name.to_string(), found);
+                    release(name, &dependents, &mut waiting, &mut ready, &position);
+                    reporter.done(&running.keys().map(String::as_str).collect::<Vec<_>>());
+                    continue;
+                }
+                Err(damage) => {
+                    // Never served, never rebuilt over silently: the user decides.
+                    ready.remove(&(pos, name));
+                    failed = true;
+                    reporter.stage_line(name, &format!("FAILED: {damage}"));
+                    let mut o = outcome(name, Some(&resolved.key), "failed", 0.0);
+                    o.error = Some(damage);
+                    outcomes.insert(name.to_string(), o);
+                    reporter.done(&running.keys().map(String::as_str).collect::<Vec<_>>());
+                    continue;
+                }
             }
             let cpus = (stage.resources.cpus.unwrap_or(1) as usize).clamp(1, jobs);
             if cpus_in_use + cpus > jobs {
@@ -341,8 +397,14 @@ async fn schedule(
                 bar: None,
                 name: name.to_string(),
                 width,
+                last: VecDeque::new(),
             };
-            let pid = start_job(&exe, &spec, &mut tasks, echo)?;
+            let limit = stage
+                .resources
+                .time
+                .as_ref()
+                .and_then(crate::duration::parse);
+            let pid = start_job(&exe, &spec, &mut tasks, echo, limit)?;
             cpus_in_use += cpus;
             running.insert(name.to_string(), (pid, cpus, resolved.key.clone()));
         }
@@ -372,8 +434,8 @@ async fn schedule(
                             "cached"
                         };
                         reporter.stage_line(&name, &format!("{state} {} in {seconds:.2}s", short(&key)));
-                        let mut o = outcome(&name, Some(&key), state, seconds);
-                        o.outputs = Some(found.outputs.clone());
+                        let o = outcome(&name, Some(&key), state, seconds);
+                        record(&o);
                         outcomes.insert(name.clone(), o);
                         published.insert(name.clone(), found);
                         release(name_ref, &dependents, &mut waiting, &mut ready, &position);
@@ -397,9 +459,9 @@ async fn schedule(
                 }
                 reporter.done(&running.keys().map(String::as_str).collect::<Vec<_>>());
             }
-            _ = &mut ctrl_c, if !interrupted => {
+            signal = &mut stop, if !interrupted => {
                 interrupted = true;
-                reporter.line("interrupted: stopping running stages; nothing partial is published".into());
+                reporter.line(format!("{signal}: stopping running stages; nothing partial is published"));
                 for (pid, _, _) in running.values() {
                     // SAFETY: signalling a process group we created. What they leave in tmp/ is
                     // never published; the next attempt wipes or resumes it, and gc removes it.
@@ -421,11 +483,14 @@ async fn schedule(
                 .unwrap_or_else(|| outcome(n, None, "skipped", 0.0))
         })
         .collect();
-    record_run(manifest, store, &opts.argv, &outcomes);
+    let recorded = record_run(manifest, store, &opts.argv, &outcomes);
     if interrupted {
         return Err(Failure::Interrupted);
     }
-    Ok(outcomes)
+    match record_error.or(recorded.err()) {
+        Some(e) => Err(e),
+        None => Ok(outcomes),
+    }
 }
 
 fn outcome(name: &str, key: Option<&str>, state: &'static str, seconds: f64) -> Outcome {
@@ -436,7 +501,6 @@ fn outcome(name: &str, key: Option<&str>, state: &'static str, seconds: f64) -> 
         seconds,
         error: None,
         log: None,
-        outputs: None,
     }
 }
 
@@ -470,12 +534,15 @@ pub fn spec_for_stage(manifest: &Manifest, store: &Store, name: &str) -> Result<
         if stage_name == name {
             return Ok(job_spec(manifest, store, name, &resolved, false));
         }
-        let artifact = store.load(&resolved.key).map(|a| Published::from(&a)).ok_or_else(|| {
-            Failure::Stage(format!(
-                "stage `{name}` needs `{stage_name}`, which is not in the store (key {}); run it first",
-                short(&resolved.key)
-            ))
-        })?;
+        let artifact = store
+            .lookup(&resolved.key, &mut digester)
+            .map_err(Failure::Stage)?
+            .ok_or_else(|| {
+                Failure::Stage(format!(
+                    "stage `{name}` needs `{stage_name}`, which is not in the store (key {}); run it first",
+                    short(&resolved.key)
+                ))
+            })?;
         published.insert(stage_name.clone(), artifact);
     }
     Err(miette::miette!("internal: stage {name} not found").into())
@@ -530,11 +597,13 @@ pub fn job_spec(
 }
 
 /// Start `nemo-dag exec` for one stage; its stderr is shown live, prefixed with the stage name.
+/// With a `limit`, the stage's whole process group is killed when the time is up.
 fn start_job(
     exe: &PathBuf,
     spec: &JobSpec,
     tasks: &mut JoinSet<JobOutput>,
     mut stage_echo: StageEcho,
+    limit: Option<Duration>,
 ) -> Result<u32> {
     let mut command = tokio::process::Command::new(exe);
     command
@@ -545,9 +614,9 @@ fn start_job(
         .stdout(Stdio::piped())
         .stderr(Stdio::piped())
         .process_group(0);
-    // SAFETY: die_with_parent only calls prctl, which is async-signal-safe.
+    // SAFETY: term_with_parent only calls prctl, which is async-signal-safe.
     unsafe {
-        command.pre_exec(nemo_dag_op::process::die_with_parent);
+        command.pre_exec(nemo_dag_op::process::term_with_parent);
     }
     let mut child = command
         .spawn()
@@ -571,8 +640,8 @@ fn start_job(
                     while let Ok(Some(line)) = lines.next_line().await {
                         stage_echo.line(&line);
                     }
-                    drop(stage_echo);
                 }
+                std::mem::take(&mut stage_echo.last)
             };
             let read_result = async {
                 let mut out = Vec::new();
@@ -581,24 +650,50 @@ fn start_job(
                 }
                 Ok::<_, std::io::Error>(out)
             };
-            let ((), out) = tokio::join!(echo, read_result);
+            let io = async { tokio::join!(echo, read_result) };
+            tokio::pin!(io);
+            let timer = async {
+                match limit {
+                    Some(limit) => tokio::time::sleep(limit).await,
+                    None => std::future::pending().await,
+                }
+            };
+            let (timed_out, (last, out)) = tokio::select! {
+                done = &mut io => (false, done),
+                () = timer => {
+                    kill_group(pid);
+                    (true, io.await)
+                }
+            };
             let out = out?;
             let status = child.wait().await?;
+            // Whatever the stage left running in its group goes with it.
+            kill_group(pid);
+            if let (true, Some(limit)) = (timed_out, limit) {
+                return Ok(JobResult {
+                    state: "failed".into(),
+                    key: None,
+                    error: Some(format!(
+                        "the stage exceeded its time limit of {} (resources.time) and was killed",
+                        crate::duration::show(limit)
+                    )),
+                    log: None,
+                });
+            }
             let text = String::from_utf8_lossy(&out);
-            let last = text
+            let report = text
                 .lines()
                 .rev()
                 .find(|l| l.starts_with('{'))
                 .unwrap_or("");
-            match serde_json::from_str::<JobResult>(last) {
-                Ok(r) => Ok(r),
-                Err(_) => Ok(JobResult {
+            Ok(
+                serde_json::from_str::<JobResult>(report).unwrap_or_else(|_| JobResult {
                     state: "failed".into(),
                     key: None,
-                    error: Some(format!("nemo-dag exec ended with {status} and no report")),
+                    error: Some(no_report(status, &last)),
                     log: None,
                 }),
-            }
+            )
         }
         .await;
         (name, result, clock.elapsed().as_secs_f64())
@@ -606,10 +701,44 @@ fn start_job(
     Ok(pid)
 }
 
+/// SIGKILL to every process left in the group `pid` led.
+fn kill_group(pid: u32) {
+    if let Ok(pid) = i32::try_from(pid)
+        && pid > 1
+    {
+        // SAFETY: signalling a process group this scheduler created.
+        unsafe { libc::kill(-pid, libc::SIGKILL) };
+    }
+}
+
+/// Why an `exec` ended without its one-line report, with the last lines it wrote.
+fn no_report(status: std::process::ExitStatus, last: &VecDeque<String>) -> String {
+    use std::os::unix::process::ExitStatusExt;
+    let how = match status.signal() {
+        Some(libc::SIGKILL) => "was killed by SIGKILL (if nobody killed it, likely the kernel's out-of-memory killer: see `dmesg`)".to_string(),
+        Some(_) => format!("was killed by {status}"),
+        None => format!("ended with {status} and no report"),
+    };
+    if last.is_empty() {
+        return format!("nemo-dag exec {how}");
+    }
+    let lines: Vec<&str> = last.iter().map(String::as_str).collect();
+    format!(
+        "nemo-dag exec {how}; its last lines:\n    {}",
+        lines.join("\n    ")
+    )
+}
+
 /// Remember which key each stage has now, for `status` reasons, `show` and `gc`. Several
 /// processes may record into one run (the jobs of a cluster submission), so the record is
-/// updated under a lock: read, merge, replace.
-pub fn record_run(manifest: &Manifest, store: &Store, argv: &[String], outcomes: &[Outcome]) {
+/// updated under a lock: read, merge, replace. A record that cannot be written is an error:
+/// without it, `gc` would delete what the run published.
+pub fn record_run(
+    manifest: &Manifest,
+    store: &Store,
+    argv: &[String],
+    outcomes: &[Outcome],
+) -> Result<()> {
     let path = store.run_record_path(&plan::run_id(manifest));
     let lock = std::fs::File::options()
         .create(true)
@@ -624,27 +753,22 @@ pub fn record_run(manifest: &Manifest, store: &Store, argv: &[String], outcomes:
     for o in outcomes {
         if let (Some(key), "executed" | "cached" | "cutoff") = (&o.key, o.state) {
             record.stages.insert(o.name.clone(), key.clone());
-            let outputs = o
-                .outputs
-                .clone()
-                .or_else(|| store.load(key).map(|a| Published::from(&a).outputs));
-            match outputs {
-                Some(outputs) => record.outputs.insert(o.name.clone(), outputs),
-                None => record.outputs.remove(&o.name),
-            };
         }
     }
     record
         .stages
         .retain(|name, _| manifest.stages.contains_key(name));
-    let stages = record.stages.clone();
-    record.outputs.retain(|name, _| stages.contains_key(name));
     record.manifest = manifest.path.display().to_string();
     record.variant = manifest.variant.as_ref().map(|v| v.display().to_string());
     record.overrides = manifest.overrides.clone();
     record.argv = argv.to_vec();
     record.finished_at = crate::store::timestamp();
-    if let Ok(bytes) = serde_json::to_vec_pretty(&record) {
-        let _ = crate::store::write_atomic(&path, &bytes, false);
-    }
+    let bytes = serde_json::to_vec_pretty(&record).map_err(|e| miette::miette!("{e}"))?;
+    crate::store::write_atomic(&path, &bytes, false).map_err(|e| {
+        Failure::Other(miette::miette!(
+            help = "free space or fix the store, then run again: the stages are published and will be found cached",
+            "cannot write the run record {}: {e}. Until a run record names this run's artifacts, `gc` may delete them",
+            path.display()
+        ))
+    })
 }

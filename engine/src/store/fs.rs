@@ -14,13 +14,18 @@ pub fn write_atomic(path: &Path, bytes: &[u8], sync: bool) -> io::Result<()> {
         path.file_name().and_then(|n| n.to_str()).unwrap_or("file"),
         std::process::id()
     ));
-    let mut f = File::create(&tmp)?;
-    f.write_all(bytes)?;
-    if sync {
-        f.sync_all()?;
+    let written = File::create(&tmp).and_then(|mut f| {
+        f.write_all(bytes)?;
+        if sync {
+            f.sync_all()?;
+        }
+        Ok(())
+    });
+    // A failed write (a full disk) leaves no temp file behind.
+    if let Err(e) = written.and_then(|()| std::fs::rename(&tmp, path)) {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(e);
     }
-    drop(f);
-    std::fs::rename(&tmp, path)?;
     if sync {
         sync_dir(dir);
     }
@@ -32,6 +37,24 @@ pub fn sync_dir(dir: &Path) {
     if let Ok(d) = File::open(dir) {
         let _ = d.sync_all();
     }
+}
+
+/// Make a published file, or every file under a directory, read-only (directories stay
+/// writable, so `gc` can remove them without being root). An accidental write to a published
+/// output then fails at once instead of changing what later stages consume.
+pub fn seal(path: &Path) -> io::Result<()> {
+    use std::os::unix::fs::PermissionsExt;
+    let meta = std::fs::symlink_metadata(path)?;
+    if meta.is_dir() {
+        for entry in std::fs::read_dir(path)? {
+            seal(&entry?.path())?;
+        }
+    } else if meta.is_file() {
+        let mut perms = meta.permissions();
+        perms.set_mode(perms.mode() & !0o222);
+        std::fs::set_permissions(path, perms)?;
+    }
+    Ok(())
 }
 
 /// fsync every file under `dir`, then the directories themselves.

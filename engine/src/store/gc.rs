@@ -1,12 +1,13 @@
 //! `gc`: remove every published artifact that no run record or pin references (directly or as
-//! an ancestor), and the leftovers of interrupted builds.
+//! an ancestor), the attempts of builds that are not running, and failed attempts.
 //!
-//! An artifact is removed under its key's lock, so a concurrent `exec` of the same key is never
-//! half-deleted: the directory is first renamed into `trash/` (one atomic step, after which no
-//! reader sees it), then deleted. A `tmp/` entry is removed only when nobody holds its lock.
+//! `gc` holds the store's lock exclusively (every run and exec holds it shared), so it never
+//! runs beside a build: it cannot delete what a run has just published and not yet recorded.
+//! An artifact is first renamed into `trash/` (one atomic step, after which no reader sees it),
+//! then deleted.
 
 use super::Store;
-use crate::diag::Result;
+use crate::diag::{Failure, Result};
 use std::path::Path;
 
 /// What `gc` removed (or, in a dry run, would remove).
@@ -16,6 +17,9 @@ pub struct Report {
     pub removed: Vec<(String, u64)>,
     /// How many artifacts are still referenced and kept.
     pub kept: usize,
+    /// Attempts (interrupted or failed builds) removed, and their bytes.
+    pub attempts: usize,
+    pub attempt_bytes: u64,
 }
 
 impl Report {
@@ -30,6 +34,14 @@ pub fn collect(store: &Store, dry_run: bool) -> Result<Report> {
     if !store.artifacts().is_dir() {
         return Ok(report);
     }
+    store.ensure()?;
+    let Some(_exclusive) = store.try_hold_exclusive()? else {
+        return Err(Failure::Other(miette::miette!(
+            help = "run gc again when it has ended",
+            "the store {} is in use by a running `nemo-dag run` or `exec`: gc would delete what it is publishing",
+            store.root.display()
+        )));
+    };
     let live = store.live_keys();
     report.kept = live.len();
     for key in store.published_keys() {
@@ -39,7 +51,6 @@ pub fn collect(store: &Store, dry_run: bool) -> Result<Report> {
         let dir = store.artifact_dir(&key);
         let bytes = dir_bytes(&dir);
         if !dry_run {
-            let _lock = store.lock(&key)?;
             let trash = store.root.join("trash").join(&key);
             let _ = std::fs::remove_dir_all(&trash);
             if std::fs::rename(&dir, &trash).is_ok() {
@@ -48,30 +59,21 @@ pub fn collect(store: &Store, dry_run: bool) -> Result<Report> {
         }
         report.removed.push((key, bytes));
     }
-    if !dry_run {
-        remove_abandoned_builds(store);
-    }
-    Ok(report)
-}
-
-/// Leftovers of interrupted builds: a `tmp/` entry whose key nobody is building.
-fn remove_abandoned_builds(store: &Store) {
-    for entry in std::fs::read_dir(store.root.join("tmp"))
-        .into_iter()
-        .flatten()
-        .flatten()
-    {
-        let key = entry.file_name().to_string_lossy().to_string();
-        let lock_path = store.root.join("locks").join(format!("{key}.lock"));
-        let free = std::fs::File::options()
-            .write(true)
-            .open(&lock_path)
-            .map(|f| f.try_lock().is_ok())
-            .unwrap_or(true);
-        if free {
-            let _ = std::fs::remove_dir_all(entry.path());
+    // No build runs while we hold the store: every attempt and failed attempt is a leftover.
+    for sub in ["tmp", "failed", "trash"] {
+        for entry in std::fs::read_dir(store.root.join(sub))
+            .into_iter()
+            .flatten()
+            .flatten()
+        {
+            report.attempts += usize::from(sub != "trash");
+            report.attempt_bytes += dir_bytes(&entry.path());
+            if !dry_run {
+                let _ = std::fs::remove_dir_all(entry.path());
+            }
         }
     }
+    Ok(report)
 }
 
 fn dir_bytes(dir: &Path) -> u64 {

@@ -2,32 +2,42 @@
 //!
 //! ```text
 //! <store>/
-//!   artifacts/<key>/      published: artifact.json, log.txt, out/<declared outputs>
-//!   tmp/<key>/            a stage being built (never read as a result)
-//!   failed/<key>/         the last failed attempt at a key, kept for its log
+//!   artifacts/<key>/      published: artifact.json, log.txt, out/<declared outputs> (read-only)
+//!   tmp/<key>.<attempt>/  a stage being built, one directory per attempt (never read as a result)
+//!   failed/<key>/         the last failed attempt at a key, kept for its log until `gc`
 //!   locks/<key>.lock      one writer per key, across processes (flock)
+//!   locks/store.lock      held shared by every run and exec, exclusively by `gc`
 //!   runs/<id>.json        the last run of each manifest (+variant): stage → key
 //!   pins/<name>           a key that `gc` must keep
 //!   cache/digests.json    the file-digest memo
 //! ```
 //!
 //! The modules: [`fs`] writes files atomically; [`find`] finds a store and resolves a stage
-//! name or key prefix in it; [`pins`] keeps artifacts by name; [`gc`] removes what nothing
-//! references.
+//! name or key prefix in it; [`attempt`] gives each build a directory of its own; [`pins`]
+//! keeps artifacts by name; [`gc`] removes what nothing references; [`verify`] re-digests
+//! what is published.
 //!
-//! The invariant: `artifacts/<key>/` exists only complete. Everything is written and synced
-//! inside `tmp/`, then renamed into place, so a crash or `kill -9` at any instant leaves at worst
-//! a stray `tmp/` entry, which nothing reads and `gc` removes.
+//! The invariants:
+//! - `artifacts/<key>/` exists only complete. Everything is written and synced inside an
+//!   attempt directory, then renamed into place, so a crash or `kill -9` at any instant leaves
+//!   at worst a stray `tmp/` entry, which nothing reads and `gc` removes.
+//! - An entry is published when its `artifact.json` parses and names its key ([`Store::load`]);
+//!   anything else under `artifacts/` is set aside by the next build of that key.
+//! - What is served is what was published: before a published output is used, its files are
+//!   checked against the digests in `artifact.json` (by their stamp, re-hashed when it moved).
 
+pub mod attempt;
 mod find;
 mod fs;
 pub mod gc;
 mod pins;
+pub mod verify;
 
 pub use find::{artifact_json, lineage};
-pub use fs::{sync_dir, sync_tree, write_atomic};
+pub use fs::{seal, sync_dir, sync_tree, write_atomic};
 
 use crate::diag::{Failure, Result, io_err};
+use crate::digest::Digester;
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use std::collections::{BTreeMap, BTreeSet};
@@ -96,7 +106,8 @@ pub struct OutputRecord {
     pub bytes: u64,
 }
 
-/// The last run of one manifest: which key each stage had.
+/// The last run of one manifest: which key each stage had. What each key published is read
+/// from its `artifact.json`, never from here.
 #[derive(Debug, Clone, Serialize, Deserialize, Default)]
 pub struct RunRecord {
     pub manifest: String,
@@ -105,23 +116,6 @@ pub struct RunRecord {
     pub argv: Vec<String>,
     pub finished_at: String,
     pub stages: BTreeMap<String, String>,
-    /// Stage → output → digest, for the key in `stages`: lets `status` and no-op runs skip
-    /// reading every `artifact.json` (the artifact's existence is still checked).
-    #[serde(default)]
-    pub outputs: BTreeMap<String, BTreeMap<String, String>>,
-}
-
-impl RunRecord {
-    /// What the record says stage `name` published under `key`, if it recorded that key.
-    pub fn published(&self, name: &str, key: &str) -> Option<Published> {
-        if self.stages.get(name).map(String::as_str) != Some(key) {
-            return None;
-        }
-        Some(Published {
-            key: key.to_string(),
-            outputs: self.outputs.get(name)?.clone(),
-        })
-    }
 }
 
 /// What a consumer needs of a published stage: its key and the digest of each output.
@@ -160,13 +154,6 @@ impl Store {
         self.artifacts().join(key)
     }
 
-    /// Where `key` is built. Only the holder of the key's lock uses it, so its name is stable:
-    /// an attempt that was killed leaves it behind for the next attempt (a requeued cluster
-    /// job, say) to resume from, if the op can.
-    pub fn tmp_dir(&self, key: &str) -> PathBuf {
-        self.root.join("tmp").join(key)
-    }
-
     pub fn failed_dir(&self, key: &str) -> PathBuf {
         self.root.join("failed").join(key)
     }
@@ -200,8 +187,8 @@ impl Store {
         Ok(())
     }
 
-    /// The published artifact for `key`, if there is one. A directory without a readable
-    /// `artifact.json` is not an artifact.
+    /// The published artifact for `key`, if there is one: the one definition of "published"
+    /// is an `artifact.json` that parses and names this key.
     pub fn load(&self, key: &str) -> Option<Artifact> {
         let bytes = std::fs::read(self.artifact_dir(key).join("artifact.json")).ok()?;
         let artifact: Artifact = serde_json::from_slice(&bytes).ok()?;
@@ -209,16 +196,84 @@ impl Store {
     }
 
     pub fn is_published(&self, key: &str) -> bool {
-        self.artifact_dir(key).join("artifact.json").is_file()
+        self.load(key).is_some()
     }
 
-    /// The published `key` of stage `name`: from the run record when it knows the key (one
-    /// `stat`), else from `artifact.json`.
-    pub fn lookup(&self, record: &RunRecord, name: &str, key: &str) -> Option<Published> {
-        match record.published(name, key) {
-            Some(p) if self.is_published(key) => Some(p),
-            _ => self.load(key).map(|a| Published::from(&a)),
+    /// The published `key`, checked to be what was published: each output's files against the
+    /// digests in its `artifact.json` (through `digester`'s memo, so an untouched output costs
+    /// a `stat` per file). `Ok(None)` when the key is not published; when it was altered after
+    /// publication, an error naming the stage, the key and each changed output, with the way
+    /// out.
+    pub fn lookup(
+        &self,
+        key: &str,
+        digester: &mut Digester,
+    ) -> std::result::Result<Option<Published>, String> {
+        let Some(artifact) = self.load(key) else {
+            return Ok(None);
+        };
+        let damage = verify::check_outputs(self, &artifact, digester);
+        if damage.is_empty() {
+            return Ok(Some(Published::from(&artifact)));
         }
+        Err(format!(
+            "the artifact of stage `{stage}` ({key}) was changed after it was published, and is not used: {damage}\n  help: `nemo-dag verify --all` lists every damaged entry; `nemo-dag run MANIFEST --force {stage}` rebuilds this one",
+            stage = artifact.stage,
+            key = short(key),
+            damage = damage.join("; "),
+        ))
+    }
+
+    /// An entry under `artifacts/<key>` that is not published (no readable `artifact.json`:
+    /// an older crash, a hand edit) is moved aside so the key can be built. The caller holds
+    /// the key's lock.
+    pub fn set_aside_invalid(&self, key: &str) -> Result<bool> {
+        let dir = self.artifact_dir(key);
+        if !dir.exists() || self.load(key).is_some() {
+            return Ok(false);
+        }
+        let trash = self
+            .root
+            .join("trash")
+            .join(format!("{key}.invalid.{}", std::process::id()));
+        std::fs::rename(&dir, &trash).map_err(|e| io_err("cannot move aside", &dir, e))?;
+        let _ = std::fs::remove_dir_all(&trash);
+        Ok(true)
+    }
+
+    /// Every run and exec holds this shared for as long as it works on the store; `gc` takes
+    /// it exclusively, so it never deletes what a running build is about to use.
+    pub fn hold_shared(&self) -> Result<File> {
+        let file = self.store_lock_file()?;
+        file.lock_shared()
+            .map_err(|e| io_err("cannot lock", &self.store_lock_path(), e))?;
+        Ok(file)
+    }
+
+    /// The store to oneself (for `gc`), or `None` while a run or exec works on it.
+    pub fn try_hold_exclusive(&self) -> Result<Option<File>> {
+        let file = self.store_lock_file()?;
+        match file.try_lock() {
+            Ok(()) => Ok(Some(file)),
+            Err(std::fs::TryLockError::WouldBlock) => Ok(None),
+            Err(std::fs::TryLockError::Error(e)) => {
+                Err(io_err("cannot lock", &self.store_lock_path(), e))
+            }
+        }
+    }
+
+    fn store_lock_path(&self) -> PathBuf {
+        self.root.join("locks").join("store.lock")
+    }
+
+    fn store_lock_file(&self) -> Result<File> {
+        let path = self.store_lock_path();
+        File::options()
+            .create(true)
+            .truncate(false)
+            .write(true)
+            .open(&path)
+            .map_err(|e| io_err("cannot open lock", &path, e))
     }
 
     /// Block until this process is the only one working on `key`. Dropping the file unlocks.

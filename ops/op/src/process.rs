@@ -1,4 +1,4 @@
-//! Two process helpers the engine's executors and the `cmd` op share.
+//! Process helpers the engine's executors and the `cmd` op share.
 
 /// Quote a string as one POSIX shell word: `it's` → `'it'\''s'`.
 pub fn shell_quote(value: &str) -> String {
@@ -20,6 +20,14 @@ pub fn shell_quote(value: &str) -> String {
 pub fn die_with_parent() -> std::io::Result<()> {
     // SAFETY: prctl(PR_SET_PDEATHSIG) only sets a flag on the calling process.
     unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) };
+    Ok(())
+}
+
+/// For `pre_exec` of a child that cleans up after itself: it gets SIGTERM when the thread that
+/// spawned it exits (`nemo-dag exec` then kills its whole process group).
+pub fn term_with_parent() -> std::io::Result<()> {
+    // SAFETY: prctl(PR_SET_PDEATHSIG) only sets a flag on the calling process.
+    unsafe { libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGTERM) };
     Ok(())
 }
 

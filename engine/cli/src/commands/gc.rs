@@ -1,4 +1,4 @@
-//! `nemo-dag gc`: remove the artifacts no recorded run or pin references.
+//! `nemo-dag gc`: remove the artifacts no recorded run or pin references, and leftover attempts.
 
 use nemo_dag_engine::diag::Result;
 use nemo_dag_engine::store::{Store, gc};
@@ -31,10 +31,12 @@ pub fn exec(a: Args) -> Result<()> {
         }
     }
     eprintln!(
-        "{} {} artifact(s), {} bytes; kept {}",
+        "{} {} artifact(s), {} bytes, and {} interrupted or failed attempt(s), {} bytes; kept {}",
         if a.dry_run { "would remove" } else { "removed" },
         report.removed.len(),
         report.bytes(),
+        report.attempts,
+        report.attempt_bytes,
         report.kept
     );
     Ok(())

@@ -12,6 +12,7 @@ pub mod run;
 pub mod show;
 pub mod status;
 pub mod validate;
+pub mod verify;
 
 use nemo_dag_engine::diag::Result;
 use nemo_dag_engine::manifest::{LoadArgs, Manifest};
@@ -42,7 +43,8 @@ impl ManifestArgs {
             variant: self.variant.clone(),
             overrides: self.overrides.clone(),
             cache_dir: Some(store.root.join("cache").join("manifests")),
-            write_cache: remember,
+            // Only into a store that exists: loading a manifest never creates one.
+            write_cache: remember && store.root.is_dir(),
             ..LoadArgs::new(self.manifest.clone(), ops)
         };
         (args, store)

@@ -290,7 +290,6 @@ pub fn submit(manifest: &Manifest, store: &Store, opts: &SubmitOptions) -> Resul
             seconds: 0.0,
             error: None,
             log: None,
-            outputs: None,
         })
         .collect();
     match opts.mode {
@@ -304,7 +303,6 @@ pub fn submit(manifest: &Manifest, store: &Store, opts: &SubmitOptions) -> Resul
                     seconds: 0.0,
                     error: None,
                     log: Some(job.log.clone()),
-                    outputs: None,
                 });
             }
             Ok(order(manifest, out))

@@ -208,7 +208,6 @@ fn outcome_of(
         seconds,
         error,
         log: Some(job.log.clone()),
-        outputs: None,
     }
 }
 
