@@ -383,12 +383,19 @@ stages:
     }
     // Requeue only once the command itself is running (its first line is written), not while
     // `nemo-dag exec` is still starting up.
-    let attempt = p.dir.join(".nemo-dag/tmp").join(&key).join("out/o.txt");
-    while !std::fs::read_to_string(&attempt).is_ok_and(|t| t.starts_with("attempt")) {
+    // (Each attempt builds in a directory of its own, `tmp/<key>.<attempt>/`.)
+    let tmp = p.dir.join(".nemo-dag/tmp");
+    let written = || {
+        crate::common::find_named(&tmp, "o.txt").iter().any(|rel| {
+            rel.starts_with(&key)
+                && std::fs::read_to_string(tmp.join(rel)).is_ok_and(|t| t.starts_with("attempt"))
+        })
+    };
+    while !written() {
         assert!(
             start.elapsed() < Duration::from_secs(30),
-            "job {id} never wrote {}",
-            attempt.display()
+            "job {id} never wrote out/o.txt under {}",
+            tmp.display()
         );
         std::thread::sleep(Duration::from_millis(50));
     }
