@@ -550,3 +550,59 @@ fn a_stage_past_its_time_limit_is_killed() {
     );
     assert!(p.artifact_dirs().is_empty());
 }
+
+/// A tmpfs of a few hundred KiB, unmounted on drop; `None` where this machine cannot mount one
+/// (not root, or a container without the capability).
+struct SmallDisk(PathBuf);
+
+impl SmallDisk {
+    fn mount(dir: PathBuf, size: &str) -> Option<SmallDisk> {
+        std::fs::create_dir_all(&dir).ok()?;
+        let ok = std::process::Command::new("mount")
+            .args(["-t", "tmpfs", "-o", &format!("size={size}"), "tmpfs"])
+            .arg(&dir)
+            .stderr(std::process::Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success());
+        ok.then_some(SmallDisk(dir))
+    }
+}
+
+impl Drop for SmallDisk {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount").arg(&self.0).status();
+    }
+}
+
+/// A full disk fails the stage with the file it could not write, publishes nothing and leaves
+/// no temp files.
+#[test]
+fn a_full_disk_fails_the_stage_and_names_the_file() {
+    let p = Project::new("full-disk");
+    let Some(disk) = SmallDisk::mount(p.path("disk"), "600k") else {
+        eprintln!("skipped: cannot mount a tmpfs here (needs root and CAP_SYS_ADMIN)");
+        return;
+    };
+    std::fs::write(
+        disk.0.join("m.yaml"),
+        "stages:\n  big:\n    op: cmd\n    outputs: {o: o.txt}\n    cmd: \"head -c 400000 /dev/zero > {outputs.o}; seq 1 100000\"\n",
+    )
+    .unwrap();
+    let out = output({
+        let mut c = p.command(&["run", "m.yaml"]);
+        c.current_dir(&disk.0);
+        c
+    });
+    assert_eq!(out.code, 1, "{out}");
+    let store = disk.0.join(".nemo-dag");
+    assert!(
+        out.stderr.contains("No space left on device")
+            && out
+                .stderr
+                .contains(&format!("cannot write the stage log {}", store.display())),
+        "the error names the file\n{out}"
+    );
+    assert!(artifact_dirs(&store).is_empty(), "nothing is published");
+    let temp: Vec<String> = find_named(&store.join("runs"), ".");
+    assert!(temp.is_empty(), "no temp files are left: {temp:?}");
+}

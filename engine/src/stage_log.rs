@@ -15,6 +15,7 @@ const TAIL: usize = 64 << 10;
 
 pub struct StageLog {
     file: File,
+    path: std::path::PathBuf,
     /// Bytes the file may hold before the tail.
     head_limit: u64,
     written: u64,
@@ -35,6 +36,7 @@ impl StageLog {
         let tail_limit = TAIL.min(usize::try_from(limit / 4).unwrap_or(TAIL));
         Ok(StageLog {
             file,
+            path: path.to_path_buf(),
             head_limit: limit.saturating_sub(tail_limit as u64),
             written,
             dropped: 0,
@@ -66,7 +68,13 @@ impl Write for StageLog {
         let _ = io::stderr().write_all(buf);
         let room = usize::try_from(self.head_limit.saturating_sub(self.written)).unwrap_or(0);
         let (head, rest) = buf.split_at(room.min(buf.len()));
-        self.file.write_all(head)?;
+        // An error names the log: "No space left on device" alone says nothing of where.
+        self.file.write_all(head).map_err(|e| {
+            io::Error::new(
+                e.kind(),
+                format!("cannot write the stage log {}: {e}", self.path.display()),
+            )
+        })?;
         self.written += head.len() as u64;
         // Past the cap: keep the newest bytes, count what falls out.
         self.tail.extend(rest);

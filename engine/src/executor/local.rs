@@ -765,9 +765,16 @@ pub fn record_run(
     record.finished_at = crate::store::timestamp();
     let bytes = serde_json::to_vec_pretty(&record).map_err(|e| miette::miette!("{e}"))?;
     crate::store::write_atomic(&path, &bytes, false).map_err(|e| {
+        let published = outcomes
+            .iter()
+            .any(|o| matches!(o.state, "executed" | "cached" | "cutoff"));
+        let consequence = if published {
+            ". Until a run record names this run's artifacts, `gc` may delete them; run again once it can be written (they will be found cached)"
+        } else {
+            ""
+        };
         Failure::Other(miette::miette!(
-            help = "free space or fix the store, then run again: the stages are published and will be found cached",
-            "cannot write the run record {}: {e}. Until a run record names this run's artifacts, `gc` may delete them",
+            "cannot write the run record {}: {e}{consequence}",
             path.display()
         ))
     })
