@@ -188,6 +188,45 @@ fn gc_during_a_run_deletes_nothing_the_run_uses() {
     }
 }
 
+/// A run killed before it writes its record keeps what it published: `gc` afterwards must not
+/// delete the stages it finished (the run journals each one as it publishes).
+#[test]
+fn gc_after_a_killed_run_keeps_what_it_published() {
+    let p = Project::new("gc-after-kill");
+    p.write("m.yaml", SLOW_CONSUMER);
+    let store = p.store();
+    let child = p.spawn(&["run", "m.yaml"]);
+    let b_started = wait_for(Duration::from_secs(20), || {
+        !stage_processes(&store).is_empty() && !p.artifact_dirs().is_empty()
+    });
+    assert!(b_started, "stage a was never published");
+    let published = p.artifact_dirs();
+    std::process::Command::new("kill")
+        .args(["-KILL", &child.id().to_string()])
+        .status()
+        .unwrap();
+    let killed = child_output(child);
+    assert_ne!(killed.code, 0, "{killed}");
+    let gone = wait_for(Duration::from_secs(5), || {
+        stage_processes(&store).is_empty()
+    });
+    assert!(gone, "the killed run's stage is still running");
+    let gc = p.run(&["gc"]);
+    assert_eq!(gc.code, 0, "{gc}");
+    for dir in &published {
+        assert!(
+            dir.is_dir(),
+            "gc deleted {}, which the killed run had published\n{gc}",
+            dir.display()
+        );
+    }
+    // The next run finds it cached and, once its record is written, drops the journal.
+    let v = p.json(&["run", "m.yaml", "--json"]);
+    assert_eq!(stage(&v, "a")["state"], "cached", "{v}");
+    let journals = find_named(&store.join("runs"), ".journal");
+    assert!(journals.is_empty(), "journals left: {journals:?}");
+}
+
 fn run_record(store: &Path) -> PathBuf {
     let records: Vec<PathBuf> = std::fs::read_dir(store.join("runs"))
         .unwrap()

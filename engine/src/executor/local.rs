@@ -9,8 +9,8 @@
 //! group (PR_SET_PDEATHSIG → [`crate::exec`]), and when a child ends, whatever is left of its
 //! group is killed too. A stage with `resources.time` is killed when its time is up.
 //!
-//! The run holds the store's shared lock (so `gc` waits for it) and records each stage in the
-//! run record as soon as it is published or found cached.
+//! The run holds the store's shared lock (so `gc` refuses to run beside it), journals each key
+//! it publishes at once, and writes the run record at the end.
 
 use crate::diag::{Failure, InputError, Result};
 use crate::digest::Digester;
@@ -332,12 +332,9 @@ async fn schedule(
     let mut failed = false;
     let mut tasks: JoinSet<JobOutput> = JoinSet::new();
     let mut interrupted = false;
+    // Each key this run publishes is journaled at once; the record is written at the end.
+    let run_id = plan::run_id(manifest);
     let mut record_error: Option<Failure> = None;
-    let mut record = |o: &Outcome| {
-        if let Err(e) = record_run(manifest, store, &opts.argv, std::slice::from_ref(o)) {
-            record_error.get_or_insert(e);
-        }
-    };
     let stop = termination();
     tokio::pin!(stop);
 
@@ -366,7 +363,6 @@ async fn schedule(
                     let state = if cutoff { "cutoff" } else { "cached" };
                     reporter.stage_line(name, &format!("{state} {}", short(&resolved.key)));
                     let o = outcome(name, Some(&resolved.key), state, 0.0);
-                    record(&o);
                     outcomes.insert(name.to_string(), o);
                     published.insert(name.to_string(), found);
                     release(name, &dependents, &mut waiting, &mut ready, &position);
@@ -429,13 +425,15 @@ async fn schedule(
                     ("executed" | "cached", Some(found)) => {
                         let state = if result.state == "executed" {
                             executed.insert(name.clone());
+                            if let Err(e) = store.journal(&run_id, &key) {
+                                record_error.get_or_insert(e);
+                            }
                             "executed"
                         } else {
                             "cached"
                         };
                         reporter.stage_line(&name, &format!("{state} {} in {seconds:.2}s", short(&key)));
                         let o = outcome(&name, Some(&key), state, seconds);
-                        record(&o);
                         outcomes.insert(name.clone(), o);
                         published.insert(name.clone(), found);
                         release(name_ref, &dependents, &mut waiting, &mut ready, &position);
@@ -484,6 +482,9 @@ async fn schedule(
         })
         .collect();
     let recorded = record_run(manifest, store, &opts.argv, &outcomes);
+    if recorded.is_ok() {
+        let _ = std::fs::remove_file(store.journal_path(&run_id));
+    }
     if interrupted {
         return Err(Failure::Interrupted);
     }

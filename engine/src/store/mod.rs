@@ -8,6 +8,7 @@
 //!   locks/<key>.lock      one writer per key, across processes (flock)
 //!   locks/store.lock      held shared by every run and exec, exclusively by `gc`
 //!   runs/<id>.json        the last run of each manifest (+variant): stage → key
+//!   runs/<id>.journal     keys a run in progress (or killed) has published so far
 //!   pins/<name>           a key that `gc` must keep
 //!   cache/digests.json    the file-digest memo
 //! ```
@@ -311,6 +312,42 @@ impl Store {
         self.root.join("runs").join(format!("{id}.json"))
     }
 
+    /// A run's journal: the keys it has published so far, one line each, appended as each
+    /// stage is published (O(1) a stage) and removed once the run's record is written. A run
+    /// killed before its record keeps its results live for `gc` through its journal.
+    pub fn journal_path(&self, id: &str) -> PathBuf {
+        self.root.join("runs").join(format!("{id}.journal"))
+    }
+
+    pub fn journal(&self, id: &str, key: &str) -> Result<()> {
+        use std::io::Write;
+        let path = self.journal_path(id);
+        File::options()
+            .create(true)
+            .append(true)
+            .open(&path)
+            .and_then(|mut f| f.write_all(format!("{key}\n").as_bytes()))
+            .map_err(|e| io_err("cannot write the run journal", &path, e))
+    }
+
+    /// Every key in every run journal.
+    fn journaled_keys(&self) -> Vec<String> {
+        std::fs::read_dir(self.root.join("runs"))
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter(|e| e.path().extension().is_some_and(|x| x == "journal"))
+            .filter_map(|e| std::fs::read_to_string(e.path()).ok())
+            .flat_map(|text| {
+                text.lines()
+                    .map(str::trim)
+                    .filter(|k| !k.is_empty())
+                    .map(str::to_string)
+                    .collect::<Vec<_>>()
+            })
+            .collect()
+    }
+
     pub fn run_records(&self) -> Vec<(PathBuf, RunRecord)> {
         let mut out: Vec<(PathBuf, RunRecord)> = std::fs::read_dir(self.root.join("runs"))
             .into_iter()
@@ -371,12 +408,14 @@ impl Store {
         }
     }
 
-    /// Every key that a run record or pin references, with all of their ancestors.
+    /// Every key that a run record, run journal or pin references, with all of their
+    /// ancestors.
     pub fn live_keys(&self) -> BTreeSet<String> {
         let mut todo: Vec<String> = self
             .run_records()
             .into_iter()
             .flat_map(|(_, r)| r.stages.into_values())
+            .chain(self.journaled_keys())
             .chain(self.pins().into_values())
             .collect();
         let mut live = BTreeSet::new();
