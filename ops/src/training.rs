@@ -104,7 +104,11 @@ pub(crate) fn train_and_publish(
     let model_dir = ctx.out_dir.join("model");
     checkpoint::save_model(&trainer.model, &model_dir)
         .map_err(|e| RunError::new(format!("cannot write {}: {e}", model_dir.display())))?;
-    std::fs::copy(tokenizer, model_dir.join("tokenizer.json"))?;
+    // The copy keeps the source's mode, and published files are read-only: replace, do not
+    // overwrite, a copy a resumed attempt may already hold.
+    let copied = model_dir.join("tokenizer.json");
+    let _ = std::fs::remove_file(&copied);
+    std::fs::copy(tokenizer, &copied)?;
     let _ = std::fs::remove_dir_all(ctx.out_dir.join("checkpoint.old"));
     match summary {
         Value::Object(m) => Ok(m),
