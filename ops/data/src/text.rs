@@ -331,6 +331,57 @@ mod tests {
         assert!(e.contains("no column `body` (columns: text)"), "{e}");
     }
 
+    /// A one-column Parquet file of `texts`, compressed with `codec`.
+    fn text_parquet(name: &str, texts: &[&str], codec: parquet::basic::Compression) -> PathBuf {
+        use parquet::data_type::{ByteArray, ByteArrayType};
+        use parquet::file::properties::WriterProperties;
+        use parquet::file::writer::SerializedFileWriter;
+        let schema = std::sync::Arc::new(
+            parquet::schema::parser::parse_message_type(
+                "message m { REQUIRED BINARY text (UTF8); }",
+            )
+            .unwrap(),
+        );
+        let props = WriterProperties::builder().set_compression(codec).build();
+        let p = tmp(name, b"");
+        let mut w = SerializedFileWriter::new(
+            std::fs::File::create(&p).unwrap(),
+            schema,
+            std::sync::Arc::new(props),
+        )
+        .unwrap();
+        let mut rg = w.next_row_group().unwrap();
+        let mut col = rg.next_column().unwrap().unwrap();
+        let values: Vec<ByteArray> = texts.iter().map(|t| ByteArray::from(*t)).collect();
+        col.typed::<ByteArrayType>()
+            .write_batch(&values, None, None)
+            .unwrap();
+        col.close().unwrap();
+        rg.close().unwrap();
+        w.close().unwrap();
+        p
+    }
+
+    /// pyarrow and pandas write snappy by default; Spark and others gzip, lz4 or brotli.
+    #[test]
+    fn parquet_of_every_common_codec_is_read() {
+        use parquet::basic::{BrotliLevel, Compression, GzipLevel, ZstdLevel};
+        let texts = ["first document", "second — ünïcode 🙂", "third"];
+        for (name, codec) in [
+            ("none", Compression::UNCOMPRESSED),
+            ("snappy", Compression::SNAPPY),
+            ("gzip", Compression::GZIP(GzipLevel::default())),
+            ("lz4", Compression::LZ4),
+            ("lz4_raw", Compression::LZ4_RAW),
+            ("brotli", Compression::BROTLI(BrotliLevel::default())),
+            ("zstd", Compression::ZSTD(ZstdLevel::default())),
+        ] {
+            let p = text_parquet(&format!("codec-{name}.parquet"), &texts, codec);
+            let (docs, _) = read(&p, OnBadRow::Fail).unwrap_or_else(|e| panic!("{name}: {e}"));
+            assert_eq!(docs, texts, "{name}");
+        }
+    }
+
     #[test]
     fn a_text_file_is_one_document_and_limits_apply() {
         let p = tmp("d.txt", b"line one\nline two\n");
