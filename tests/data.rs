@@ -355,6 +355,16 @@ stages:
     let show = p.json(&["show", "data", "--manifest", "m.yaml", "--json"]);
     assert_eq!(show["metrics"]["skipped_rows"], 2);
     assert_eq!(show["metrics"]["documents"], 5);
+    // One file split by rows into three shards: each shard reads the file, but a skipped row
+    // is counted once.
+    p.write(
+        "m.yaml",
+        &m.replace("on_bad_row: fail", "on_bad_row: skip, num_shards: 3"),
+    );
+    p.ok(&["run", "m.yaml"]);
+    let show = p.json(&["show", "data", "--manifest", "m.yaml", "--json"]);
+    assert_eq!(show["metrics"]["skipped_rows"], 2);
+    assert_eq!(show["metrics"]["documents"], 5);
 }
 
 #[test]

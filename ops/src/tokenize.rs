@@ -527,6 +527,7 @@ struct ShardResult {
     prefix: PathBuf,
     documents: u64,
     tokens: u64,
+    /// Bad rows skipped (each counted by one shard only, however many read its file).
     skipped: u64,
 }
 
@@ -696,6 +697,7 @@ fn tokenize_shard(
     let limit = s.sample;
     for read in &job.reads {
         let mut row = 0usize;
+        let skipped_before = stats.skipped;
         text::read_documents::<RunError>(
             &read.file,
             &job.text_field,
@@ -718,6 +720,10 @@ fn tokenize_shard(
                 Ok(())
             },
         )?;
+        if read.remainder != 0 {
+            // The shard that reads the file's first share counts its skipped rows.
+            stats.skipped = skipped_before;
+        }
     }
     flush(&mut batch, &mut writer)?;
     writer
