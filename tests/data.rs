@@ -682,3 +682,122 @@ stages:
         out
     );
 }
+
+/// A pack stage over `chat.jsonl`, its tokenizer trained on `chat.txt`, with extra `params`.
+fn pack_manifest(params: &str) -> String {
+    format!(
+        r#"
+stages:
+  tok:
+    op: train_tokenizer
+    inputs: {{corpus: chat.txt}}
+    params: {{vocab_size: 400}}
+  sft:
+    op: pack
+    inputs: {{tokenizer: "tok:tokenizer", chat: chat.jsonl}}
+    params: {{pack_size: 96{params}}}
+"#
+    )
+}
+
+/// Whether the stage `stage` of `m.yaml` is published.
+fn published(p: &Project, stage: &str) -> bool {
+    let v = p.json(&["status", "m.yaml", "--json"]);
+    crate::common::states(&v)[stage] == "up-to-date"
+}
+
+#[test]
+fn pack_fails_on_a_malformed_row_naming_file_and_line_or_skips_and_counts_it() {
+    let p = Project::new("pack-bad-row");
+    let good = chat_rows(20);
+    p.write("chat.txt", &good);
+    p.write("m.yaml", &pack_manifest(""));
+    let robot = serde_json::json!({"messages": [{"role": "robot", "content": "beep"}]});
+    let no_messages = serde_json::json!({"conversation": []});
+    for (row, why) in [
+        ("{not json".to_string(), "chat.jsonl:21: invalid row"),
+        (
+            "[1, 2]".to_string(),
+            "chat.jsonl:21: invalid row: a record must be a JSON object",
+        ),
+        (robot.to_string(), "chat.jsonl:21: invalid row"),
+        (no_messages.to_string(), "chat.jsonl:21: no messages"),
+    ] {
+        p.write("chat.jsonl", &format!("{good}{row}\n"));
+        let out = p.run(&["run", "m.yaml"]);
+        assert_eq!(out.code, 1, "{row}: {out}");
+        assert!(out.stderr.contains(why), "{row}: expected `{why}` in {out}");
+        assert!(out.stderr.contains("on_bad_row: skip"), "{out}");
+        assert!(!published(&p, "sft"), "nothing is published: {out}");
+    }
+    let garbage = ["{not json", "[1, 2]", &robot.to_string(), "\"text\""].join("\n");
+    p.write("chat.jsonl", &format!("{good}{garbage}\n"));
+    p.write("m.yaml", &pack_manifest(", on_bad_row: skip"));
+    p.ok(&["run", "m.yaml"]);
+    let m = &p.json(&["show", "sft", "--manifest", "m.yaml", "--json"])["metrics"];
+    assert_eq!(m["num_rows"], 24, "{m}");
+    assert_eq!(m["skipped_rows"], 4, "{m}");
+}
+
+/// Invalid UTF-8 in a row of `pack` or `rl_data` names the file, the line and the byte.
+#[test]
+fn invalid_utf8_in_pack_and_rl_data_rows_names_the_line() {
+    let p = Project::new("utf8");
+    let chat = chat_rows(3);
+    p.write("chat.txt", &chat);
+    let mut bytes = chat.into_bytes();
+    let line_start = bytes.len();
+    bytes.extend_from_slice(b"{\"messages\": [{\"role\": \"user\", \"content\": \"caf\xe9\"}]}\n");
+    std::fs::write(p.path("chat.jsonl"), &bytes).unwrap();
+    p.write("m.yaml", &pack_manifest(""));
+    let out = p.run(&["run", "m.yaml"]);
+    assert_eq!(out.code, 1, "{out}");
+    let want = format!(
+        "chat.jsonl:4: invalid UTF-8 at byte 46 of the line (file offset {})",
+        line_start + 46
+    );
+    assert!(out.stderr.contains(&want), "expected `{want}` in {out}");
+
+    let first = b"{\"question\": \"1+1?\", \"expected_answer\": \"2\"}\n";
+    let bad = b"{\"question\": \"\xff\", \"expected_answer\": \"0\"}\n";
+    std::fs::write(p.path("prompts.jsonl"), [&first[..], &bad[..]].concat()).unwrap();
+    p.write(
+        "m.yaml",
+        "stages:\n  rl:\n    op: rl_data\n    inputs: {prompts: prompts.jsonl}\n",
+    );
+    let out = p.run(&["run", "m.yaml"]);
+    assert_eq!(out.code, 1, "{out}");
+    let want = format!(
+        "prompts.jsonl:2: invalid UTF-8 at byte 14 of the line (file offset {})",
+        first.len() + 14
+    );
+    assert!(out.stderr.contains(&want), "expected `{want}` in {out}");
+}
+
+/// An `rl_data` stage over `prompts.jsonl` with `params`.
+fn rl_manifest(params: &str) -> String {
+    format!(
+        "stages:\n  rl:\n    op: rl_data\n    inputs: {{prompts: prompts.jsonl}}\n    params: {{{params}}}\n"
+    )
+}
+
+#[test]
+fn rl_data_skips_and_counts_bad_rows_when_asked() {
+    let p = Project::new("rl-skip");
+    p.write(
+        "prompts.jsonl",
+        "{\"question\": \"1+1?\", \"expected_answer\": \"2\"}\nnot json\n{\"question\": \"no answer\"}\n",
+    );
+    p.write("m.yaml", &rl_manifest(""));
+    let out = p.run(&["run", "m.yaml"]);
+    assert_eq!(out.code, 1, "{out}");
+    assert!(
+        out.stderr.contains("prompts.jsonl:2: not a JSON object"),
+        "{out}"
+    );
+    p.write("m.yaml", &rl_manifest("on_bad_row: skip"));
+    p.ok(&["run", "m.yaml"]);
+    let metrics = &p.json(&["show", "rl", "--manifest", "m.yaml", "--json"])["metrics"];
+    assert_eq!(metrics["train_rows"], 1, "{metrics}");
+    assert_eq!(metrics["skipped_rows"], 2, "{metrics}");
+}

@@ -152,9 +152,21 @@ pub fn json_lines(bytes: &[u8]) -> impl Iterator<Item = (usize, Result<&str, Str
         })
 }
 
-/// Read a file for its lines: the bytes, or an error naming the file.
-pub fn read_bytes(file: &Path) -> Result<Vec<u8>, crate::Error> {
+/// Read a file: the bytes, or an error naming the file.
+fn read_bytes(file: &Path) -> Result<Vec<u8>, crate::Error> {
     std::fs::read(file).map_err(|e| crate::Error::new(format!("{}: {e}", file.display())))
+}
+
+/// The bytes of a file of rows that `op` reads as JSON Lines whatever its extension, for
+/// [`json_lines`]; a Parquet or compressed file is an error naming it.
+pub fn read_json_lines(file: &Path, op: &str) -> Result<Vec<u8>, crate::Error> {
+    if Format::of(file)? == Format::Parquet {
+        return Err(crate::Error::new(format!(
+            "{}: {op} reads JSON Lines files, not Parquet",
+            file.display()
+        )));
+    }
+    read_bytes(file)
 }
 
 /// Where invalid UTF-8 starts, as one looks for it: the byte of its line and of the file.
