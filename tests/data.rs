@@ -739,6 +739,37 @@ fn pack_fails_on_a_malformed_row_naming_file_and_line_or_skips_and_counts_it() {
     assert_eq!(m["skipped_rows"], 4, "{m}");
 }
 
+#[test]
+fn pack_of_no_rows_is_an_error_unless_allow_empty() {
+    let p = Project::new("pack-empty");
+    p.write("chat.txt", &chat_rows(20));
+    // Garbage rows, all skipped: the dataset would be empty.
+    let garbage: String = (0..50).map(|i| format!("{{garbage {i}\n")).collect();
+    for (rows, params) in [
+        ("", ""),
+        ("\n  \n", ""),
+        (garbage.as_str(), ", on_bad_row: skip"),
+    ] {
+        p.write("chat.jsonl", rows);
+        p.write("m.yaml", &pack_manifest(params));
+        let out = p.run(&["run", "m.yaml"]);
+        assert_eq!(out.code, 1, "{rows:?}: {out}");
+        assert!(
+            out.stderr.contains("dataset `chat` gave no sequences"),
+            "{rows:?}: {out}"
+        );
+        assert!(out.stderr.contains("allow_empty: true"), "{out}");
+        assert!(!published(&p, "sft"));
+        p.write(
+            "m.yaml",
+            &pack_manifest(&format!("{params}, allow_empty: true")),
+        );
+        p.ok(&["run", "m.yaml"]);
+        let m = &p.json(&["show", "sft", "--manifest", "m.yaml", "--json"])["metrics"];
+        assert_eq!(m["num_sequences"], 0, "{m}");
+    }
+}
+
 /// Invalid UTF-8 in a row of `pack` or `rl_data` names the file, the line and the byte.
 #[test]
 fn invalid_utf8_in_pack_and_rl_data_rows_names_the_line() {
@@ -800,4 +831,65 @@ fn rl_data_skips_and_counts_bad_rows_when_asked() {
     let metrics = &p.json(&["show", "rl", "--manifest", "m.yaml", "--json"])["metrics"];
     assert_eq!(metrics["train_rows"], 1, "{metrics}");
     assert_eq!(metrics["skipped_rows"], 2, "{metrics}");
+}
+
+#[test]
+fn rl_data_of_no_rows_is_an_error_unless_allow_empty() {
+    let p = Project::new("rl-empty");
+    p.write("prompts.jsonl", "\n");
+    p.write("m.yaml", &rl_manifest(""));
+    let out = p.run(&["run", "m.yaml"]);
+    assert_eq!(out.code, 1, "{out}");
+    assert!(out.stderr.contains("input `prompts` has no rows"), "{out}");
+    assert!(out.stderr.contains("allow_empty: true"), "{out}");
+    p.write("m.yaml", &rl_manifest("allow_empty: true"));
+    p.ok(&["run", "m.yaml"]);
+}
+
+#[test]
+fn tokenizer_and_tokenize_of_no_documents_are_errors_unless_allow_empty() {
+    let p = Project::new("tok-empty");
+    p.write("blank.txt", " \n\n");
+    p.write(
+        "m.yaml",
+        "stages:\n  tok:\n    op: train_tokenizer\n    inputs: {corpus: blank.txt}\n    params: {vocab_size: 300}\n",
+    );
+    let out = p.run(&["run", "m.yaml"]);
+    assert_eq!(out.code, 1, "{out}");
+    assert!(
+        out.stderr.contains("input `corpus` has no documents"),
+        "{out}"
+    );
+    assert!(out.stderr.contains("allow_empty: true"), "{out}");
+
+    // A tokenizer from real text; then one dataset with documents, and one without.
+    p.write("corpus.JSONL", &corpus(50));
+    p.write("empty.jsonl", "{\"text\": \"short\"}\n");
+    let m = |params: &str| {
+        format!(
+            r#"
+stages:
+  tok:
+    op: train_tokenizer
+    inputs: {{corpus: corpus.JSONL}}
+    params: {{vocab_size: 300}}
+  data:
+    op: tokenize
+    inputs: {{tokenizer: "tok:tokenizer", corpus: corpus.JSONL, empty: empty.jsonl}}
+    params: {{min_doc_chars: 10{params}}}
+"#
+        )
+    };
+    p.write("m.yaml", &m(""));
+    let out = p.run(&["run", "m.yaml"]);
+    assert_eq!(out.code, 1, "{out}");
+    assert!(
+        out.stderr.contains("dataset `empty` has no documents"),
+        "{out}"
+    );
+    p.write("m.yaml", &m(", allow_empty: true"));
+    p.ok(&["run", "m.yaml"]);
+    // `.JSONL` is JSON Lines: 50 documents, not one.
+    let tok = &p.json(&["show", "tok", "--manifest", "m.yaml", "--json"])["metrics"];
+    assert_eq!(tok["documents"], 50, "{tok}");
 }

@@ -116,6 +116,9 @@ pub struct Params {
     /// `fail` names its file and line; `skip` drops and counts it.
     #[serde(default)]
     on_bad_row: OnBadRow,
+    /// Publish a dataset that gives no sequences instead of failing.
+    #[serde(default)]
+    allow_empty: bool,
 }
 
 impl Params {
@@ -288,6 +291,11 @@ impl Op for Pack {
             })
             .collect();
         let shards = first_error(results)?;
+        if !p.allow_empty {
+            for dataset in &datasets {
+                refuse_empty(&dataset.name, &shards)?;
+            }
+        }
 
         // Whole shards into splits, then symlinks and blend.json.
         let (_, valid_n, test_n) =
@@ -573,6 +581,22 @@ fn weighted<'a>(list: Vec<&'a ShardOut>, weights: &BTreeMap<String, f64>) -> Vec
         .into_iter()
         .map(|i| list[i])
         .collect()
+}
+
+/// An error if the dataset `name` gave no sequences: a wrong field name, a filter that keeps
+/// nothing, or rows that were all skipped must not publish an empty dataset.
+fn refuse_empty(name: &str, shards: &[ShardOut]) -> Result<(), RunError> {
+    let mine = || shards.iter().filter(|s| s.dataset == name);
+    if mine().any(|s| s.pack.num_sequences > 0) {
+        return Ok(());
+    }
+    let rows: u64 = mine().map(|s| s.chat.num_input_rows).sum();
+    let dropped: u64 = mine().map(|s| s.chat.num_filtered).sum();
+    let skipped: u64 = mine().map(|s| s.skipped).sum();
+    Err(RunError::new(format!(
+        "dataset `{name}` gave no sequences: {rows} rows read, {dropped} dropped ({skipped} of them malformed)"
+    ))
+    .with_help("check the input and `messages_field`/`used_in_filter`; set `allow_empty: true` to publish an empty dataset"))
 }
 
 /// A `chat_template` param: a bundled name, or inline Jinja (template files come as inputs).

@@ -74,6 +74,9 @@ pub struct Params {
     /// line; `skip` drops and counts it.
     #[serde(default)]
     on_bad_row: OnBadRow,
+    /// Publish an input that gives no rows instead of failing.
+    #[serde(default)]
+    allow_empty: bool,
 }
 
 fn agent_for(env: &str) -> Option<&'static str> {
@@ -132,7 +135,8 @@ impl Op for RlData {
         let mut unsplit: Vec<Value> = Vec::new();
         let mut envs: BTreeMap<String, u64> = BTreeMap::new();
         let mut skipped = 0u64;
-        for path in ctx.inputs.values() {
+        for (name, path) in ctx.inputs {
+            let (mut rows, skipped_before) = (0u64, skipped);
             for file in files_of(path)? {
                 let bytes = text::read_json_lines(&file, "rl_data")?;
                 let mut taken = 0;
@@ -156,7 +160,17 @@ impl Op for RlData {
                         None => unsplit.push(record),
                     }
                     taken += 1;
+                    rows += 1;
                 }
+            }
+            if rows == 0 && !p.allow_empty {
+                return Err(RunError::new(format!(
+                    "input `{name}` has no rows ({} skipped as bad)",
+                    skipped - skipped_before
+                ))
+                .with_help(
+                    "check the input; set `allow_empty: true` to publish an empty dataset",
+                ));
             }
         }
         // Rows without a split: a seeded shuffle, then test, valid, and the rest train.

@@ -15,7 +15,8 @@
 //! bytes, so every string round-trips and no token is unknown. Special tokens are added whole
 //! and never split. The output is a standard Hugging Face `tokenizer.json` that Python's
 //! `tokenizers` (and `transformers`) load. Training is deterministic for a fixed corpus: inputs
-//! are read in input-name order, files in path order.
+//! are read in input-name order, files in path order. An input that gives no document is an
+//! error unless `allow_empty`: a tokenizer of the byte alphabet alone is never what was meant.
 
 use nemo_dag_data::text::{self, OnBadRow, ReadStats};
 use nemo_dag_op::{DeclError, Metrics, Op, Outputs, RunContext, RunError, Spec, StageDecl};
@@ -65,6 +66,9 @@ pub struct Params {
     /// Read only the first N documents of each input.
     #[serde(default)]
     sample: Option<u64>,
+    /// Train even if an input gives no documents, instead of failing.
+    #[serde(default)]
+    allow_empty: bool,
 }
 
 static SPEC: Spec = Spec {
@@ -127,6 +131,13 @@ impl Op for TrainTokenizer {
                 "input {name}: {} documents, {} skipped",
                 input_stats.rows, input_stats.skipped
             )?;
+            if input_stats.rows == 0 && !p.allow_empty {
+                return Err(RunError::new(format!(
+                    "input `{name}` has no documents ({} rows skipped as bad): a tokenizer trained on it would hold only the byte alphabet",
+                    input_stats.skipped
+                ))
+                .with_help("check the input and `text_field`; set `allow_empty: true` to train anyway"));
+            }
             stats.rows += input_stats.rows;
             stats.skipped += input_stats.skipped;
         }
