@@ -893,3 +893,78 @@ stages:
     let tok = &p.json(&["show", "tok", "--manifest", "m.yaml", "--json"])["metrics"];
     assert_eq!(tok["documents"], 50, "{tok}");
 }
+
+/// `train_tokenizer` holds about 100 bytes per byte of a document while it pre-tokenizes it, so
+/// it feeds the trainer pieces of long documents cut between words: a 16 MB single-line
+/// document trains in well under 1 GB of address space (it needed about 2 GB), and a word too
+/// long to cut is an error naming the line and the param to raise.
+#[test]
+fn train_tokenizer_memory_does_not_grow_with_a_long_document() {
+    let p = Project::new("tok-long");
+    let words = [
+        "the",
+        "quick",
+        "brown",
+        "fox",
+        "ünïcode",
+        "42",
+        "3.14",
+        "—",
+        "it's",
+    ];
+    let mut text = String::new();
+    let mut i = 0usize;
+    while text.len() < 16_000_000 {
+        text.push_str(words[(i * 7 + i / 5) % words.len()]);
+        text.push(if i % 97 == 96 { '\n' } else { ' ' });
+        i += 1;
+    }
+    let row = |t: &str| serde_json::json!({ "text": t }).to_string() + "\n";
+    p.write("corpus.jsonl", &row("a short document"));
+    let mut f = std::fs::OpenOptions::new()
+        .append(true)
+        .open(p.path("corpus.jsonl"))
+        .unwrap();
+    std::io::Write::write_all(&mut f, row(&text).as_bytes()).unwrap();
+    drop(f);
+    let m = |params: &str| {
+        format!(
+            "stages:\n  tok:\n    op: train_tokenizer\n    inputs: {{corpus: corpus.jsonl}}\n    params: {{vocab_size: 300{params}}}\n"
+        )
+    };
+    p.write("m.yaml", &m(""));
+    // 800,000 KiB of address space for each process (run, and the exec child that trains).
+    let mut limited = std::process::Command::new("sh");
+    limited
+        .arg("-c")
+        .arg("ulimit -v 800000 && exec \"$0\" run m.yaml")
+        .arg(crate::common::BIN)
+        .current_dir(&p.dir)
+        .env_remove("NEMO_DAG_STORE")
+        .env("RAYON_NUM_THREADS", "2");
+    let out = output(limited);
+    assert_eq!(out.code, 0, "{out}");
+    let metrics = &p.json(&["show", "tok", "--manifest", "m.yaml", "--json"])["metrics"];
+    assert_eq!(metrics["documents"], 2, "{metrics}");
+
+    // One word of 100,000 letters: more than max_word_bytes (64 KiB by default).
+    let mut seed = 1u64;
+    let letters: String = (0..100_000)
+        .map(|_| {
+            seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1);
+            (b'a' + (seed >> 59) as u8 % 26) as char
+        })
+        .collect();
+    let long = format!("before {letters} after");
+    p.write("corpus.jsonl", &(row("a short document") + &row(&long)));
+    let out = p.run(&["run", "m.yaml"]);
+    assert_eq!(out.code, 1, "{out}");
+    assert!(
+        out.stderr
+            .contains("corpus.jsonl:2: a word of 100001 bytes at byte 6 of the document"),
+        "{out}"
+    );
+    assert!(out.stderr.contains("raise `max_word_bytes`"), "{out}");
+    p.write("m.yaml", &m(", max_word_bytes: 200000"));
+    p.ok(&["run", "m.yaml"]);
+}
