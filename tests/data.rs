@@ -355,6 +355,16 @@ stages:
     let show = p.json(&["show", "data", "--manifest", "m.yaml", "--json"]);
     assert_eq!(show["metrics"]["skipped_rows"], 2);
     assert_eq!(show["metrics"]["documents"], 5);
+    // One file split by rows into three shards: each shard reads the file, but a skipped row
+    // is counted once.
+    p.write(
+        "m.yaml",
+        &m.replace("on_bad_row: fail", "on_bad_row: skip, num_shards: 3"),
+    );
+    p.ok(&["run", "m.yaml"]);
+    let show = p.json(&["show", "data", "--manifest", "m.yaml", "--json"]);
+    assert_eq!(show["metrics"]["skipped_rows"], 2);
+    assert_eq!(show["metrics"]["documents"], 5);
 }
 
 #[test]
@@ -671,4 +681,290 @@ stages:
         "{}",
         out
     );
+}
+
+/// A pack stage over `chat.jsonl`, its tokenizer trained on `chat.txt`, with extra `params`.
+fn pack_manifest(params: &str) -> String {
+    format!(
+        r#"
+stages:
+  tok:
+    op: train_tokenizer
+    inputs: {{corpus: chat.txt}}
+    params: {{vocab_size: 400}}
+  sft:
+    op: pack
+    inputs: {{tokenizer: "tok:tokenizer", chat: chat.jsonl}}
+    params: {{pack_size: 96{params}}}
+"#
+    )
+}
+
+/// Whether the stage `stage` of `m.yaml` is published.
+fn published(p: &Project, stage: &str) -> bool {
+    let v = p.json(&["status", "m.yaml", "--json"]);
+    crate::common::states(&v)[stage] == "up-to-date"
+}
+
+#[test]
+fn pack_fails_on_a_malformed_row_naming_file_and_line_or_skips_and_counts_it() {
+    let p = Project::new("pack-bad-row");
+    let good = chat_rows(20);
+    p.write("chat.txt", &good);
+    p.write("m.yaml", &pack_manifest(""));
+    let robot = serde_json::json!({"messages": [{"role": "robot", "content": "beep"}]});
+    let no_messages = serde_json::json!({"conversation": []});
+    for (row, why) in [
+        ("{not json".to_string(), "chat.jsonl:21: invalid row"),
+        (
+            "[1, 2]".to_string(),
+            "chat.jsonl:21: invalid row: a record must be a JSON object",
+        ),
+        (robot.to_string(), "chat.jsonl:21: invalid row"),
+        (no_messages.to_string(), "chat.jsonl:21: no messages"),
+    ] {
+        p.write("chat.jsonl", &format!("{good}{row}\n"));
+        let out = p.run(&["run", "m.yaml"]);
+        assert_eq!(out.code, 1, "{row}: {out}");
+        assert!(out.stderr.contains(why), "{row}: expected `{why}` in {out}");
+        assert!(out.stderr.contains("on_bad_row: skip"), "{out}");
+        assert!(!published(&p, "sft"), "nothing is published: {out}");
+    }
+    let garbage = ["{not json", "[1, 2]", &robot.to_string(), "\"text\""].join("\n");
+    p.write("chat.jsonl", &format!("{good}{garbage}\n"));
+    p.write("m.yaml", &pack_manifest(", on_bad_row: skip"));
+    p.ok(&["run", "m.yaml"]);
+    let m = &p.json(&["show", "sft", "--manifest", "m.yaml", "--json"])["metrics"];
+    assert_eq!(m["num_rows"], 24, "{m}");
+    assert_eq!(m["skipped_rows"], 4, "{m}");
+}
+
+#[test]
+fn pack_of_no_rows_is_an_error_unless_allow_empty() {
+    let p = Project::new("pack-empty");
+    p.write("chat.txt", &chat_rows(20));
+    // Garbage rows, all skipped: the dataset would be empty.
+    let garbage: String = (0..50).map(|i| format!("{{garbage {i}\n")).collect();
+    for (rows, params) in [
+        ("", ""),
+        ("\n  \n", ""),
+        (garbage.as_str(), ", on_bad_row: skip"),
+    ] {
+        p.write("chat.jsonl", rows);
+        p.write("m.yaml", &pack_manifest(params));
+        let out = p.run(&["run", "m.yaml"]);
+        assert_eq!(out.code, 1, "{rows:?}: {out}");
+        assert!(
+            out.stderr.contains("dataset `chat` gave no sequences"),
+            "{rows:?}: {out}"
+        );
+        assert!(out.stderr.contains("allow_empty: true"), "{out}");
+        assert!(!published(&p, "sft"));
+        p.write(
+            "m.yaml",
+            &pack_manifest(&format!("{params}, allow_empty: true")),
+        );
+        p.ok(&["run", "m.yaml"]);
+        let m = &p.json(&["show", "sft", "--manifest", "m.yaml", "--json"])["metrics"];
+        assert_eq!(m["num_sequences"], 0, "{m}");
+    }
+}
+
+/// Invalid UTF-8 in a row of `pack` or `rl_data` names the file, the line and the byte.
+#[test]
+fn invalid_utf8_in_pack_and_rl_data_rows_names_the_line() {
+    let p = Project::new("utf8");
+    let chat = chat_rows(3);
+    p.write("chat.txt", &chat);
+    let mut bytes = chat.into_bytes();
+    let line_start = bytes.len();
+    bytes.extend_from_slice(b"{\"messages\": [{\"role\": \"user\", \"content\": \"caf\xe9\"}]}\n");
+    std::fs::write(p.path("chat.jsonl"), &bytes).unwrap();
+    p.write("m.yaml", &pack_manifest(""));
+    let out = p.run(&["run", "m.yaml"]);
+    assert_eq!(out.code, 1, "{out}");
+    let want = format!(
+        "chat.jsonl:4: invalid UTF-8 at byte 46 of the line (file offset {})",
+        line_start + 46
+    );
+    assert!(out.stderr.contains(&want), "expected `{want}` in {out}");
+
+    let first = b"{\"question\": \"1+1?\", \"expected_answer\": \"2\"}\n";
+    let bad = b"{\"question\": \"\xff\", \"expected_answer\": \"0\"}\n";
+    std::fs::write(p.path("prompts.jsonl"), [&first[..], &bad[..]].concat()).unwrap();
+    p.write(
+        "m.yaml",
+        "stages:\n  rl:\n    op: rl_data\n    inputs: {prompts: prompts.jsonl}\n",
+    );
+    let out = p.run(&["run", "m.yaml"]);
+    assert_eq!(out.code, 1, "{out}");
+    let want = format!(
+        "prompts.jsonl:2: invalid UTF-8 at byte 14 of the line (file offset {})",
+        first.len() + 14
+    );
+    assert!(out.stderr.contains(&want), "expected `{want}` in {out}");
+}
+
+/// An `rl_data` stage over `prompts.jsonl` with `params`.
+fn rl_manifest(params: &str) -> String {
+    format!(
+        "stages:\n  rl:\n    op: rl_data\n    inputs: {{prompts: prompts.jsonl}}\n    params: {{{params}}}\n"
+    )
+}
+
+#[test]
+fn rl_data_skips_and_counts_bad_rows_when_asked() {
+    let p = Project::new("rl-skip");
+    p.write(
+        "prompts.jsonl",
+        "{\"question\": \"1+1?\", \"expected_answer\": \"2\"}\nnot json\n{\"question\": \"no answer\"}\n",
+    );
+    p.write("m.yaml", &rl_manifest(""));
+    let out = p.run(&["run", "m.yaml"]);
+    assert_eq!(out.code, 1, "{out}");
+    assert!(
+        out.stderr.contains("prompts.jsonl:2: not a JSON object"),
+        "{out}"
+    );
+    p.write("m.yaml", &rl_manifest("on_bad_row: skip"));
+    p.ok(&["run", "m.yaml"]);
+    let metrics = &p.json(&["show", "rl", "--manifest", "m.yaml", "--json"])["metrics"];
+    assert_eq!(metrics["train_rows"], 1, "{metrics}");
+    assert_eq!(metrics["skipped_rows"], 2, "{metrics}");
+}
+
+#[test]
+fn rl_data_of_no_rows_is_an_error_unless_allow_empty() {
+    let p = Project::new("rl-empty");
+    p.write("prompts.jsonl", "\n");
+    p.write("m.yaml", &rl_manifest(""));
+    let out = p.run(&["run", "m.yaml"]);
+    assert_eq!(out.code, 1, "{out}");
+    assert!(out.stderr.contains("input `prompts` has no rows"), "{out}");
+    assert!(out.stderr.contains("allow_empty: true"), "{out}");
+    p.write("m.yaml", &rl_manifest("allow_empty: true"));
+    p.ok(&["run", "m.yaml"]);
+}
+
+#[test]
+fn tokenizer_and_tokenize_of_no_documents_are_errors_unless_allow_empty() {
+    let p = Project::new("tok-empty");
+    p.write("blank.txt", " \n\n");
+    p.write(
+        "m.yaml",
+        "stages:\n  tok:\n    op: train_tokenizer\n    inputs: {corpus: blank.txt}\n    params: {vocab_size: 300}\n",
+    );
+    let out = p.run(&["run", "m.yaml"]);
+    assert_eq!(out.code, 1, "{out}");
+    assert!(
+        out.stderr.contains("input `corpus` has no documents"),
+        "{out}"
+    );
+    assert!(out.stderr.contains("allow_empty: true"), "{out}");
+
+    // A tokenizer from real text; then one dataset with documents, and one without.
+    p.write("corpus.JSONL", &corpus(50));
+    p.write("empty.jsonl", "{\"text\": \"short\"}\n");
+    let m = |params: &str| {
+        format!(
+            r#"
+stages:
+  tok:
+    op: train_tokenizer
+    inputs: {{corpus: corpus.JSONL}}
+    params: {{vocab_size: 300}}
+  data:
+    op: tokenize
+    inputs: {{tokenizer: "tok:tokenizer", corpus: corpus.JSONL, empty: empty.jsonl}}
+    params: {{min_doc_chars: 10{params}}}
+"#
+        )
+    };
+    p.write("m.yaml", &m(""));
+    let out = p.run(&["run", "m.yaml"]);
+    assert_eq!(out.code, 1, "{out}");
+    assert!(
+        out.stderr.contains("dataset `empty` has no documents"),
+        "{out}"
+    );
+    p.write("m.yaml", &m(", allow_empty: true"));
+    p.ok(&["run", "m.yaml"]);
+    // `.JSONL` is JSON Lines: 50 documents, not one.
+    let tok = &p.json(&["show", "tok", "--manifest", "m.yaml", "--json"])["metrics"];
+    assert_eq!(tok["documents"], 50, "{tok}");
+}
+
+/// `train_tokenizer` holds about 100 bytes per byte of a document while it pre-tokenizes it, so
+/// it feeds the trainer pieces of long documents cut between words: a 16 MB single-line
+/// document trains in well under 1 GB of address space (it needed about 2 GB), and a word too
+/// long to cut is an error naming the line and the param to raise.
+#[test]
+fn train_tokenizer_memory_does_not_grow_with_a_long_document() {
+    let p = Project::new("tok-long");
+    let words = [
+        "the",
+        "quick",
+        "brown",
+        "fox",
+        "ünïcode",
+        "42",
+        "3.14",
+        "—",
+        "it's",
+    ];
+    let mut text = String::new();
+    let mut i = 0usize;
+    while text.len() < 16_000_000 {
+        text.push_str(words[(i * 7 + i / 5) % words.len()]);
+        text.push(if i % 97 == 96 { '\n' } else { ' ' });
+        i += 1;
+    }
+    let row = |t: &str| serde_json::json!({ "text": t }).to_string() + "\n";
+    p.write("corpus.jsonl", &row("a short document"));
+    let mut f = std::fs::OpenOptions::new()
+        .append(true)
+        .open(p.path("corpus.jsonl"))
+        .unwrap();
+    std::io::Write::write_all(&mut f, row(&text).as_bytes()).unwrap();
+    drop(f);
+    let m = |params: &str| {
+        format!(
+            "stages:\n  tok:\n    op: train_tokenizer\n    inputs: {{corpus: corpus.jsonl}}\n    params: {{vocab_size: 300{params}}}\n"
+        )
+    };
+    p.write("m.yaml", &m(""));
+    // 800,000 KiB of address space for each process (run, and the exec child that trains).
+    let mut limited = std::process::Command::new("sh");
+    limited
+        .arg("-c")
+        .arg("ulimit -v 800000 && exec \"$0\" run m.yaml")
+        .arg(crate::common::BIN)
+        .current_dir(&p.dir)
+        .env_remove("NEMO_DAG_STORE")
+        .env("RAYON_NUM_THREADS", "2");
+    let out = output(limited);
+    assert_eq!(out.code, 0, "{out}");
+    let metrics = &p.json(&["show", "tok", "--manifest", "m.yaml", "--json"])["metrics"];
+    assert_eq!(metrics["documents"], 2, "{metrics}");
+
+    // One word of 100,000 letters: more than max_word_bytes (64 KiB by default).
+    let mut seed = 1u64;
+    let letters: String = (0..100_000)
+        .map(|_| {
+            seed = seed.wrapping_mul(6364136223846793005).wrapping_add(1);
+            (b'a' + (seed >> 59) as u8 % 26) as char
+        })
+        .collect();
+    let long = format!("before {letters} after");
+    p.write("corpus.jsonl", &(row("a short document") + &row(&long)));
+    let out = p.run(&["run", "m.yaml"]);
+    assert_eq!(out.code, 1, "{out}");
+    assert!(
+        out.stderr
+            .contains("corpus.jsonl:2: a word of 100001 bytes at byte 6 of the document"),
+        "{out}"
+    );
+    assert!(out.stderr.contains("raise `max_word_bytes`"), "{out}");
+    p.write("m.yaml", &m(", max_word_bytes: 200000"));
+    p.ok(&["run", "m.yaml"]);
 }

@@ -11,7 +11,11 @@
 //! For every conversation ([`nemo_dag_data::chat`]): render it with the chat template, cut it into role
 //! chunks by incremental rendering, expand reasoning conversations into one sequence per user
 //! turn, tokenize each chunk on its own and set the loss mask to 1 exactly on assistant tokens.
-//! Rows that fail validation or render inconsistently are dropped and counted. Then, per shard
+//! A malformed row (invalid UTF-8, not JSON, not an object, no or ill-typed messages, tool
+//! arguments that are not JSON, a template that cannot render it) fails the stage naming its
+//! file and line, or with `on_bad_row: skip` is dropped and counted (`skipped_rows`); rows a
+//! rule drops (the `used_in` filter, a `<tool_call>` without a `# Tools` header, renders that
+//! are not prefixes of each other) are counted, as Nemotron counts them. Then, per shard
 //! ([`nemo_dag_data::sft::packing`]): pack the sequences into bins of at most `pack_size` tokens (a
 //! conversation is never split; an over-long one is truncated and counted), materialize each
 //! bin with `seq_start_id` and the label-aligned mask, and write
@@ -22,14 +26,15 @@
 //!
 //! Inputs: `tokenizer` (a tokenizer.json), optional `chat_template` (a Jinja file) or
 //! `tokenizer_config` (a Hugging Face tokenizer_config.json with `chat_template`); every other
-//! input is a chat JSONL dataset.
+//! input is a chat dataset: a JSON Lines file, or a directory of them, read whatever their
+//! extension (a Parquet or compressed file is an error).
 
 use nemo_dag_data::chat::{
-    self, ChatOptions, ChatStats, ChatTemplate, RowConfig, RowFields, TemplateSource,
+    self, ChatOptions, ChatStats, ChatTemplate, DropReason, RowConfig, RowFields, TemplateSource,
 };
 use nemo_dag_data::sft::packing::{self, Algorithm, PackStats, Sequence};
 use nemo_dag_data::sft::parquet as packed_parquet;
-use nemo_dag_data::text::files_of;
+use nemo_dag_data::text::{self, OnBadRow, files_of};
 use nemo_dag_op::{DeclError, Metrics, Op, Outputs, Port, RunContext, RunError, Spec, StageDecl};
 use rayon::prelude::*;
 use serde::Deserialize;
@@ -107,6 +112,13 @@ pub struct Params {
     /// keeps whole shards so that its row mix matches the weights (`_select_weighted_shards`).
     #[serde(default)]
     weights: BTreeMap<String, f64>,
+    /// A malformed row (not JSON, not an object, no or ill-typed messages, invalid UTF-8):
+    /// `fail` names its file and line; `skip` drops and counts it.
+    #[serde(default)]
+    on_bad_row: OnBadRow,
+    /// Publish a dataset that gives no sequences instead of failing.
+    #[serde(default)]
+    allow_empty: bool,
 }
 
 impl Params {
@@ -218,35 +230,27 @@ impl Op for Pack {
 
         // Rows of every dataset, dealt into shards (row i → shard i mod n).
         let shards_per_dataset = if p.sample.is_some() { 1 } else { p.num_shards };
-        let mut jobs: Vec<(String, usize, Vec<String>)> = Vec::new();
+        let mut datasets: Vec<Dataset> = Vec::new();
+        let mut jobs: Vec<Job> = Vec::new();
         for (name, path) in ctx
             .inputs
             .iter()
             .filter(|(n, _)| !RESERVED_INPUTS.contains(&n.as_str()))
         {
-            let mut rows = Vec::new();
-            for file in files_of(path)? {
-                let text = std::fs::read_to_string(&file)
-                    .map_err(|e| RunError::new(format!("{}: {e}", file.display())))?;
-                rows.extend(
-                    text.lines()
-                        .filter(|l| !l.trim().is_empty())
-                        .map(str::to_string),
-                );
-            }
-            if let Some(n) = p.sample {
-                rows.truncate(n);
-            }
-            let mut dealt: Vec<Vec<String>> = vec![Vec::new(); shards_per_dataset];
+            let (files, rows) = read_rows(path, p.sample)?;
+            let mut dealt: Vec<Vec<Row>> = (0..shards_per_dataset).map(|_| Vec::new()).collect();
             for (i, row) in rows.into_iter().enumerate() {
                 dealt[i % shards_per_dataset].push(row);
             }
-            jobs.extend(
-                dealt
-                    .into_iter()
-                    .enumerate()
-                    .map(|(i, rows)| (name.clone(), i, rows)),
-            );
+            jobs.extend(dealt.into_iter().enumerate().map(|(index, rows)| Job {
+                dataset: datasets.len(),
+                index,
+                rows,
+            }));
+            datasets.push(Dataset {
+                name: name.clone(),
+                files,
+            });
         }
 
         let out = ctx.out_dir.join("data");
@@ -257,46 +261,40 @@ impl Op for Pack {
                 .map(|e| e.get_ids().to_vec())
                 .unwrap_or_default()
         };
-        let results: Vec<Result<ShardOut, RunError>> = jobs
+        let results: Vec<Result<ShardOut, ShardError>> = jobs
             .par_iter()
-            .map(|(dataset, index, rows)| {
-                let mut stats = ChatStats::default();
-                let mut seqs = Vec::new();
-                for row in rows {
-                    if let Ok(found) = chat::process_row(&template, row, &cfg, encode, &mut stats) {
-                        seqs.extend(
-                            found
-                                .into_iter()
-                                .map(|(tokens, mask)| Sequence { tokens, mask }),
-                        );
-                    }
-                }
-                let lengths: Vec<usize> = seqs.iter().map(|s| s.tokens.len()).collect();
+            .map(|job| {
+                let dataset = &datasets[job.dataset];
+                let found = shard_sequences(job, dataset, &template, &cfg, encode, p.on_bad_row)?;
+                let lengths: Vec<usize> = found.seqs.iter().map(|s| s.tokens.len()).collect();
                 let bins = packing::pack(&lengths, p.pack_size, &algorithm);
                 let rows: Vec<_> = bins
                     .iter()
-                    .map(|b| packing::materialize(&seqs, b, p.pack_size))
+                    .map(|b| packing::materialize(&found.seqs, b, p.pack_size))
                     .collect();
                 let rel = PathBuf::from("shards")
-                    .join(dataset)
-                    .join(format!("shard_{index:06}.parquet"));
+                    .join(&dataset.name)
+                    .join(format!("shard_{:06}.parquet", job.index));
                 let path = out.join(&rel);
                 if let Some(parent) = path.parent() {
-                    std::fs::create_dir_all(parent)?;
+                    std::fs::create_dir_all(parent).map_err(RunError::from)?;
                 }
-                packed_parquet::write(&path, &rows).map_err(|e| RunError::new(e.to_string()))?;
+                packed_parquet::write(&path, &rows).map_err(RunError::from)?;
                 Ok(ShardOut {
-                    dataset: dataset.clone(),
-                    index: *index,
+                    dataset: dataset.name.clone(),
+                    index: job.index,
                     rel,
-                    chat: stats,
+                    chat: found.stats,
+                    skipped: found.skipped,
                     pack: PackStats::compute(&lengths, bins.len(), p.pack_size),
                 })
             })
             .collect();
-        let mut shards = Vec::with_capacity(results.len());
-        for r in results {
-            shards.push(r?);
+        let shards = first_error(results)?;
+        if !p.allow_empty {
+            for dataset in &datasets {
+                refuse_empty(&dataset.name, &shards)?;
+            }
         }
 
         // Whole shards into splits, then symlinks and blend.json.
@@ -391,6 +389,10 @@ impl Op for Pack {
         );
         m.insert("num_errors".into(), Value::from(sum(|c| c.num_errors)));
         m.insert(
+            "skipped_rows".into(),
+            Value::from(shards.iter().map(|s| s.skipped).sum::<u64>()),
+        );
+        m.insert(
             "num_truncated".into(),
             Value::from(sum(|c| c.num_truncated)),
         );
@@ -408,7 +410,147 @@ struct ShardOut {
     index: usize,
     rel: PathBuf,
     chat: ChatStats,
+    /// Malformed rows skipped under `on_bad_row: skip`.
+    skipped: u64,
     pack: PackStats,
+}
+
+/// A dataset input: its name and its files, in the order they are read.
+struct Dataset {
+    name: String,
+    files: Vec<PathBuf>,
+}
+
+/// One row of a dataset: its file (an index into [`Dataset::files`]), its line, and its text
+/// or why it is not text.
+struct Row {
+    file: usize,
+    line: usize,
+    text: Result<String, String>,
+}
+
+/// The rows of one shard of a dataset (an index into the datasets).
+struct Job {
+    dataset: usize,
+    index: usize,
+    rows: Vec<Row>,
+}
+
+/// The rows of a dataset input, in file and line order (the first `sample` of them), and its
+/// files.
+fn read_rows(path: &Path, sample: Option<usize>) -> Result<(Vec<PathBuf>, Vec<Row>), RunError> {
+    let files = files_of(path)?;
+    let mut rows = Vec::new();
+    for (file, name) in files.iter().enumerate() {
+        if sample.is_some_and(|n| rows.len() >= n) {
+            break;
+        }
+        let bytes = text::read_json_lines(name, "pack")?;
+        rows.extend(text::json_lines(&bytes).map(|(line, text)| Row {
+            file,
+            line,
+            text: text.map(str::to_string),
+        }));
+    }
+    if let Some(n) = sample {
+        rows.truncate(n);
+    }
+    Ok((files, rows))
+}
+
+/// What one shard's rows gave.
+struct ShardSequences {
+    seqs: Vec<Sequence>,
+    stats: ChatStats,
+    skipped: u64,
+}
+
+/// Why a shard failed: a malformed row (at its dataset, file and line, so that of several
+/// shards' failures the first in reading order is reported), or anything else.
+struct ShardError {
+    at: (usize, usize, usize),
+    error: RunError,
+}
+
+impl From<RunError> for ShardError {
+    fn from(error: RunError) -> Self {
+        ShardError {
+            at: (usize::MAX, usize::MAX, usize::MAX),
+            error,
+        }
+    }
+}
+
+/// A shard's rows through the chat pipeline: their sequences and counts. A malformed row
+/// stops it under `on_bad_row: fail`; rows a rule drops are only counted.
+fn shard_sequences(
+    job: &Job,
+    dataset: &Dataset,
+    template: &ChatTemplate,
+    cfg: &RowConfig,
+    encode: impl Fn(&str) -> Vec<u32>,
+    on_bad: OnBadRow,
+) -> Result<ShardSequences, ShardError> {
+    let mut found = ShardSequences {
+        seqs: Vec::new(),
+        stats: ChatStats::default(),
+        skipped: 0,
+    };
+    for row in &job.rows {
+        let result = match &row.text {
+            Ok(text) => chat::process_row(template, text, cfg, &encode, &mut found.stats),
+            Err(why) => Err(chat::unreadable_row(why, &mut found.stats)),
+        };
+        let reason = match result {
+            Ok(seqs) => {
+                found.seqs.extend(
+                    seqs.into_iter()
+                        .map(|(tokens, mask)| Sequence { tokens, mask }),
+                );
+                continue;
+            }
+            Err(reason) if reason.is_malformed() => reason,
+            Err(_) => continue,
+        };
+        let at = format!("{}:{}", dataset.files[row.file].display(), row.line);
+        on_bad
+            .bad_row(&at, &describe(&reason, cfg), &mut found.skipped)
+            .map_err(|e| ShardError {
+                at: (job.dataset, row.file, row.line),
+                error: e.into(),
+            })?;
+    }
+    Ok(found)
+}
+
+/// A malformed row's reason as its error says it: an unreadable line as is, a missing
+/// messages field with its name.
+fn describe(reason: &DropReason, cfg: &RowConfig) -> String {
+    match reason {
+        DropReason::InvalidRow(why) if why.starts_with("invalid UTF-8") => why.clone(),
+        DropReason::NoMessages => format!(
+            "no messages (field `{}` is missing, null or empty)",
+            cfg.fields.messages_field
+        ),
+        other => other.to_string(),
+    }
+}
+
+/// Every shard, or the failure of the first failing row in reading order.
+fn first_error(results: Vec<Result<ShardOut, ShardError>>) -> Result<Vec<ShardOut>, RunError> {
+    let mut shards = Vec::with_capacity(results.len());
+    let mut first: Option<ShardError> = None;
+    for r in results {
+        match r {
+            Ok(shard) => shards.push(shard),
+            Err(e) if first.as_ref().is_none_or(|f| e.at < f.at) => first = Some(e),
+            Err(_) => {}
+        }
+    }
+    match first {
+        Some(e) => Err(e.error),
+        None => Ok(shards),
+    }
 }
 
 /// A split's shards after weighting: zero-weight datasets leave; with non-uniform weights,
@@ -439,6 +581,22 @@ fn weighted<'a>(list: Vec<&'a ShardOut>, weights: &BTreeMap<String, f64>) -> Vec
         .into_iter()
         .map(|i| list[i])
         .collect()
+}
+
+/// An error if the dataset `name` gave no sequences: a wrong field name, a filter that keeps
+/// nothing, or rows that were all skipped must not publish an empty dataset.
+fn refuse_empty(name: &str, shards: &[ShardOut]) -> Result<(), RunError> {
+    let mine = || shards.iter().filter(|s| s.dataset == name);
+    if mine().any(|s| s.pack.num_sequences > 0) {
+        return Ok(());
+    }
+    let rows: u64 = mine().map(|s| s.chat.num_input_rows).sum();
+    let dropped: u64 = mine().map(|s| s.chat.num_filtered).sum();
+    let skipped: u64 = mine().map(|s| s.skipped).sum();
+    Err(RunError::new(format!(
+        "dataset `{name}` gave no sequences: {rows} rows read, {dropped} dropped ({skipped} of them malformed)"
+    ))
+    .with_help("check the input and `messages_field`/`used_in_filter`; set `allow_empty: true` to publish an empty dataset"))
 }
 
 /// A `chat_template` param: a bundled name, or inline Jinja (template files come as inputs).

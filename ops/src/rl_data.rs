@@ -19,13 +19,14 @@
 //! (rows carry `options` {letter: text}; the answer is one letter, graded
 //! `strict_single_letter_boxed`). Every row is validated: a missing answer, an unknown
 //! environment or an `mcq` answer that is not one of its options is an error naming file and
-//! line. Rows keep a `split` field (`train`/`val`/`validation`/`test`) when they have one, as
+//! line (as is invalid UTF-8 or a line that is not a JSON object), or with `on_bad_row: skip` is
+//! dropped and counted (`skipped_rows`). Rows keep a `split` field (`train`/`val`/`validation`/`test`) when they have one, as
 //! Nemotron keeps the source's splits; otherwise they are split by a seeded shuffle (Python's
 //! `random.Random(seed)`). Output: `train.jsonl`, `val.jsonl`, `test.jsonl` and `manifest.json`
 //! (`{"train": "train.jsonl", "val": …, "test": …}`, paths relative to it).
 
 use nemo_dag_data::random::PyRandom;
-use nemo_dag_data::text::files_of;
+use nemo_dag_data::text::{self, OnBadRow, files_of};
 use nemo_dag_op::{DeclError, Metrics, Op, Outputs, RunContext, RunError, Spec, StageDecl};
 use serde::Deserialize;
 use serde_json::{Map, Value, json};
@@ -69,6 +70,13 @@ pub struct Params {
     seed: u64,
     #[serde(default)]
     sample: Option<usize>,
+    /// A row that is not JSON, not an object, or not a valid prompt: `fail` names its file and
+    /// line; `skip` drops and counts it.
+    #[serde(default)]
+    on_bad_row: OnBadRow,
+    /// Publish an input that gives no rows instead of failing.
+    #[serde(default)]
+    allow_empty: bool,
 }
 
 fn agent_for(env: &str) -> Option<&'static str> {
@@ -126,20 +134,24 @@ impl Op for RlData {
         let mut fixed: BTreeMap<&'static str, Vec<Value>> = BTreeMap::new();
         let mut unsplit: Vec<Value> = Vec::new();
         let mut envs: BTreeMap<String, u64> = BTreeMap::new();
-        for path in ctx.inputs.values() {
+        let mut skipped = 0u64;
+        for (name, path) in ctx.inputs {
+            let (mut rows, skipped_before) = (0u64, skipped);
             for file in files_of(path)? {
-                let text = std::fs::read_to_string(&file)
-                    .map_err(|e| RunError::new(format!("{}: {e}", file.display())))?;
+                let bytes = text::read_json_lines(&file, "rl_data")?;
                 let mut taken = 0;
-                for (i, line) in text.lines().enumerate() {
-                    if line.trim().is_empty() || p.sample.is_some_and(|s| taken >= s) {
-                        continue;
+                for (line, text) in text::json_lines(&bytes) {
+                    if p.sample.is_some_and(|s| taken >= s) {
+                        break;
                     }
-                    let at = format!("{}:{}", file.display(), i + 1);
-                    let row: Map<String, Value> = serde_json::from_str(line)
-                        .map_err(|e| RunError::new(format!("{at}: not a JSON object: {e}")))?;
-                    let (record, split) =
-                        gym_record(&row, p).map_err(|why| RunError::new(format!("{at}: {why}")))?;
+                    let (record, split) = match text.and_then(|t| parse_row(t, p)) {
+                        Ok(row) => row,
+                        Err(why) => {
+                            let at = format!("{}:{line}", file.display());
+                            p.on_bad_row.bad_row(&at, &why, &mut skipped)?;
+                            continue;
+                        }
+                    };
                     *envs
                         .entry(record["env"].as_str().unwrap_or("").to_string())
                         .or_default() += 1;
@@ -148,7 +160,17 @@ impl Op for RlData {
                         None => unsplit.push(record),
                     }
                     taken += 1;
+                    rows += 1;
                 }
+            }
+            if rows == 0 && !p.allow_empty {
+                return Err(RunError::new(format!(
+                    "input `{name}` has no rows ({} skipped as bad)",
+                    skipped - skipped_before
+                ))
+                .with_help(
+                    "check the input; set `allow_empty: true` to publish an empty dataset",
+                ));
             }
         }
         // Rows without a split: a seeded shuffle, then test, valid, and the rest train.
@@ -182,12 +204,20 @@ impl Op for RlData {
         let text = serde_json::to_string_pretty(&Value::Object(manifest))
             .map_err(|e| RunError::new(e.to_string()))?;
         std::fs::write(out.join("manifest.json"), text + "\n")?;
+        m.insert("skipped_rows".into(), Value::from(skipped));
         m.insert(
             "environments".into(),
             serde_json::to_value(envs).unwrap_or(Value::Null),
         );
         Ok(m)
     }
+}
+
+/// One line of prompts: its Gym record and the split it asks for, or why it is not one.
+fn parse_row(line: &str, p: &Params) -> Result<(Value, Option<&'static str>), String> {
+    let row: Map<String, Value> =
+        serde_json::from_str(line).map_err(|e| format!("not a JSON object: {e}"))?;
+    gym_record(&row, p)
 }
 
 /// One validated Gym record, and the split the row asks for.

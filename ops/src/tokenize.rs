@@ -28,7 +28,8 @@
 //! 2. **Tokenize** every shard (all shards in parallel, each with batch encoding): drop documents
 //!    shorter than `min_doc_chars` characters, encode without special tokens, prepend BOS if
 //!    `add_bos`, append EOS if `add_eos`, then truncate to `max_doc_tokens`; documents that end
-//!    up empty are never written. Encoding is [`nemo_dag_data::tokenizer::FastBpe`] when the tokenizer.json
+//!    up empty are never written; a dataset that writes none is an error unless `allow_empty`.
+//!    Encoding is [`nemo_dag_data::tokenizer::FastBpe`] when the tokenizer.json
 //!    is a byte-level BPE configuration it reproduces exactly (the same ids as the `tokenizers`
 //!    crate), else the `tokenizers` crate itself; the stage log says which (`encoder: …`).
 //! 3. **Write** `datasets/<name>/shard_<i:06d>.{bin,idx}` (MMIDIDX v1; see [`nemo_dag_data::megatron`]).
@@ -131,6 +132,9 @@ pub struct Params {
     on_bad_row: OnBadRow,
     #[serde(default = "default_seed")]
     seed: u64,
+    /// Publish a dataset that gives no documents instead of failing.
+    #[serde(default)]
+    allow_empty: bool,
 }
 
 /// The blend: which datasets go to which split (`None` = split by shard shuffle).
@@ -398,6 +402,11 @@ impl Op for Tokenize {
         for r in results {
             shards.push(r?);
         }
+        if !p.allow_empty {
+            for (split, d) in blend.all() {
+                refuse_empty(split, d.name.as_deref().unwrap_or(&d.input), &shards)?;
+            }
+        }
 
         // 4. Splits and blend.json.
         let mut splits: BTreeMap<&str, Vec<&ShardResult>> =
@@ -498,6 +507,33 @@ impl Op for Tokenize {
     }
 }
 
+/// An error if the dataset `name` (of `split`, in per-split blends) wrote no document: an
+/// empty or blank input, a wrong `text_field` with skipped rows, or a `min_doc_chars` that
+/// keeps nothing must not publish an empty dataset.
+fn refuse_empty(split: &str, name: &str, shards: &[ShardResult]) -> Result<(), RunError> {
+    let mine = || {
+        shards
+            .iter()
+            .filter(|s| s.split == split && s.dataset == name)
+    };
+    if mine().any(|s| s.documents > 0) {
+        return Ok(());
+    }
+    let sum = |f: fn(&ShardResult) -> u64| mine().map(f).sum::<u64>();
+    let of_split = if split.is_empty() {
+        String::new()
+    } else {
+        format!(" (split {split})")
+    };
+    Err(RunError::new(format!(
+        "dataset `{name}`{of_split} has no documents: {} documents read, {} shorter than `min_doc_chars`, {} rows skipped as bad",
+        sum(|s| s.rows),
+        sum(|s| s.short),
+        sum(|s| s.skipped),
+    ))
+    .with_help("check the input and `text_field`; set `allow_empty: true` to publish an empty dataset"))
+}
+
 fn blake3_file(path: &Path) -> Result<String, RunError> {
     Ok(blake3::hash(&std::fs::read(path)?).to_hex().to_string())
 }
@@ -525,9 +561,14 @@ struct ShardResult {
     dataset: String,
     weight: f64,
     prefix: PathBuf,
+    /// Documents written.
     documents: u64,
     tokens: u64,
+    /// Bad rows skipped (each counted by one shard only, however many read its file).
     skipped: u64,
+    /// Documents of this shard read, and those of them dropped by `min_doc_chars`.
+    rows: u64,
+    short: u64,
 }
 
 struct Settings {
@@ -694,8 +735,10 @@ fn tokenize_shard(
         Ok(())
     };
     let limit = s.sample;
+    let (mut rows, mut short) = (0u64, 0u64);
     for read in &job.reads {
         let mut row = 0usize;
+        let skipped_before = stats.skipped;
         text::read_documents::<RunError>(
             &read.file,
             &job.text_field,
@@ -705,10 +748,14 @@ fn tokenize_shard(
             |doc| {
                 let mine = row % read.modulus == read.remainder;
                 row += 1;
-                if !mine
-                    || s.min_doc_chars
-                        .is_some_and(|m| doc.text.chars().count() < m)
+                if !mine {
+                    return Ok(());
+                }
+                rows += 1;
+                if s.min_doc_chars
+                    .is_some_and(|m| doc.text.chars().count() < m)
                 {
+                    short += 1;
                     return Ok(());
                 }
                 batch.push(doc.text);
@@ -718,6 +765,10 @@ fn tokenize_shard(
                 Ok(())
             },
         )?;
+        if read.remainder != 0 {
+            // The shard that reads the file's first share counts its skipped rows.
+            stats.skipped = skipped_before;
+        }
     }
     flush(&mut batch, &mut writer)?;
     writer
@@ -731,6 +782,8 @@ fn tokenize_shard(
         documents,
         tokens,
         skipped: stats.skipped,
+        rows,
+        short,
     })
 }
 

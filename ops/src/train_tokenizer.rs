@@ -15,9 +15,15 @@
 //! bytes, so every string round-trips and no token is unknown. Special tokens are added whole
 //! and never split. The output is a standard Hugging Face `tokenizer.json` that Python's
 //! `tokenizers` (and `transformers`) load. Training is deterministic for a fixed corpus: inputs
-//! are read in input-name order, files in path order.
+//! are read in input-name order, files in path order. An input that gives no document is an
+//! error unless `allow_empty`: a tokenizer of the byte alphabet alone is never what was meant.
+//!
+//! Memory is bounded by the corpus (held once) and the word counts, not by the longest
+//! document: a document longer than [`PIECE_BYTES`] is fed as pieces cut between words, which
+//! the trainer splits into the same words. A word longer than `max_word_bytes` is a bad row.
 
-use nemo_dag_data::text::{self, OnBadRow, ReadStats};
+use nemo_dag_data::text::{self, Document, OnBadRow, ReadStats};
+use nemo_dag_data::tokenizer::split_between_words;
 use nemo_dag_op::{DeclError, Metrics, Op, Outputs, RunContext, RunError, Spec, StageDecl};
 use serde::Deserialize;
 use serde_json::Value;
@@ -47,6 +53,15 @@ fn default_special() -> Vec<String> {
 fn default_text_field() -> String {
     "text".into()
 }
+fn default_max_word_bytes() -> usize {
+    1 << 16
+}
+
+/// The most text the trainer pre-tokenizes at once. The `tokenizers` trainer holds about 100
+/// bytes per byte of a sequence while it splits it into words (each byte's offsets and
+/// alignments), so a 200 MB document needed 20 GB; long documents are fed as pieces cut
+/// between words ([`split_between_words`]), which give the same words and the same tokenizer.
+const PIECE_BYTES: usize = 64 * 1024;
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -65,6 +80,15 @@ pub struct Params {
     /// Read only the first N documents of each input.
     #[serde(default)]
     sample: Option<u64>,
+    /// Train even if an input gives no documents, instead of failing.
+    #[serde(default)]
+    allow_empty: bool,
+    /// The longest word (with the whitespace before it) a document may hold. The trainer
+    /// holds each word whole, with about 100 bytes of memory per byte, and its merges take
+    /// time that grows with the square of a word's length: a 64 KiB run of one letter trains
+    /// in about a second, 1 MiB in minutes.
+    #[serde(default = "default_max_word_bytes")]
+    max_word_bytes: usize,
 }
 
 static SPEC: Spec = Spec {
@@ -95,6 +119,12 @@ impl Op for TrainTokenizer {
                 ),
             ));
         }
+        if p.max_word_bytes == 0 {
+            return Err(DeclError::new(
+                &["params", "max_word_bytes"],
+                "max_word_bytes must be at least 1",
+            ));
+        }
         if stage.inputs.is_empty() {
             return Err(
                 DeclError::new(&[], "train_tokenizer needs at least one input corpus")
@@ -105,10 +135,12 @@ impl Op for TrainTokenizer {
     }
 
     fn run(&self, p: &Params, ctx: &mut RunContext) -> Result<Metrics, RunError> {
-        let mut docs = Vec::new();
+        // Documents, long ones as pieces cut between words.
+        let mut pieces: Vec<String> = Vec::new();
         let mut stats = ReadStats::default();
         for (name, path) in ctx.inputs {
             let mut input_stats = ReadStats::default();
+            let mut skipped_long = 0;
             for file in text::files_of(path)? {
                 text::read_documents::<RunError>(
                     &file,
@@ -117,20 +149,30 @@ impl Op for TrainTokenizer {
                     p.sample,
                     &mut input_stats,
                     |d| {
-                        docs.push(d.text);
+                        push_pieces(d, p, &mut pieces, &mut skipped_long)?;
                         Ok(())
                     },
                 )?;
             }
+            // A document skipped for a long word was read, but is not trained on.
+            input_stats.rows -= skipped_long;
+            input_stats.skipped += skipped_long;
             writeln!(
                 ctx.log,
                 "input {name}: {} documents, {} skipped",
                 input_stats.rows, input_stats.skipped
             )?;
+            if input_stats.rows == 0 && !p.allow_empty {
+                return Err(RunError::new(format!(
+                    "input `{name}` has no documents ({} rows skipped as bad): a tokenizer trained on it would hold only the byte alphabet",
+                    input_stats.skipped
+                ))
+                .with_help("check the input and `text_field`; set `allow_empty: true` to train anyway"));
+            }
             stats.rows += input_stats.rows;
             stats.skipped += input_stats.skipped;
         }
-        let tokenizer = train(&docs, p)?;
+        let tokenizer = train(&pieces, p)?;
         let out = ctx.out_dir.join("tokenizer.json");
         tokenizer
             .save(&out, true)
@@ -147,10 +189,42 @@ impl Op for TrainTokenizer {
         m.insert("skipped_rows".into(), Value::from(stats.skipped));
         m.insert(
             "bytes".into(),
-            Value::from(docs.iter().map(|d| d.len() as u64).sum::<u64>()),
+            Value::from(pieces.iter().map(|d| d.len() as u64).sum::<u64>()),
         );
         Ok(m)
     }
+}
+
+/// Add a document to the training text: whole if it is short, else as pieces of at most
+/// [`PIECE_BYTES`] cut between words. A word longer than `max_word_bytes` makes it a bad row.
+fn push_pieces(
+    doc: Document,
+    p: &Params,
+    pieces: &mut Vec<String>,
+    skipped: &mut u64,
+) -> Result<(), RunError> {
+    if doc.text.len() <= PIECE_BYTES {
+        pieces.push(doc.text);
+        return Ok(());
+    }
+    match split_between_words(&doc.text, PIECE_BYTES, p.max_word_bytes) {
+        Ok(cut) => pieces.extend(cut.into_iter().map(str::to_string)),
+        Err(long) => {
+            let at = match doc.line {
+                0 => doc.file.display().to_string(),
+                line => format!("{}:{line}", doc.file.display()),
+            };
+            let why = format!(
+                "a word of {} bytes at byte {} of the document is longer than `max_word_bytes` ({}): \
+                 the trainer holds each word whole, with about 100 bytes of memory per byte and \
+                 time that grows with the square of its length; raise `max_word_bytes` to train \
+                 on it",
+                long.len, long.start, p.max_word_bytes
+            );
+            p.on_bad_row.bad_row(&at, &why, skipped)?;
+        }
+    }
+    Ok(())
 }
 
 fn train(docs: &[String], p: &Params) -> Result<Tokenizer, RunError> {

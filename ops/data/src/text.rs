@@ -1,10 +1,14 @@
 //! Reading documents from dataset files: the one place that knows the input formats.
 //!
-//! - `.jsonl` / `.json` (JSON Lines): one document per line, its text in a configurable field
-//!   (`text` by default). A blank line is skipped.
-//! - `.parquet`: one document per row, its text in the same configurable column.
-//! - `.txt` / `.md` / any other file: the whole file is one document.
+//! - `.jsonl` / `.json` / `.ndjson` (JSON Lines): one document per line, its text in a
+//!   configurable field (`text` by default). A blank line is skipped.
+//! - `.parquet`: one document per row, its text in the same configurable column. Every codec
+//!   pyarrow, pandas and Spark write is read (snappy, gzip, lz4, brotli, zstd).
+//! - `.txt` / `.md` / any other file: the whole file is one document (a blank file is none).
 //! - A directory: every file in it, recursively, in path order (hidden files skipped).
+//!
+//! Extensions are compared case-insensitively (`corpus.JSONL` is JSON Lines). A compressed
+//! file (`.gz`, `.zst`, …) is refused by name rather than read as text.
 //!
 //! Problems are never silent: a malformed JSON line, a missing or non-string text field, or
 //! invalid UTF-8 is an error naming the file and line — or, with [`OnBadRow::Skip`], a skip that
@@ -13,6 +17,8 @@
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 
+/// What a data op does with a row it cannot use: the one policy every op's `on_bad_row` param
+/// deserializes to.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Deserialize, Default)]
 #[serde(rename_all = "snake_case")]
 pub enum OnBadRow {
@@ -23,6 +29,21 @@ pub enum OnBadRow {
     Skip,
 }
 
+impl OnBadRow {
+    /// A bad row at `at` (`file:line`) for the reason `why`: under `skip`, counted in
+    /// `skipped`; under `fail`, the error naming it.
+    pub fn bad_row(self, at: &str, why: &str, skipped: &mut u64) -> Result<(), crate::Error> {
+        match self {
+            OnBadRow::Skip => {
+                *skipped += 1;
+                Ok(())
+            }
+            OnBadRow::Fail => Err(crate::Error::new(format!("{at}: {why}"))
+                .with_help("set `on_bad_row: skip` to skip and count such rows")),
+        }
+    }
+}
+
 /// One document and where it came from.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Document {
@@ -30,6 +51,59 @@ pub struct Document {
     pub file: PathBuf,
     /// 1-based line for JSONL rows; 0 for whole-file documents.
     pub line: usize,
+}
+
+/// How a file's documents are read, by its extension (compared case-insensitively).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Format {
+    /// `.jsonl`, `.json`, `.ndjson`: one document per line.
+    JsonLines,
+    /// `.parquet`: one document per row.
+    Parquet,
+    /// Anything else: the whole file is one document.
+    Text,
+}
+
+impl Format {
+    /// The format of `file`. A compressed file is an error: read as text it would be one
+    /// document of binary noise.
+    pub fn of(file: &Path) -> Result<Format, crate::Error> {
+        let ext = file
+            .extension()
+            .and_then(|e| e.to_str())
+            .map(str::to_ascii_lowercase);
+        match ext.as_deref() {
+            Some("jsonl" | "json" | "ndjson") => Ok(Format::JsonLines),
+            Some("parquet") => Ok(Format::Parquet),
+            Some(ext) => match decompressor(ext) {
+                Some(tool) => Err(crate::Error::new(format!(
+                    "{}: a compressed file (.{ext}); nemo-dag reads JSONL, Parquet and text files uncompressed",
+                    file.display()
+                ))
+                .with_help(format!(
+                    "decompress it first (`{tool} {}`) and use the result as the input",
+                    file.display()
+                ))),
+                None => Ok(Format::Text),
+            },
+            None => Ok(Format::Text),
+        }
+    }
+}
+
+/// The command that decompresses files with extension `ext`, for the compressed formats.
+fn decompressor(ext: &str) -> Option<&'static str> {
+    Some(match ext {
+        "gz" | "tgz" | "gzip" => "gunzip -k",
+        "bz2" => "bunzip2 -k",
+        "xz" | "lzma" => "unxz -k",
+        "zst" | "zstd" => "zstd -d",
+        "lz4" => "lz4 -d",
+        "br" => "brotli -d",
+        "zip" => "unzip",
+        "7z" => "7z x",
+        _ => return None,
+    })
 }
 
 /// The files of an input (a file, or every file under a directory), sorted by path.
@@ -58,15 +132,66 @@ pub fn files_of(path: &Path) -> Result<Vec<PathBuf>, crate::Error> {
     Ok(out)
 }
 
-fn is_parquet(path: &Path) -> bool {
-    path.extension().and_then(|e| e.to_str()) == Some("parquet")
+/// The lines of a JSON Lines file, numbered from 1, blank ones left out: each line's text
+/// (without its `\r\n` or `\n`), or why it is not text (invalid UTF-8, with the byte of the
+/// line and the file it starts at).
+pub fn json_lines(bytes: &[u8]) -> impl Iterator<Item = (usize, Result<&str, String>)> {
+    let mut line_start = 0;
+    bytes
+        .split(|b| *b == b'\n')
+        .enumerate()
+        .filter_map(move |(i, raw)| {
+            let start = line_start;
+            line_start += raw.len() + 1;
+            if raw.iter().all(u8::is_ascii_whitespace) {
+                return None;
+            }
+            let raw = raw.strip_suffix(b"\r").unwrap_or(raw);
+            let text = std::str::from_utf8(raw).map_err(|e| invalid_utf8(e.valid_up_to(), start));
+            Some((i + 1, text))
+        })
 }
 
-fn is_jsonl(path: &Path) -> bool {
-    matches!(
-        path.extension().and_then(|e| e.to_str()),
-        Some("jsonl" | "json" | "ndjson")
+/// Read a file: the bytes, or an error naming the file.
+fn read_bytes(file: &Path) -> Result<Vec<u8>, crate::Error> {
+    std::fs::read(file).map_err(|e| crate::Error::new(format!("{}: {e}", file.display())))
+}
+
+/// The bytes of a file of rows that `op` reads as JSON Lines whatever its extension, for
+/// [`json_lines`]; a Parquet or compressed file is an error naming it.
+pub fn read_json_lines(file: &Path, op: &str) -> Result<Vec<u8>, crate::Error> {
+    if Format::of(file)? == Format::Parquet {
+        return Err(crate::Error::new(format!(
+            "{}: {op} reads JSON Lines files, not Parquet",
+            file.display()
+        )));
+    }
+    read_bytes(file)
+}
+
+/// Where invalid UTF-8 starts, as one looks for it: the byte of its line and of the file.
+fn invalid_utf8(in_line: usize, line_start: usize) -> String {
+    format!(
+        "invalid UTF-8 at byte {in_line} of the line (file offset {})",
+        line_start + in_line
     )
+}
+
+/// A whole file as text, or the error naming the line, and the byte, where its UTF-8 breaks.
+fn whole_text(file: &Path, bytes: Vec<u8>) -> Result<String, (String, String)> {
+    String::from_utf8(bytes).map_err(|e| {
+        let offset = e.utf8_error().valid_up_to();
+        let before = &e.as_bytes()[..offset];
+        let line = 1 + before.iter().filter(|b| **b == b'\n').count();
+        let line_start = before
+            .iter()
+            .rposition(|b| *b == b'\n')
+            .map_or(0, |i| i + 1);
+        (
+            format!("{}:{line}", file.display()),
+            invalid_utf8(offset - line_start, line_start),
+        )
+    })
 }
 
 /// Counts of rows that were read and skipped.
@@ -86,24 +211,18 @@ pub fn read_documents<E: From<crate::Error>>(
     mut each: impl FnMut(Document) -> Result<(), E>,
 ) -> Result<(), E> {
     let reached = |stats: &ReadStats| limit.is_some_and(|l| stats.rows >= l);
-    if is_parquet(file) {
+    let format = Format::of(file)?;
+    if format == Format::Parquet {
         return read_parquet(file, text_field, on_bad, limit, stats, each);
     }
-    let bytes =
-        std::fs::read(file).map_err(|e| crate::Error::new(format!("{}: {e}", file.display())))?;
-    if !is_jsonl(file) {
+    let bytes = read_bytes(file)?;
+    if format == Format::Text {
         if reached(stats) {
             return Ok(());
         }
-        let text = String::from_utf8(bytes).map_err(|e| {
-            format!(
-                "{}: invalid UTF-8 at byte {}",
-                file.display(),
-                e.utf8_error().valid_up_to()
-            )
-        });
-        match (text, on_bad) {
-            (Ok(text), _) => {
+        match whole_text(file, bytes) {
+            Ok(text) if text.trim().is_empty() => {}
+            Ok(text) => {
                 stats.rows += 1;
                 each(Document {
                     text,
@@ -111,20 +230,15 @@ pub fn read_documents<E: From<crate::Error>>(
                     line: 0,
                 })?;
             }
-            (Err(_), OnBadRow::Skip) => stats.skipped += 1,
-            (Err(e), OnBadRow::Fail) => return Err(E::from(crate::Error::new(e))),
+            Err((at, why)) => on_bad.bad_row(&at, &why, &mut stats.skipped)?,
         }
         return Ok(());
     }
-    for (i, raw) in bytes.split(|b| *b == b'\n').enumerate() {
+    for (line, text) in json_lines(&bytes) {
         if reached(stats) {
             break;
         }
-        let line = i + 1;
-        if raw.iter().all(|b| b.is_ascii_whitespace()) {
-            continue;
-        }
-        match parse_row(raw, text_field) {
+        match text.and_then(|t| parse_row(t, text_field)) {
             Ok(text) => {
                 stats.rows += 1;
                 each(Document {
@@ -133,15 +247,10 @@ pub fn read_documents<E: From<crate::Error>>(
                     line,
                 })?;
             }
-            Err(why) => match on_bad {
-                OnBadRow::Skip => stats.skipped += 1,
-                OnBadRow::Fail => {
-                    return Err(E::from(crate::Error::new(format!(
-                        "{}:{line}: {why} (set `on_bad_row: skip` to skip and count such rows)",
-                        file.display()
-                    ))));
-                }
-            },
+            Err(why) => {
+                let at = format!("{}:{line}", file.display());
+                on_bad.bad_row(&at, &why, &mut stats.skipped)?;
+            }
         }
     }
     Ok(())
@@ -187,8 +296,8 @@ fn read_parquet<E: From<crate::Error>>(
                 Field::Str(s) => Some(s.clone()),
                 _ => None,
             });
-        match (text, on_bad) {
-            (Some(text), _) => {
+        match text {
+            Some(text) => {
                 stats.rows += 1;
                 each(Document {
                     text,
@@ -196,30 +305,25 @@ fn read_parquet<E: From<crate::Error>>(
                     line: i + 1,
                 })?;
             }
-            (None, OnBadRow::Skip) => stats.skipped += 1,
-            (None, OnBadRow::Fail) => {
-                return Err(E::from(crate::Error::new(format!(
-                    "{} row {}: `{text_field}` is null or not a string (set `on_bad_row: skip` to skip and count such rows)",
-                    file.display(),
-                    i + 1
-                ))));
-            }
+            None => on_bad.bad_row(
+                &format!("{} row {}", file.display(), i + 1),
+                &format!("`{text_field}` is null or not a string"),
+                &mut stats.skipped,
+            )?,
         }
     }
     Ok(())
 }
 
-fn parse_row(raw: &[u8], text_field: &str) -> Result<String, crate::Error> {
-    let line = std::str::from_utf8(raw)
-        .map_err(|e| format!("invalid UTF-8 at byte {}", e.valid_up_to()))?;
+fn parse_row(line: &str, text_field: &str) -> Result<String, String> {
     let value: Value = serde_json::from_str(line).map_err(|e| format!("not valid JSON: {e}"))?;
     match value.get(text_field) {
         Some(Value::String(s)) => Ok(s.clone()),
-        Some(Value::Null) | None => Err(crate::Error::new(format!("no `{text_field}` field"))),
-        Some(other) => Err(crate::Error::new(format!(
+        Some(Value::Null) | None => Err(format!("no `{text_field}` field")),
+        Some(other) => Err(format!(
             "`{text_field}` is not a string but {}",
             kind(other)
-        ))),
+        )),
     }
 }
 
@@ -279,12 +383,16 @@ mod tests {
     fn invalid_utf8_is_an_error() {
         let p = tmp("b.jsonl", b"{\"text\": \"ok\"}\n{\"text\": \"\xff\"}\n");
         let err = read(&p, OnBadRow::Fail).unwrap_err();
-        assert!(err.contains("b.jsonl:2: invalid UTF-8"), "{err}");
-        let p = tmp("c.txt", b"ab\xffcd");
+        // Line 2 starts at file offset 15; the bad byte is the 11th of the line.
         assert!(
-            read(&p, OnBadRow::Fail)
-                .unwrap_err()
-                .contains("invalid UTF-8")
+            err.contains("b.jsonl:2: invalid UTF-8 at byte 10 of the line (file offset 25)"),
+            "{err}"
+        );
+        let p = tmp("c.txt", b"line one\nab\xffcd");
+        let err = read(&p, OnBadRow::Fail).unwrap_err();
+        assert!(
+            err.contains("c.txt:2: invalid UTF-8 at byte 2 of the line (file offset 11)"),
+            "{err}"
         );
     }
 
@@ -329,6 +437,96 @@ mod tests {
         let e = read_documents::<String>(&p, "body", OnBadRow::Fail, None, &mut s, |_| Ok(()))
             .unwrap_err();
         assert!(e.contains("no column `body` (columns: text)"), "{e}");
+    }
+
+    /// A one-column Parquet file of `texts`, compressed with `codec`.
+    fn text_parquet(name: &str, texts: &[&str], codec: parquet::basic::Compression) -> PathBuf {
+        use parquet::data_type::{ByteArray, ByteArrayType};
+        use parquet::file::properties::WriterProperties;
+        use parquet::file::writer::SerializedFileWriter;
+        let schema = std::sync::Arc::new(
+            parquet::schema::parser::parse_message_type(
+                "message m { REQUIRED BINARY text (UTF8); }",
+            )
+            .unwrap(),
+        );
+        let props = WriterProperties::builder().set_compression(codec).build();
+        let p = tmp(name, b"");
+        let mut w = SerializedFileWriter::new(
+            std::fs::File::create(&p).unwrap(),
+            schema,
+            std::sync::Arc::new(props),
+        )
+        .unwrap();
+        let mut rg = w.next_row_group().unwrap();
+        let mut col = rg.next_column().unwrap().unwrap();
+        let values: Vec<ByteArray> = texts.iter().map(|t| ByteArray::from(*t)).collect();
+        col.typed::<ByteArrayType>()
+            .write_batch(&values, None, None)
+            .unwrap();
+        col.close().unwrap();
+        rg.close().unwrap();
+        w.close().unwrap();
+        p
+    }
+
+    /// pyarrow and pandas write snappy by default; Spark and others gzip, lz4 or brotli.
+    #[test]
+    fn parquet_of_every_common_codec_is_read() {
+        use parquet::basic::{BrotliLevel, Compression, GzipLevel, ZstdLevel};
+        let texts = ["first document", "second — ünïcode 🙂", "third"];
+        for (name, codec) in [
+            ("none", Compression::UNCOMPRESSED),
+            ("snappy", Compression::SNAPPY),
+            ("gzip", Compression::GZIP(GzipLevel::default())),
+            ("lz4", Compression::LZ4),
+            ("lz4_raw", Compression::LZ4_RAW),
+            ("brotli", Compression::BROTLI(BrotliLevel::default())),
+            ("zstd", Compression::ZSTD(ZstdLevel::default())),
+        ] {
+            let p = text_parquet(&format!("codec-{name}.parquet"), &texts, codec);
+            let (docs, _) = read(&p, OnBadRow::Fail).unwrap_or_else(|e| panic!("{name}: {e}"));
+            assert_eq!(docs, texts, "{name}");
+        }
+    }
+
+    #[test]
+    fn extensions_are_case_insensitive() {
+        let p = tmp("upper.JSONL", b"{\"text\": \"one\"}\n{\"text\": \"two\"}\n");
+        assert_eq!(read(&p, OnBadRow::Fail).unwrap().0, vec!["one", "two"]);
+        let p = tmp("upper.NDJson", b"{\"text\": \"three\"}\n");
+        assert_eq!(read(&p, OnBadRow::Fail).unwrap().0, vec!["three"]);
+        let p = text_parquet(
+            "upper.PARQUET",
+            &["four"],
+            parquet::basic::Compression::SNAPPY,
+        );
+        assert_eq!(read(&p, OnBadRow::Fail).unwrap().0, vec!["four"]);
+    }
+
+    #[test]
+    fn compressed_files_are_refused_by_name() {
+        // A gzip header: read as text it would be one document of binary noise, or an
+        // invalid-UTF-8 error that does not say why.
+        for name in [
+            "corpus.jsonl.gz",
+            "corpus.txt.GZ",
+            "corpus.jsonl.zst",
+            "corpus.bz2",
+        ] {
+            let p = tmp(name, b"\x1f\x8b\x08\x00\x00\x00\x00\x00");
+            let err = read(&p, OnBadRow::Skip).unwrap_err();
+            assert!(err.contains(name) && err.contains("compressed"), "{err}");
+            assert!(err.contains("decompress"), "{err}");
+        }
+    }
+
+    #[test]
+    fn a_blank_text_file_is_no_document() {
+        let p = tmp("blank.txt", b" \n\t\n");
+        let (docs, stats) = read(&p, OnBadRow::Fail).unwrap();
+        assert!(docs.is_empty(), "{docs:?}");
+        assert_eq!(stats, ReadStats::default());
     }
 
     #[test]

@@ -59,6 +59,26 @@ pub enum DropReason {
     Render(String),
 }
 
+impl DropReason {
+    /// Whether the row itself is malformed (not JSON, not an object, no or ill-typed
+    /// messages, tool arguments that are not JSON, a template that cannot render it), as
+    /// opposed to a well-formed row that a rule drops (the `used_in` filter, Nemotron's
+    /// tool-call validation, a template whose renders are not prefixes of each other). A
+    /// caller decides what to do with the first kind (`pack`'s `on_bad_row`); the second is
+    /// only counted, as Nemotron counts it.
+    pub fn is_malformed(&self) -> bool {
+        match self {
+            DropReason::NoMessages
+            | DropReason::InvalidRow(_)
+            | DropReason::BadToolArguments(_)
+            | DropReason::Render(_) => true,
+            DropReason::NotUsedIn
+            | DropReason::ToolCallWithoutToolsHeader
+            | DropReason::RenderMismatch { .. } => false,
+        }
+    }
+}
+
 impl fmt::Display for DropReason {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {

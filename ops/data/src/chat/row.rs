@@ -69,6 +69,15 @@ pub fn process_row(
     result
 }
 
+/// What [`process_row`] counts for a line that is not text (invalid UTF-8, said by `why`):
+/// an input row dropped as invalid. Returns the reason.
+pub fn unreadable_row(why: &str, stats: &mut ChatStats) -> DropReason {
+    stats.num_input_rows += 1;
+    let reason = DropReason::InvalidRow(why.to_string());
+    stats.record_drop(&reason);
+    reason
+}
+
 fn row_sequences(
     template: &ChatTemplate,
     line: &str,

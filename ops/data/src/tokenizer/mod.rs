@@ -30,6 +30,8 @@ mod pretokenize;
 #[cfg(test)]
 mod tests;
 
+pub use pretokenize::{LongWord, split_between_words};
+
 use serde_json::Value;
 use std::cell::RefCell;
 use std::collections::{BinaryHeap, HashMap};

@@ -207,3 +207,70 @@ pub(crate) fn for_each_word<'a>(s: &'a str, mut f: impl FnMut(&'a str)) {
         p = end;
     }
 }
+
+/// A stretch of text that [`split_between_words`] cannot cut and that is longer than a caller
+/// allows: where it starts and its length, in bytes. It is one word of GPT-2's split, with the
+/// whitespace before it if there is more than one character of that.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LongWord {
+    pub start: usize,
+    pub len: usize,
+}
+
+/// `text` cut into consecutive pieces of at most `piece_bytes` bytes (longer only where no cut
+/// is possible), so that the pieces split into exactly the words of the whole by GPT-2's split:
+/// a BPE trainer fed the pieces counts the same words, and learns the same merges, while it
+/// pre-tokenizes only a piece at a time. A stretch that cannot be cut longer than
+/// `max_word_bytes` is an error.
+///
+/// Where a cut is safe: after a word that does not end in whitespace. No alternative of the
+/// pattern looks behind, so the words after the cut are the whole text's; and the words before
+/// it end the same at the end of a piece, since a letter, number or other run, or a
+/// contraction, ends where its class does. A cut after whitespace is not safe: `\s+(?!\S)`
+/// gives a run's last character to the next word only when a non-space follows the run, which
+/// at the end of a piece none does.
+pub fn split_between_words(
+    text: &str,
+    piece_bytes: usize,
+    max_word_bytes: usize,
+) -> Result<Vec<&str>, LongWord> {
+    if text.len() <= piece_bytes.min(max_word_bytes) || !tables_available() {
+        return Ok(vec![text]);
+    }
+    let mut pieces = Vec::new();
+    // The current piece starts at `start`; `cut` is its last safe cut so far.
+    let (mut start, mut cut, mut p) = (0, 0, 0);
+    let mut cut_at = |end: usize, cut: &mut usize| -> Result<(), LongWord> {
+        if end - *cut > max_word_bytes {
+            return Err(LongWord {
+                start: *cut,
+                len: end - *cut,
+            });
+        }
+        if end - start > piece_bytes && *cut > start {
+            pieces.push(&text[start..*cut]);
+            start = *cut;
+        }
+        *cut = end;
+        Ok(())
+    };
+    while p < text.len() {
+        let end = match_end(text, p);
+        if !ends_in_space(&text[p..end]) {
+            cut_at(end, &mut cut)?;
+        }
+        p = end;
+    }
+    if cut < text.len() {
+        cut_at(text.len(), &mut cut)?;
+    }
+    pieces.push(&text[start..]);
+    Ok(pieces)
+}
+
+/// Whether a word's last character is whitespace.
+fn ends_in_space(word: &str) -> bool {
+    word.chars()
+        .next_back()
+        .is_some_and(|c| class_of(c) == Class::Space)
+}

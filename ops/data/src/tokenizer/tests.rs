@@ -89,6 +89,15 @@ fn training_docs() -> Vec<String> {
 
 /// A byte-level BPE trained as `train_tokenizer` trains one.
 fn train(vocab: usize, add_prefix_space: bool) -> Tokenizer {
+    train_on(&training_docs(), vocab, add_prefix_space)
+}
+
+/// A byte-level BPE trained on `docs` as `train_tokenizer` trains one.
+fn train_on<S: AsRef<str> + Send + Sync>(
+    docs: &[S],
+    vocab: usize,
+    add_prefix_space: bool,
+) -> Tokenizer {
     let specials: Vec<AddedToken> = SPECIALS
         .iter()
         .map(|t| AddedToken::from(*t, true))
@@ -110,9 +119,7 @@ fn train(vocab: usize, add_prefix_space: bool) -> Tokenizer {
             .with_decoder(Some(byte_level))
             .build()
             .unwrap();
-    tokenizer
-        .train(&mut trainer, training_docs().iter())
-        .unwrap();
+    tokenizer.train(&mut trainer, docs.iter()).unwrap();
     Tokenizer::from(tokenizer)
 }
 
@@ -440,4 +447,74 @@ fn gpt2_words_match_the_library_pre_tokenizer() {
         super::pretokenize::for_each_word(t, |w| got.push(w));
         assert_eq!(got, want, "{t:?}");
     }
+}
+
+/// The library's `ByteLevel` words of `text`.
+fn library_words(text: &str) -> Vec<String> {
+    use tokenizers::{OffsetReferential, OffsetType, PreTokenizedString, PreTokenizer};
+    let mut pre = PreTokenizedString::from(text);
+    ByteLevel::new(false, true, true)
+        .pre_tokenize(&mut pre)
+        .unwrap();
+    pre.get_splits(OffsetReferential::Original, OffsetType::Byte)
+        .into_iter()
+        .map(|(_, (start, end), _)| text[start..end].to_string())
+        .collect()
+}
+
+/// Cut between GPT-2 words, a long text's pieces have exactly its words by the library's own
+/// pre-tokenizer (a cut after whitespace, or inside a word, would change them), so a
+/// trainer fed the pieces learns the same tokenizer.
+#[test]
+fn pieces_cut_between_words_have_the_words_of_the_whole() {
+    let mut texts = corpus();
+    texts.extend(random_texts(2_000, 29));
+    let whole = texts.join("");
+    let want = library_words(&whole);
+    for piece_bytes in [1, 2, 5, 16, 100, 4096] {
+        let pieces = split_between_words(&whole, piece_bytes, usize::MAX).unwrap();
+        assert_eq!(pieces.concat(), whole);
+        let got: Vec<String> = pieces.iter().flat_map(|p| library_words(p)).collect();
+        if let Some(i) = (0..got.len().min(want.len())).find(|i| got[*i] != want[*i]) {
+            let lo = i.saturating_sub(3);
+            panic!(
+                "pieces of at most {piece_bytes} bytes: got {:?}, want {:?}",
+                &got[lo..(i + 3).min(got.len())],
+                &want[lo..(i + 3).min(want.len())]
+            );
+        }
+        assert_eq!(got, want, "pieces of at most {piece_bytes} bytes");
+        // A piece is longer than asked only where no cut is possible: within a word, or a
+        // whitespace run and the word after it.
+        let mut uncuttable = vec![0];
+        for w in &want {
+            *uncuttable.last_mut().unwrap() += w.len();
+            if !w.ends_with(char::is_whitespace) {
+                uncuttable.push(0);
+            }
+        }
+        let longest = uncuttable.into_iter().max().unwrap();
+        assert!(
+            pieces.iter().all(|p| p.len() <= piece_bytes.max(longest)),
+            "{piece_bytes}"
+        );
+    }
+    let trained = |docs: &[&str]| train_on(docs, 600, false).to_string(false).unwrap();
+    let pieces = split_between_words(&whole, 64, usize::MAX).unwrap();
+    assert!(pieces.len() > 100);
+    assert_eq!(trained(&pieces), trained(&[whole.as_str()]));
+}
+
+#[test]
+fn a_word_longer_than_allowed_is_an_error_saying_where() {
+    let text = format!("short words {} then more", "x".repeat(50));
+    assert_eq!(
+        split_between_words(&text, 8, 49),
+        Err(LongWord { start: 11, len: 51 })
+    );
+    assert_eq!(split_between_words(&text, 8, 51).unwrap().concat(), text);
+    assert_eq!(
+        split_between_words("tiny", 8, 2),
+        Err(LongWord { start: 0, len: 4 })
+    );
 }
