@@ -415,3 +415,83 @@ fn a_reader_that_stops_early_is_not_a_crash() {
         );
     }
 }
+
+/// A placeholder is replaced by a single-quoted word; inside "…", '…' or a heredoc that quoting
+/// is undone and the value would run as shell code. Such a manifest is refused before anything
+/// runs, with the placeholder and its context named (issue #15, item 4).
+#[test]
+fn a_placeholder_inside_quotes_is_refused_before_it_can_inject() {
+    // (context, cmd line, a value that runs `touch pwned` there when substituted quoted,
+    // where the error points)
+    let cases = [
+        (
+            "double quotes",
+            r#"cmd: 'echo "{params.x}" > {outputs.o}'"#,
+            "$(touch pwned)",
+            "m.yaml:6",
+        ),
+        (
+            "single quotes",
+            r#"cmd: "echo '{params.x}' > {outputs.o}""#,
+            "$(touch pwned)",
+            "m.yaml:6",
+        ),
+        (
+            "here-document",
+            "cmd: |\n      cat > {outputs.o} <<EOF\n      {params.x}\n      EOF",
+            "$(touch pwned)",
+            "m.yaml:7",
+        ),
+        (
+            "backslash",
+            r#"cmd: 'echo \{params.x} > {outputs.o}'"#,
+            ";touch pwned;'",
+            "m.yaml:6",
+        ),
+    ];
+    for (context, cmd, hostile, place) in cases {
+        let p = with_manifest(
+            "inject",
+            "m.yaml",
+            &format!(
+                "stages:\n  a:\n    op: cmd\n    params: {{x: \"{hostile}\"}}\n    outputs: {{o: o.txt}}\n    {cmd}\n"
+            ),
+        );
+        assert_bad_input(
+            &p,
+            &["run", "m.yaml"],
+            &[place, "stage `a`", "{params.x}", context, "word of its own"],
+        );
+        assert!(
+            find_named(&p.dir, "pwned").is_empty(),
+            "{context}: the value ran"
+        );
+    }
+    // An input whose file name is shell code, inside double quotes.
+    let p = with_manifest(
+        "inject-input",
+        "m.yaml",
+        "stages:\n  a:\n    op: cmd\n    inputs: {i: \"$(touch pwned).txt\"}\n    outputs: {o: o.txt}\n    cmd: 'cat \"{inputs.i}\" > {outputs.o}'\n",
+    );
+    p.write("$(touch pwned).txt", "data\n");
+    assert_bad_input(&p, &["run", "m.yaml"], &["{inputs.i}", "double quotes"]);
+    assert!(find_named(&p.dir, "pwned").is_empty(), "the file name ran");
+}
+
+/// The same hostile values as words of their own (also inside `$(…)`, whose words the shell
+/// parses afresh, even within "…") reach the command literally.
+#[test]
+fn a_placeholder_as_a_word_is_one_literal_argument() {
+    let p = with_manifest(
+        "placeholder-word",
+        "m.yaml",
+        "stages:\n  a:\n    op: cmd\n    params: {x: \"$(touch pwned)'\\\"`touch pwned`\"}\n    outputs: {o: o.txt}\n    cmd: 'printf \"%s|\" {params.x} \"$(printf %s {params.x})\" > {outputs.o}'\n",
+    );
+    let run = p.json(&["run", "m.yaml", "--json"]);
+    let key = key_of(&run, "a");
+    assert_eq!(
+        p.published(&key, "o.txt"),
+        "$(touch pwned)'\"`touch pwned`|$(touch pwned)'\"`touch pwned`|"
+    );
+    assert!(find_named(&p.dir, "pwned").is_empty());
+}
