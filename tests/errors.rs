@@ -495,3 +495,49 @@ fn a_placeholder_as_a_word_is_one_literal_argument() {
     );
     assert!(find_named(&p.dir, "pwned").is_empty());
 }
+
+/// An error past column 65,535 of a line: miette panicked (exit 101) padding its label. The
+/// shown line is clipped around the place; the location is the real one (issue #15, item 8).
+#[test]
+fn an_error_far_along_a_long_line_is_shown_clipped() {
+    let long = "x".repeat(70_000);
+    let text = format!(
+        "stages: {{a: {{op: cmd, outputs: {{o: o.txt}}, cmd: \"echo {long} > {{outputs.o}}\", bogus: 1}}}}\n"
+    );
+    let column = text.find("bogus").expect("the key is there") + 1;
+    let p = with_manifest("long-line", "m.yaml", &text);
+    assert_bad_input(
+        &p,
+        &["run", "m.yaml"],
+        &["unknown field `bogus`", &format!("m.yaml:1:{column}]")],
+    );
+    let out = p.run(&["validate", "m.yaml"]);
+    assert!(out.stderr.len() < 3_000, "the long line is clipped:\n{out}");
+    assert!(
+        out.stderr.contains("bogus: 1"),
+        "the place is shown:\n{out}"
+    );
+}
+
+/// A multi-megabyte value named in a message: wrapping it took 36 s and 1.3 GB for 8 MB. Values
+/// in messages are shortened, with how much was cut (issue #15, item 12).
+#[test]
+fn a_huge_value_in_a_message_is_shortened() {
+    let op = "y".repeat(2_000_000);
+    let p = with_manifest(
+        "huge-value",
+        "m.yaml",
+        &format!(
+            "stages:\n  a:\n    op: {op}\n    outputs: {{o: o.txt}}\n    cmd: \"echo > {{outputs.o}}\"\n"
+        ),
+    );
+    let started = std::time::Instant::now();
+    assert_bad_input(&p, &["run", "m.yaml"], &["unknown op", "m.yaml:3", "bytes"]);
+    assert!(
+        started.elapsed() < std::time::Duration::from_secs(10),
+        "took {:?}",
+        started.elapsed()
+    );
+    let out = p.run(&["validate", "m.yaml"]);
+    assert!(out.stderr.len() < 3_000, "the value is shortened:\n{out}");
+}

@@ -351,9 +351,9 @@ impl Manifest {
                     "check the spelling; see docs/manifest.md for every field a stage takes"
                         .to_string()
                 });
-                let mut err = locator.error(&path, true, schema_message(&path, &inner));
-                err.help = help;
-                err
+                locator
+                    .error(&path, true, schema_message(&path, &inner))
+                    .maybe_help(help)
             })?,
         };
         let mut manifest = Manifest {
@@ -475,13 +475,9 @@ impl Manifest {
                 .and_then(|()| op.check(&decl).map(drop))
                 .map_err(|e| {
                     let rest: Vec<&str> = e.path.iter().map(String::as_str).collect();
-                    let mut err = self.locator.error(
-                        &loc(&rest),
-                        false,
-                        format!("stage `{name}`: {}", e.message),
-                    );
-                    err.help = e.help;
-                    err
+                    self.locator
+                        .error(&loc(&rest), false, format!("stage `{name}`: {}", e.message))
+                        .maybe_help(e.help)
                 })?;
             stage.outputs = op.outputs(&stage.decl());
             let mut deps: Vec<String> = stage
