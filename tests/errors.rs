@@ -541,3 +541,27 @@ fn a_huge_value_in_a_message_is_shortened() {
     let out = p.run(&["validate", "m.yaml"]);
     assert!(out.stderr.len() < 3_000, "the value is shortened:\n{out}");
 }
+
+/// A stage name of 70,000 characters: `status` and `graph` panicked padding their columns
+/// (issue #15, item 9). Names have a length limit, checked when the manifest loads.
+#[test]
+fn a_stage_name_over_the_length_limit_is_refused() {
+    // TOML: YAML itself refuses an implicit key over 1,024 characters.
+    let manifest = |name: &str| {
+        format!(
+            "[stages.{name}]\nop = \"cmd\"\noutputs = {{ o = \"o.txt\" }}\ncmd = \"echo > {{outputs.o}}\"\n"
+        )
+    };
+    let p = with_manifest("long-name", "m.toml", &manifest(&"s".repeat(70_000)));
+    assert_bad_input(&p, &["run", "m.toml"], &["m.toml:1", "128 characters"]);
+    assert_bad_input(&p, &["graph", "m.toml"], &["m.toml:1", "128 characters"]);
+    // The longest allowed name is fine everywhere.
+    p.write("m.toml", &manifest(&"s".repeat(128)));
+    for argv in [
+        ["status", "m.toml"],
+        ["graph", "m.toml"],
+        ["validate", "m.toml"],
+    ] {
+        p.ok(&argv);
+    }
+}

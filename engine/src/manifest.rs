@@ -23,6 +23,10 @@ use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+/// The longest stage name, in characters: names are table columns (`status`, `graph`), file
+/// and job names.
+pub const MAX_STAGE_NAME: usize = 128;
+
 /// What the command line says about which manifest to load and how.
 #[derive(Debug, Clone)]
 pub struct LoadArgs {
@@ -397,6 +401,16 @@ impl Manifest {
                     &loc(&[]),
                     true,
                     format!("stage name `{name}` may only use letters, digits, `_` and `-`"),
+                ));
+            }
+            let length = name.chars().count();
+            if length > MAX_STAGE_NAME {
+                return Err(self.locator.error(
+                    &loc(&[]),
+                    true,
+                    format!(
+                        "stage name `{name}` is {length} characters long; a name has at most {MAX_STAGE_NAME} characters"
+                    ),
                 ));
             }
             let op = ops.get(&r.op).ok_or_else(|| {
