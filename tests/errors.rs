@@ -565,3 +565,52 @@ fn a_stage_name_over_the_length_limit_is_refused() {
         p.ok(&argv);
     }
 }
+
+/// Nine levels of nine aliases: 342 bytes that expand to 9^9 strings. The loader aborted out of
+/// memory (signal 6 past 2 GB); aliases now have a budget of nodes (issue #15, item 10).
+#[test]
+fn a_yaml_alias_bomb_is_refused() {
+    let mut bomb = String::from("x-bomb:\n  a: &a [lol, lol, lol, lol, lol, lol, lol, lol, lol]\n");
+    for (level, previous) in "bcdefghi".chars().zip("abcdefgh".chars()) {
+        let aliases = vec![format!("*{previous}"); 9].join(", ");
+        bomb.push_str(&format!("  {level}: &{level} [{aliases}]\n"));
+    }
+    let p = with_manifest(
+        "alias-bomb",
+        "m.yaml",
+        &format!(
+            "stages:\n  a: {{op: cmd, outputs: {{o: o.txt}}, cmd: \"echo > {{outputs.o}}\"}}\n{bomb}"
+        ),
+    );
+    assert_bad_input(
+        &p,
+        &["run", "m.yaml"],
+        &["m.yaml:", "aliases expand to more than"],
+    );
+}
+
+/// `- - - - … x`, 50,000 levels of block sequences in 100 KB: the loader overflowed its stack
+/// (exit 134); YAML's flow style has a limit of its own, block style none. Nesting, aliases
+/// included, is limited (issue #15, item 10).
+#[test]
+fn yaml_nested_too_deep_is_refused() {
+    let deep = "- ".repeat(50_000);
+    let p = with_manifest(
+        "deep-yaml",
+        "m.yaml",
+        &format!(
+            "stages:\n  a: {{op: cmd, outputs: {{o: o.txt}}, cmd: \"echo > {{outputs.o}}\"}}\nx:\n  {deep}x\n"
+        ),
+    );
+    assert_bad_input(&p, &["run", "m.yaml"], &["m.yaml:4", "nested deeper than"]);
+    // Through aliases: each anchor one level deeper than the last.
+    let mut chain = String::from("x:\n  a0: &a0 [x]\n");
+    for i in 1..2_000 {
+        chain.push_str(&format!("  a{i}: &a{i} [*a{}]\n", i - 1));
+    }
+    p.write(
+        "m.yaml",
+        &format!("stages:\n  a: {{op: cmd, outputs: {{o: o.txt}}, cmd: \"echo > {{outputs.o}}\"}}\n{chain}"),
+    );
+    assert_bad_input(&p, &["run", "m.yaml"], &["m.yaml:", "nested deeper than"]);
+}
