@@ -614,3 +614,60 @@ fn yaml_nested_too_deep_is_refused() {
     );
     assert_bad_input(&p, &["run", "m.yaml"], &["m.yaml:", "nested deeper than"]);
 }
+
+/// Run `nemo-dag ARGS` and require that it ends within `limit` (killing it if not).
+fn run_within(p: &Project, args: &[&str], limit: std::time::Duration) -> Out {
+    let mut child = p.spawn(args);
+    let ended = wait_for(limit, || child.try_wait().is_ok_and(|s| s.is_some()));
+    if !ended {
+        let _ = child.kill();
+    }
+    let out = child_output(child);
+    assert!(ended, "nemo-dag {args:?} still ran after {limit:?}\n{out}");
+    out
+}
+
+/// Templates that do unbounded work: two nested `range(100000)` loops ran past 20 s (killed),
+/// and `"a" * 100000000` rendered 100 MB (208 MB resident) into a YAML comment and loaded.
+/// Rendering has a budget of work ("fuel"), and the manifest a size limit (issue #15, item 12).
+#[test]
+fn a_template_that_does_too_much_work_is_stopped() {
+    let stage = "stages:\n  a: {op: cmd, outputs: {o: o.txt}, cmd: \"echo > {outputs.o}\"}\n";
+    let limit = std::time::Duration::from_secs(15);
+    for (name, template, needles) in [
+        (
+            "loops",
+            "# {% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}\n",
+            &["m.yaml:3", "too much work"][..],
+        ),
+        (
+            "repeat",
+            "# {{ \"a\" * 100000000 }}\n",
+            &["m.yaml:3", "too much work"][..],
+        ),
+        (
+            "size",
+            "# {{ \"a\" * 9000000 }}\n",
+            &["m.yaml", "more than 8 MiB"][..],
+        ),
+    ] {
+        let p = with_manifest(name, "m.yaml", &format!("{stage}{template}"));
+        let out = run_within(&p, &["validate", "m.yaml"], limit);
+        assert_eq!(out.code, 2, "{name}: {out}");
+        assert_bad_input(&p, &["run", "m.yaml"], needles);
+    }
+}
+
+/// A manifest file over 8 MiB is refused before it is read whole (issue #15, item 12).
+#[test]
+fn a_manifest_over_the_size_limit_is_refused() {
+    let padding = "# padding\n".repeat(900_000);
+    let p = with_manifest(
+        "huge-file",
+        "m.yaml",
+        &format!(
+            "stages:\n  a: {{op: cmd, outputs: {{o: o.txt}}, cmd: \"echo > {{outputs.o}}\"}}\n{padding}"
+        ),
+    );
+    assert_bad_input(&p, &["run", "m.yaml"], &["m.yaml", "more than 8 MiB"]);
+}

@@ -27,6 +27,17 @@ use std::sync::Arc;
 /// and job names.
 pub const MAX_STAGE_NAME: usize = 128;
 
+/// The largest manifest or variant file, and the largest text its template renders to: a
+/// recipe is kilobytes, and every later step (parse, spans, the compiled-tree cache) costs
+/// memory in proportion.
+pub const MAX_MANIFEST_BYTES: usize = 8 << 20;
+
+/// The work a template may do while rendering, in minijinja's fuel: one unit per
+/// instruction, and one per 64 bytes of data it makes, checked before a known-size
+/// allocation. A thousand-stage loop takes a few tens of thousands; this stops two nested
+/// `range(100000)` loops, or `"a" * 100000000`, within a second.
+pub const TEMPLATE_FUEL: u64 = 1_000_000;
+
 /// What the command line says about which manifest to load and how.
 #[derive(Debug, Clone)]
 pub struct LoadArgs {
@@ -664,14 +675,30 @@ fn schema_message(path: &[String], inner: &str) -> String {
 }
 
 fn read_source(path: &Path) -> Result<Source, InputError> {
-    let text = std::fs::read_to_string(path).map_err(|e| {
+    let cannot_read = |e: std::io::Error| {
         let help = if e.kind() == std::io::ErrorKind::NotFound {
             "check the path; manifests are YAML (.yaml/.yml) or TOML (.toml) files"
         } else {
             "check that the file is readable UTF-8 text"
         };
         InputError::new(format!("cannot read manifest {}: {e}", path.display())).help(help)
-    })?;
+    };
+    let mut text = String::new();
+    std::fs::File::open(path)
+        .and_then(|file| {
+            use std::io::Read;
+            file.take(MAX_MANIFEST_BYTES as u64 + 1)
+                .read_to_string(&mut text)
+        })
+        .map_err(cannot_read)?;
+    if text.len() > MAX_MANIFEST_BYTES {
+        return Err(InputError::new(format!(
+            "manifest {} holds more than {}",
+            path.display(),
+            mebibytes(MAX_MANIFEST_BYTES)
+        ))
+        .help("a manifest is a recipe: keep data in input files, and let Jinja loops write repeated stages"));
+    }
     if Format::from_path(path).is_none() {
         return Err(InputError::new(format!(
             "{}: unknown manifest format; use a .yaml, .yml or .toml file",
@@ -803,23 +830,7 @@ fn render_and_parse(
     locator: &mut Locator,
 ) -> Result<Value, InputError> {
     let format = Format::from_path(Path::new(&source.name)).unwrap_or(Format::Yaml);
-    let mut env = minijinja::Environment::new();
-    env.set_undefined_behavior(minijinja::UndefinedBehavior::Strict);
-    let rendered = env
-        .render_str(&source.text, minijinja::value::Serde(vars))
-        .map_err(|e| {
-            let span = e
-                .range()
-                .or_else(|| e.line().map(|l| line_range(&source.text, l)))
-                .unwrap_or(0..0);
-            let what = match e.detail() {
-                Some(d) => format!("{}: {d}", e.kind()),
-                None => e.kind().to_string(),
-            };
-            InputError::new(format!("template error: {what}"))
-                .at(source, span, "here")
-                .help("template variables come from `vars:` (and `vars.NAME=VALUE` overrides)")
-        })?;
+    let rendered = render(source, vars)?;
     let rendered_source = if rendered.trim_end() == source.text.trim_end() {
         source.clone()
     } else {
@@ -836,6 +847,71 @@ fn render_and_parse(
         spans: std::sync::OnceLock::new(),
     });
     Ok(value)
+}
+
+/// The manifest's text through minijinja: strict about undefined variables, with a budget
+/// of work ([`TEMPLATE_FUEL`]) and of output ([`MAX_MANIFEST_BYTES`]).
+fn render(source: &Source, vars: &Value) -> Result<String, InputError> {
+    let mut env = minijinja::Environment::new();
+    env.set_undefined_behavior(minijinja::UndefinedBehavior::Strict);
+    env.set_fuel(Some(TEMPLATE_FUEL));
+    let mut out = BoundedWriter::default();
+    let result = env
+        .template_from_str(&source.text)
+        .and_then(|t| t.render_captured_to(minijinja::value::Serde(vars), &mut out));
+    let Err(e) = result else {
+        return Ok(String::from_utf8_lossy(&out.bytes).into_owned());
+    };
+    let span = e
+        .range()
+        .or_else(|| e.line().map(|l| line_range(&source.text, l)))
+        .unwrap_or(0..0);
+    let error = if out.overflowed {
+        InputError::new(format!(
+            "the manifest renders to more than {}",
+            mebibytes(MAX_MANIFEST_BYTES)
+        ))
+        .help("a manifest is a recipe: keep data in input files")
+    } else if e.kind() == minijinja::ErrorKind::OutOfFuel {
+        InputError::new(format!(
+            "template error: the template does too much work (more than {TEMPLATE_FUEL} steps)"
+        ))
+        .help("a manifest's loops write its stages: thousands of iterations, not millions")
+    } else {
+        let what = match e.detail() {
+            Some(d) => format!("{}: {d}", e.kind()),
+            None => e.kind().to_string(),
+        };
+        InputError::new(format!("template error: {what}"))
+            .help("template variables come from `vars:` (and `vars.NAME=VALUE` overrides)")
+    };
+    Err(error.at(source, span, "here"))
+}
+
+/// Collects rendered bytes, up to [`MAX_MANIFEST_BYTES`]; a write past that fails the render.
+#[derive(Default)]
+struct BoundedWriter {
+    bytes: Vec<u8>,
+    overflowed: bool,
+}
+
+impl std::io::Write for BoundedWriter {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        if self.bytes.len() + buf.len() > MAX_MANIFEST_BYTES {
+            self.overflowed = true;
+            return Err(std::io::Error::other("the manifest renders too large"));
+        }
+        self.bytes.extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+fn mebibytes(bytes: usize) -> String {
+    format!("{} MiB", bytes >> 20)
 }
 
 fn line_range(text: &str, line: usize) -> std::ops::Range<usize> {
