@@ -671,3 +671,53 @@ fn a_manifest_over_the_size_limit_is_refused() {
     );
     assert_bad_input(&p, &["run", "m.yaml"], &["m.yaml", "more than 8 MiB"]);
 }
+
+/// A manifest that is not UTF-8: the error said only "stream did not contain valid UTF-8".
+/// It names the byte, its offset, line and column (issue #15, item 16).
+#[test]
+fn a_manifest_that_is_not_utf8_names_the_byte() {
+    let p = Project::new("not-utf8");
+    let text = b"stages:\n  a: {op: cmd, outputs: {o: o.txt}, cmd: \"echo \xff > {outputs.o}\"}\n";
+    let offset = text.iter().position(|b| *b == 0xff).expect("there");
+    std::fs::write(p.path("m.yaml"), text).expect("written");
+    assert_bad_input(
+        &p,
+        &["run", "m.yaml"],
+        &[
+            "not UTF-8",
+            &format!("byte 0xff at offset {offset}"),
+            &format!("m.yaml:2:{}]", offset - "stages:\n".len() + 1),
+        ],
+    );
+}
+
+/// Errors that come from the command line point at the argument, as manifest errors point
+/// at the file (docs/manifest.md, "Errors"); a value an override set is blamed on the
+/// override, not on the line of the file it replaced (issue #15, item 16).
+#[test]
+fn an_error_from_the_command_line_points_at_the_argument() {
+    let p = with_manifest("argument-place", "m.yaml", TWO_STAGE_YAML);
+    assert_bad_input(
+        &p,
+        &["run", "m.yaml", "vars.n=2", "stages.gen.params.zzz=1"],
+        &[
+            "command line:1:10]",
+            "vars.n=2 stages.gen.params.zzz=1",
+            "has no key `zzz`",
+        ],
+    );
+    assert_bad_input(
+        &p,
+        &["run", "m.yaml", "stages.total.inputs.nums=gen:nope"],
+        &[
+            "stage `gen` has no output `nope`",
+            "command line:1:1]",
+            "stages.total.inputs.nums=gen:nope",
+        ],
+    );
+    assert_bad_input(
+        &p,
+        &["run", "m.yaml", "-c", "nope", "vars.n=2"],
+        &["no variant `nope`", "command line:1:1]", "-c nope vars.n=2"],
+    );
+}

@@ -206,12 +206,24 @@ impl Document {
 #[derive(Debug, Default)]
 struct Locator {
     docs: Vec<Document>, // base first, then the variant
+    /// The arguments, and the nodes overrides set: (key path, index of the override).
+    command_line: Option<CommandLine>,
+    overridden: Vec<(KeyPath, usize)>,
 }
 
 impl Locator {
-    /// An error pointing at `path`: in the variant if it sets that node, else the base.
+    /// An error pointing at `path`: at the override that set it (or a node above it), else
+    /// in the variant if it sets that node, else the base.
     fn error(&self, path: &[String], want_key: bool, message: impl Into<String>) -> InputError {
         let err = InputError::new(message);
+        let set_by = self
+            .overridden
+            .iter()
+            .rev()
+            .find(|(set, _)| path.starts_with(set));
+        if let (Some((_, index)), Some(command_line)) = (set_by, &self.command_line) {
+            return command_line.at_override(*index, err);
+        }
         let exact = self
             .docs
             .iter()
@@ -249,12 +261,18 @@ impl Manifest {
             .map_err(|e| InputError::new(format!("cannot resolve {}: {e}", args.path.display())))?;
         let base = read_source(&path)?;
         let dir = path.parent().map(Path::to_path_buf).unwrap_or_default();
+        let command_line = CommandLine::new(args);
         let variant_path = args
             .variant
             .as_deref()
             .map(|v| find_variant(&path, v))
-            .transpose()?;
-        let variant = variant_path.as_deref().map(read_source).transpose()?;
+            .transpose()
+            .map_err(|e| command_line.at_variant(e))?;
+        let variant = variant_path
+            .as_deref()
+            .map(read_source)
+            .transpose()
+            .map_err(|e| command_line.at_variant(e))?;
 
         let tree_key = {
             let mut h = blake3::Hasher::new();
@@ -292,15 +310,21 @@ impl Manifest {
         }
 
         // 1–2. vars: base, then the variant's, then `vars.*` overrides.
-        let (var_overrides, overrides): (Vec<&String>, Vec<&String>) =
-            args.overrides.iter().partition(|o| o.starts_with("vars."));
+        let (var_overrides, overrides): (Vec<_>, Vec<_>) = args
+            .overrides
+            .iter()
+            .enumerate()
+            .partition(|(_, o)| o.starts_with("vars."));
         let mut vars = extract_vars(&base)?;
         if let Some(v) = &variant {
             merge(&mut vars, extract_vars(v)?);
         }
         let mut vars_doc = serde_json::json!({ "vars": vars });
-        for o in &var_overrides {
-            apply_override(&mut vars_doc, o)?;
+        let mut overridden = Vec::new();
+        for (index, o) in var_overrides {
+            let set =
+                apply_override(&mut vars_doc, o).map_err(|e| command_line.at_override(index, e))?;
+            overridden.push((set, index));
         }
         let vars = vars_doc["vars"].take();
 
@@ -318,9 +342,13 @@ impl Manifest {
         }
 
         // 5. overrides of any other key.
-        for o in &overrides {
-            apply_override(&mut tree, o)?;
+        for (index, o) in overrides {
+            let set =
+                apply_override(&mut tree, o).map_err(|e| command_line.at_override(index, e))?;
+            overridden.push((set, index));
         }
+        locator.command_line = Some(command_line);
+        locator.overridden = overridden;
         if let Some(map) = tree.as_object_mut()
             && (map.contains_key("vars") || !vars.is_null())
         {
@@ -683,15 +711,15 @@ fn read_source(path: &Path) -> Result<Source, InputError> {
         };
         InputError::new(format!("cannot read manifest {}: {e}", path.display())).help(help)
     };
-    let mut text = String::new();
+    let mut bytes = Vec::new();
     std::fs::File::open(path)
         .and_then(|file| {
             use std::io::Read;
             file.take(MAX_MANIFEST_BYTES as u64 + 1)
-                .read_to_string(&mut text)
+                .read_to_end(&mut bytes)
         })
         .map_err(cannot_read)?;
-    if text.len() > MAX_MANIFEST_BYTES {
+    if bytes.len() > MAX_MANIFEST_BYTES {
         return Err(InputError::new(format!(
             "manifest {} holds more than {}",
             path.display(),
@@ -705,10 +733,38 @@ fn read_source(path: &Path) -> Result<Source, InputError> {
             path.display()
         )));
     }
-    Ok(Source {
-        name: path.display().to_string(),
-        text: Arc::from(text),
-    })
+    let name = path.display().to_string();
+    match String::from_utf8(bytes) {
+        Ok(text) => Ok(Source {
+            name,
+            text: Arc::from(text),
+        }),
+        Err(e) => Err(not_utf8(name, e)),
+    }
+}
+
+/// A manifest with bytes that are not UTF-8: the first, by offset, line and column.
+fn not_utf8(name: String, e: std::string::FromUtf8Error) -> InputError {
+    let at = e.utf8_error().valid_up_to();
+    let bytes = e.as_bytes();
+    let byte = bytes.get(at).copied().unwrap_or_default();
+    let line_start = bytes[..at]
+        .iter()
+        .rposition(|b| *b == b'\n')
+        .map_or(0, |i| i + 1);
+    let line = bytes[..at].iter().filter(|b| **b == b'\n').count() + 1;
+    let message = format!(
+        "manifest {name} is not UTF-8: byte {byte:#04x} at offset {at} (line {line}, column {})",
+        at - line_start + 1
+    );
+    // Shown with U+FFFD for each bad sequence; the text before the first is unchanged.
+    let shown = Source {
+        name,
+        text: Arc::from(String::from_utf8_lossy(bytes).into_owned()),
+    };
+    InputError::new(message)
+        .at(&shown, at..at + '\u{fffd}'.len_utf8(), "not UTF-8")
+        .help("save the manifest as UTF-8 text")
 }
 
 /// `-c NAME`: `<dir>/<stem>/NAME.{yaml,yml,toml}`; a value with `/` or a suffix is a path.
@@ -938,8 +994,9 @@ pub fn merge(base: &mut Value, over: Value) {
     }
 }
 
-/// `a.b.c=VALUE`: set an existing key; the value is typed like a YAML scalar.
-fn apply_override(tree: &mut Value, text: &str) -> Result<(), InputError> {
+/// `a.b.c=VALUE`: set an existing key; the value is typed like a YAML scalar. Returns the
+/// key path it set.
+fn apply_override(tree: &mut Value, text: &str) -> Result<KeyPath, InputError> {
     let Some((key, raw)) = text.split_once('=') else {
         let mut e = InputError::new(format!("override `{text}` is not KEY.PATH=VALUE"));
         if tree["stages"].get(text).is_some() {
@@ -992,7 +1049,59 @@ fn apply_override(tree: &mut Value, text: &str) -> Result<(), InputError> {
         })?;
     }
     *node = doc::plain_scalar(raw);
-    Ok(())
+    Ok(path.iter().map(|s| s.to_string()).collect())
+}
+
+/// The arguments that shape a load, `-c VARIANT` then the `KEY.PATH=VALUE` overrides, as
+/// one text that errors about them point into.
+#[derive(Debug)]
+struct CommandLine {
+    source: Source,
+    variant: Option<std::ops::Range<usize>>,
+    overrides: Vec<std::ops::Range<usize>>,
+}
+
+impl CommandLine {
+    fn new(args: &LoadArgs) -> CommandLine {
+        let mut text = String::new();
+        let mut add = |arg: &str| {
+            if !text.is_empty() {
+                text.push(' ');
+            }
+            let start = text.len();
+            text.push_str(arg);
+            start..text.len()
+        };
+        let variant = args.variant.as_deref().map(|v| {
+            let flag = add("-c");
+            flag.start..add(v).end
+        });
+        let overrides = args.overrides.iter().map(|o| add(o)).collect();
+        CommandLine {
+            source: Source {
+                name: "command line".into(),
+                text: Arc::from(text),
+            },
+            variant,
+            overrides,
+        }
+    }
+
+    /// `err`, pointing at the `index`th override.
+    fn at_override(&self, index: usize, err: InputError) -> InputError {
+        match self.overrides.get(index) {
+            Some(range) => err.at(&self.source, range.clone(), "this argument"),
+            None => err,
+        }
+    }
+
+    /// `err`, pointing at `-c VARIANT`.
+    fn at_variant(&self, err: InputError) -> InputError {
+        match &self.variant {
+            Some(range) => err.at(&self.source, range.clone(), "this argument"),
+            None => err,
+        }
+    }
 }
 
 #[cfg(test)]
