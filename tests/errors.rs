@@ -721,3 +721,45 @@ fn an_error_from_the_command_line_points_at_the_argument() {
         &["no variant `nope`", "command line:1:1]", "-c nope vars.n=2"],
     );
 }
+
+/// `resources:` values were taken as written: `cpus: 0`, `time: soon`, `mem: lots` loaded and
+/// went to the executors. Each is checked when the manifest loads, with the place
+/// (issue #15, item 18).
+#[test]
+fn nonsense_resources_are_refused() {
+    let manifest = |resources: &str| {
+        format!(
+            "stages:\n  a:\n    op: cmd\n    outputs: {{o: o.txt}}\n    cmd: \"echo > {{outputs.o}}\"\n    resources: {{{resources}}}\n"
+        )
+    };
+    for (resources, needles) in [
+        ("cpus: 0", &["resources.cpus", "at least 1"][..]),
+        ("cpus: 100000000", &["resources.cpus", "at most"][..]),
+        ("gpus: 5000", &["resources.gpus", "at most"][..]),
+        ("nodes: 0", &["resources.nodes", "at least 1"][..]),
+        ("mem: lots", &["resources.mem", "`lots`", "16G"][..]),
+        ("mem: -5", &["resources.mem", "`-5`"][..]),
+        ("mem: 2.5G", &["resources.mem", "`2.5G`"][..]),
+        ("mem: 900000T", &["resources.mem", "at most"][..]),
+        ("time: soon", &["resources.time", "`soon`", "HH:MM:SS"][..]),
+        ("time: 0", &["resources.time", "leave `time` out"][..]),
+        ("time: \"1:75:00\"", &["resources.time", "`1:75:00`"][..]),
+        ("time: 10000000", &["resources.time", "at most"][..]),
+        ("device: \"\"", &["resources.device", "empty"][..]),
+    ] {
+        let p = with_manifest("resources", "m.yaml", &manifest(resources));
+        let mut needles = needles.to_vec();
+        needles.push("m.yaml:6");
+        assert_bad_input(&p, &["run", "m.yaml"], &needles);
+    }
+    // Sensible values load, in Slurm's forms.
+    for resources in [
+        "cpus: 2, gpus: 0, nodes: 1, mem: 16G, time: \"04:00:00\"",
+        "mem: 0, time: 90",
+        "mem: 512, time: \"1-12\"",
+        "time: \"2-00:30:00\", device: cuda",
+    ] {
+        let p = with_manifest("resources-ok", "m.yaml", &manifest(resources));
+        p.ok(&["validate", "m.yaml"]);
+    }
+}

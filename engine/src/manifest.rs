@@ -150,6 +150,149 @@ pub struct Resources {
     pub requeue: Option<bool>,
 }
 
+/// The largest `cpus` a stage may ask for.
+const MAX_CPUS: u32 = 10_000;
+/// The most `gpus` (per node) a stage may ask for.
+const MAX_GPUS: u32 = 1_024;
+/// The most `nodes` a stage may ask for.
+const MAX_NODES: u32 = 100_000;
+/// The largest `mem`, in bytes: 64 TiB.
+const MAX_MEM: u64 = 64 << 40;
+/// The longest `time`: a year.
+const MAX_TIME: std::time::Duration = std::time::Duration::from_secs(365 * 24 * 3600);
+
+impl Resources {
+    /// The wall-clock limit `time` sets, if any. Checked when the manifest loads, so a
+    /// loaded stage's `time` is always one.
+    pub fn time_limit(&self) -> Option<std::time::Duration> {
+        self.time.as_ref().and_then(|t| parse_time(t).ok())
+    }
+
+    /// The memory `mem` asks for, in bytes, if any (`Some(0)`: Slurm's "all of a node's").
+    pub fn mem_bytes(&self) -> Option<u64> {
+        self.mem.as_ref().and_then(|m| parse_mem(m).ok())
+    }
+
+    /// The first field that is not a sensible request, and why.
+    fn check(&self) -> Result<(), (&'static str, String)> {
+        within("cpus", self.cpus, 1, MAX_CPUS)?;
+        within("gpus", self.gpus, 0, MAX_GPUS)?;
+        within("nodes", self.nodes, 1, MAX_NODES)?;
+        if let Some(mem) = &self.mem {
+            parse_mem(mem).map_err(|why| ("mem", why))?;
+        }
+        if let Some(time) = &self.time {
+            parse_time(time).map_err(|why| ("time", why))?;
+        }
+        if self.device.as_deref().is_some_and(|d| d.trim().is_empty()) {
+            return Err(("device", "is empty: name a device, or leave it out".into()));
+        }
+        Ok(())
+    }
+}
+
+fn within(
+    field: &'static str,
+    value: Option<u32>,
+    min: u32,
+    max: u32,
+) -> Result<(), (&'static str, String)> {
+    match value {
+        Some(v) if v < min => Err((field, format!("{v}: it takes at least {min}"))),
+        Some(v) if v > max => Err((field, format!("{v}: it takes at most {max}"))),
+        _ => Ok(()),
+    }
+}
+
+/// Slurm's `--mem`: megabytes, or a whole number with a unit K, M, G or T; 0 is all of a
+/// node's memory. Returns bytes.
+fn parse_mem(value: &Value) -> Result<u64, String> {
+    let text = scalar_text(value);
+    let not_a_size = || {
+        format!(
+            "`{text}` is not a memory size: write megabytes (`512`) or a whole number with K, M, G or T (`16G`), as Slurm's --mem takes"
+        )
+    };
+    let (digits, unit) = match text.char_indices().last() {
+        Some((i, c)) if c.is_ascii_alphabetic() => (&text[..i], c.to_ascii_uppercase()),
+        _ => (text.as_str(), 'M'),
+    };
+    let shift = match unit {
+        'K' => 10,
+        'M' => 20,
+        'G' => 30,
+        'T' => 40,
+        _ => return Err(not_a_size()),
+    };
+    if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return Err(not_a_size());
+    }
+    let bytes = digits
+        .parse::<u64>()
+        .ok()
+        .and_then(|n| n.checked_mul(1 << shift))
+        .filter(|b| *b <= MAX_MEM);
+    bytes.ok_or_else(|| format!("`{text}`: it takes at most {}T", MAX_MEM >> 40))
+}
+
+/// Slurm's `--time`: minutes, `MM:SS`, `HH:MM:SS`, `D-HH`, `D-HH:MM` or `D-HH:MM:SS`.
+fn parse_time(value: &Value) -> Result<std::time::Duration, String> {
+    let text = scalar_text(value);
+    let not_a_time = || {
+        format!(
+            "`{text}` is not a time limit: write minutes (`90`), HH:MM:SS (`04:00:00`) or D-HH:MM:SS (`2-00:00:00`), as Slurm's --time takes"
+        )
+    };
+    let (days, clock) = match text.split_once('-') {
+        Some((days, clock)) => (Some(days), clock),
+        None => (None, text.as_str()),
+    };
+    let fields: Vec<&str> = clock.split(':').collect();
+    let numbers: Option<Vec<u64>> = std::iter::once(days.unwrap_or("0"))
+        .chain(fields.iter().copied())
+        .map(|f| {
+            (!f.is_empty() && f.len() <= 12 && f.bytes().all(|b| b.is_ascii_digit()))
+                .then(|| f.parse().ok())
+                .flatten()
+        })
+        .collect();
+    let Some(numbers) = numbers else {
+        return Err(not_a_time());
+    };
+    // In seconds, what each field counts, and the most it may be after the first.
+    let units: &[(u64, u64)] = match (days.is_some(), fields.len()) {
+        (false, 1) => &[(60, u64::MAX)],
+        (false, 2) => &[(60, u64::MAX), (1, 59)],
+        (false, 3) | (true, 3) => &[(3600, 23), (60, 59), (1, 59)],
+        (true, 1) => &[(3600, 23)],
+        (true, 2) => &[(3600, 23), (60, 59)],
+        _ => return Err(not_a_time()),
+    };
+    let mut seconds = numbers[0].saturating_mul(86_400);
+    for (i, (&n, &(unit, most))) in numbers[1..].iter().zip(units).enumerate() {
+        let leading = i == 0 && days.is_none();
+        if !leading && n > most {
+            return Err(not_a_time());
+        }
+        seconds = seconds.saturating_add(n.saturating_mul(unit));
+    }
+    match std::time::Duration::from_secs(seconds) {
+        d if d.is_zero() => Err(format!(
+            "`{text}` is no time at all; to run without a limit, leave `time` out"
+        )),
+        d if d > MAX_TIME => Err(format!("`{text}`: it takes at most 365 days")),
+        d => Ok(d),
+    }
+}
+
+/// A scalar as the text it was written as (`90`, `16G`).
+fn scalar_text(value: &Value) -> String {
+    match value {
+        Value::String(s) => s.clone(),
+        other => other.to_string(),
+    }
+}
+
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RawManifest {
@@ -460,6 +603,13 @@ impl Manifest {
                         "the ops are",
                         ops.names().into_iter(),
                     ))
+            })?;
+            r.resources.check().map_err(|(field, why)| {
+                self.locator.error(
+                    &loc(&["resources", field]),
+                    false,
+                    format!("stage `{name}`: resources.{field}: {why}"),
+                )
             })?;
             if !r.params.is_object() {
                 return Err(self.locator.error(
@@ -1125,5 +1275,70 @@ mod tests {
         );
         let err = apply_override(&mut tree, "stages.a.params.zzz=1").unwrap_err();
         assert!(err.message.contains("zzz"));
+    }
+
+    #[test]
+    fn time_and_mem_read_as_slurm_reads_them() {
+        use serde_json::json;
+        use std::time::Duration;
+        let minutes = |m: u64| Duration::from_secs(m * 60);
+        for (written, want) in [
+            (json!(90), minutes(90)),
+            (json!("90"), minutes(90)),
+            (json!("5:30"), Duration::from_secs(5 * 60 + 30)),
+            (json!("04:00:00"), minutes(240)),
+            (json!("100:00:00"), minutes(6000)),
+            (json!("2-12"), minutes((2 * 24 + 12) * 60)),
+            (json!("1-00:30"), minutes(24 * 60 + 30)),
+            (
+                json!("1-02:03:04"),
+                Duration::from_secs(86_400 + 2 * 3600 + 3 * 60 + 4),
+            ),
+        ] {
+            assert_eq!(parse_time(&written), Ok(want), "{written}");
+            let r = Resources {
+                time: Some(written.clone()),
+                ..Resources::default()
+            };
+            assert_eq!(r.time_limit(), Some(want), "{written}");
+        }
+        for bad in [
+            json!(0),
+            json!("00:00:00"),
+            json!(1.5),
+            json!(-3),
+            json!("soon"),
+            json!("1:60"),
+            json!("1-24"),
+            json!("1-1:2:3:4"),
+            json!("::"),
+            json!("UNLIMITED"),
+            json!("999999999999999999999"),
+            json!(600_000),
+        ] {
+            assert!(parse_time(&bad).is_err(), "{bad}");
+        }
+        assert_eq!(Resources::default().time_limit(), None);
+        for (written, want) in [
+            (json!(512), 512 << 20),
+            (json!("16G"), 16 << 30),
+            (json!("16g"), 16 << 30),
+            (json!("100K"), 100 << 10),
+            (json!(0), 0),
+            (json!("2T"), 2 << 40),
+        ] {
+            assert_eq!(parse_mem(&written), Ok(want), "{written}");
+        }
+        for bad in [
+            json!("lots"),
+            json!("G"),
+            json!("1.5G"),
+            json!(-1),
+            json!("16GB"),
+            json!("65T"),
+            json!(1e30),
+        ] {
+            assert!(parse_mem(&bad).is_err(), "{bad}");
+        }
     }
 }
