@@ -519,6 +519,25 @@ fn an_error_far_along_a_long_line_is_shown_clipped() {
     );
 }
 
+/// A template syntax error past column 65,535 of a line. minijinja 3.1 counts columns in 16
+/// bits and adds one past the last on a lexer error: it wraps in a release build (its byte
+/// offsets, which we show, stay right) and panicked in a debug one. Found by the fuzzer.
+#[test]
+fn a_template_error_far_along_a_long_line_is_shown_at_its_place() {
+    let long = "x".repeat(70_000);
+    let text = format!(
+        "stages:\n  a: {{op: cmd, outputs: {{o: o.txt}}, cmd: \"echo {long} {{{{ 'abc }}}} > {{outputs.o}}\"}}\n"
+    );
+    // The string runs to the end of the line, where minijinja reports it.
+    let column = text.lines().nth(1).expect("two lines").len() + 1;
+    let p = with_manifest("long-template-line", "m.yaml", &text);
+    assert_bad_input(
+        &p,
+        &["validate", "m.yaml"],
+        &["unexpected end of string", &format!("m.yaml:2:{column}]")],
+    );
+}
+
 /// A multi-megabyte value named in a message: wrapping it took 36 s and 1.3 GB for 8 MB. Values
 /// in messages are shortened, with how much was cut (issue #15, item 12).
 #[test]

@@ -203,12 +203,12 @@ impl Excerpt {
 }
 
 /// The bytes of `line` to show: all of it if short, else a window of [`MAX_SHOWN_LINE`]
-/// bytes around `at` (when `at` is on the line) or from its start.
+/// bytes around `at` (when `at` is on the line, its end included) or from its start.
 fn window(text: &str, line: &Range<usize>, at: usize) -> Range<usize> {
     if line.len() <= MAX_SHOWN_LINE {
         return line.clone();
     }
-    let from = if line.contains(&at) {
+    let from = if line.contains(&at) || line.end == at {
         floor_char_boundary(text, at.saturating_sub(MAX_SHOWN_LINE / 4).max(line.start))
     } else {
         line.start
