@@ -415,3 +415,370 @@ fn a_reader_that_stops_early_is_not_a_crash() {
         );
     }
 }
+
+/// A placeholder is replaced by a single-quoted word; inside "…", '…' or a heredoc that quoting
+/// is undone and the value would run as shell code. Such a manifest is refused before anything
+/// runs, with the placeholder and its context named (issue #15, item 4).
+#[test]
+fn a_placeholder_inside_quotes_is_refused_before_it_can_inject() {
+    // (context, cmd line, a value that runs `touch pwned` there when substituted quoted,
+    // where the error points)
+    let cases = [
+        (
+            "double quotes",
+            r#"cmd: 'echo "{params.x}" > {outputs.o}'"#,
+            "$(touch pwned)",
+            "m.yaml:6",
+        ),
+        (
+            "single quotes",
+            r#"cmd: "echo '{params.x}' > {outputs.o}""#,
+            "$(touch pwned)",
+            "m.yaml:6",
+        ),
+        (
+            "here-document",
+            "cmd: |\n      cat > {outputs.o} <<EOF\n      {params.x}\n      EOF",
+            "$(touch pwned)",
+            "m.yaml:7",
+        ),
+        (
+            "backslash",
+            r#"cmd: 'echo \{params.x} > {outputs.o}'"#,
+            ";touch pwned;'",
+            "m.yaml:6",
+        ),
+    ];
+    for (context, cmd, hostile, place) in cases {
+        let p = with_manifest(
+            "inject",
+            "m.yaml",
+            &format!(
+                "stages:\n  a:\n    op: cmd\n    params: {{x: \"{hostile}\"}}\n    outputs: {{o: o.txt}}\n    {cmd}\n"
+            ),
+        );
+        assert_bad_input(
+            &p,
+            &["run", "m.yaml"],
+            &[place, "stage `a`", "{params.x}", context, "word of its own"],
+        );
+        assert!(
+            find_named(&p.dir, "pwned").is_empty(),
+            "{context}: the value ran"
+        );
+    }
+    // An input whose file name is shell code, inside double quotes.
+    let p = with_manifest(
+        "inject-input",
+        "m.yaml",
+        "stages:\n  a:\n    op: cmd\n    inputs: {i: \"$(touch pwned).txt\"}\n    outputs: {o: o.txt}\n    cmd: 'cat \"{inputs.i}\" > {outputs.o}'\n",
+    );
+    p.write("$(touch pwned).txt", "data\n");
+    assert_bad_input(&p, &["run", "m.yaml"], &["{inputs.i}", "double quotes"]);
+    assert!(find_named(&p.dir, "pwned").is_empty(), "the file name ran");
+}
+
+/// The same hostile values as words of their own (also inside `$(…)`, whose words the shell
+/// parses afresh, even within "…") reach the command literally.
+#[test]
+fn a_placeholder_as_a_word_is_one_literal_argument() {
+    let p = with_manifest(
+        "placeholder-word",
+        "m.yaml",
+        "stages:\n  a:\n    op: cmd\n    params: {x: \"$(touch pwned)'\\\"`touch pwned`\"}\n    outputs: {o: o.txt}\n    cmd: 'printf \"%s|\" {params.x} \"$(printf %s {params.x})\" > {outputs.o}'\n",
+    );
+    let run = p.json(&["run", "m.yaml", "--json"]);
+    let key = key_of(&run, "a");
+    assert_eq!(
+        p.published(&key, "o.txt"),
+        "$(touch pwned)'\"`touch pwned`|$(touch pwned)'\"`touch pwned`|"
+    );
+    assert!(find_named(&p.dir, "pwned").is_empty());
+}
+
+/// An error past column 65,535 of a line: miette panicked (exit 101) padding its label. The
+/// shown line is clipped around the place; the location is the real one (issue #15, item 8).
+#[test]
+fn an_error_far_along_a_long_line_is_shown_clipped() {
+    let long = "x".repeat(70_000);
+    let text = format!(
+        "stages: {{a: {{op: cmd, outputs: {{o: o.txt}}, cmd: \"echo {long} > {{outputs.o}}\", bogus: 1}}}}\n"
+    );
+    let column = text.find("bogus").expect("the key is there") + 1;
+    let p = with_manifest("long-line", "m.yaml", &text);
+    assert_bad_input(
+        &p,
+        &["run", "m.yaml"],
+        &["unknown field `bogus`", &format!("m.yaml:1:{column}]")],
+    );
+    let out = p.run(&["validate", "m.yaml"]);
+    assert!(out.stderr.len() < 3_000, "the long line is clipped:\n{out}");
+    assert!(
+        out.stderr.contains("bogus: 1"),
+        "the place is shown:\n{out}"
+    );
+}
+
+/// A template syntax error past column 65,535 of a line. minijinja 3.1 counts columns in 16
+/// bits and adds one past the last on a lexer error: it wraps in a release build (its byte
+/// offsets, which we show, stay right) and panicked in a debug one. Found by the fuzzer.
+#[test]
+fn a_template_error_far_along_a_long_line_is_shown_at_its_place() {
+    let long = "x".repeat(70_000);
+    let text = format!(
+        "stages:\n  a: {{op: cmd, outputs: {{o: o.txt}}, cmd: \"echo {long} {{{{ 'abc }}}} > {{outputs.o}}\"}}\n"
+    );
+    // The string runs to the end of the line, where minijinja reports it.
+    let column = text.lines().nth(1).expect("two lines").len() + 1;
+    let p = with_manifest("long-template-line", "m.yaml", &text);
+    assert_bad_input(
+        &p,
+        &["validate", "m.yaml"],
+        &["unexpected end of string", &format!("m.yaml:2:{column}]")],
+    );
+}
+
+/// A multi-megabyte value named in a message: wrapping it took 36 s and 1.3 GB for 8 MB. Values
+/// in messages are shortened, with how much was cut (issue #15, item 12).
+#[test]
+fn a_huge_value_in_a_message_is_shortened() {
+    let op = "y".repeat(2_000_000);
+    let p = with_manifest(
+        "huge-value",
+        "m.yaml",
+        &format!(
+            "stages:\n  a:\n    op: {op}\n    outputs: {{o: o.txt}}\n    cmd: \"echo > {{outputs.o}}\"\n"
+        ),
+    );
+    let started = std::time::Instant::now();
+    assert_bad_input(&p, &["run", "m.yaml"], &["unknown op", "m.yaml:3", "bytes"]);
+    assert!(
+        started.elapsed() < std::time::Duration::from_secs(10),
+        "took {:?}",
+        started.elapsed()
+    );
+    let out = p.run(&["validate", "m.yaml"]);
+    assert!(out.stderr.len() < 3_000, "the value is shortened:\n{out}");
+}
+
+/// A stage name of 70,000 characters: `status` and `graph` panicked padding their columns
+/// (issue #15, item 9). Names have a length limit, checked when the manifest loads.
+#[test]
+fn a_stage_name_over_the_length_limit_is_refused() {
+    // TOML: YAML itself refuses an implicit key over 1,024 characters.
+    let manifest = |name: &str| {
+        format!(
+            "[stages.{name}]\nop = \"cmd\"\noutputs = {{ o = \"o.txt\" }}\ncmd = \"echo > {{outputs.o}}\"\n"
+        )
+    };
+    let p = with_manifest("long-name", "m.toml", &manifest(&"s".repeat(70_000)));
+    assert_bad_input(&p, &["run", "m.toml"], &["m.toml:1", "128 characters"]);
+    assert_bad_input(&p, &["graph", "m.toml"], &["m.toml:1", "128 characters"]);
+    // The longest allowed name is fine everywhere.
+    p.write("m.toml", &manifest(&"s".repeat(128)));
+    for argv in [
+        ["status", "m.toml"],
+        ["graph", "m.toml"],
+        ["validate", "m.toml"],
+    ] {
+        p.ok(&argv);
+    }
+}
+
+/// Nine levels of nine aliases: 342 bytes that expand to 9^9 strings. The loader aborted out of
+/// memory (signal 6 past 2 GB); aliases now have a budget of nodes (issue #15, item 10).
+#[test]
+fn a_yaml_alias_bomb_is_refused() {
+    let mut bomb = String::from("x-bomb:\n  a: &a [lol, lol, lol, lol, lol, lol, lol, lol, lol]\n");
+    for (level, previous) in "bcdefghi".chars().zip("abcdefgh".chars()) {
+        let aliases = vec![format!("*{previous}"); 9].join(", ");
+        bomb.push_str(&format!("  {level}: &{level} [{aliases}]\n"));
+    }
+    let p = with_manifest(
+        "alias-bomb",
+        "m.yaml",
+        &format!(
+            "stages:\n  a: {{op: cmd, outputs: {{o: o.txt}}, cmd: \"echo > {{outputs.o}}\"}}\n{bomb}"
+        ),
+    );
+    assert_bad_input(
+        &p,
+        &["run", "m.yaml"],
+        &["m.yaml:", "aliases expand to more than"],
+    );
+}
+
+/// `- - - - … x`, 50,000 levels of block sequences in 100 KB: the loader overflowed its stack
+/// (exit 134); YAML's flow style has a limit of its own, block style none. Nesting, aliases
+/// included, is limited (issue #15, item 10).
+#[test]
+fn yaml_nested_too_deep_is_refused() {
+    let deep = "- ".repeat(50_000);
+    let p = with_manifest(
+        "deep-yaml",
+        "m.yaml",
+        &format!(
+            "stages:\n  a: {{op: cmd, outputs: {{o: o.txt}}, cmd: \"echo > {{outputs.o}}\"}}\nx:\n  {deep}x\n"
+        ),
+    );
+    assert_bad_input(&p, &["run", "m.yaml"], &["m.yaml:4", "nested deeper than"]);
+    // Through aliases: each anchor one level deeper than the last.
+    let mut chain = String::from("x:\n  a0: &a0 [x]\n");
+    for i in 1..2_000 {
+        chain.push_str(&format!("  a{i}: &a{i} [*a{}]\n", i - 1));
+    }
+    p.write(
+        "m.yaml",
+        &format!("stages:\n  a: {{op: cmd, outputs: {{o: o.txt}}, cmd: \"echo > {{outputs.o}}\"}}\n{chain}"),
+    );
+    assert_bad_input(&p, &["run", "m.yaml"], &["m.yaml:", "nested deeper than"]);
+}
+
+/// Run `nemo-dag ARGS` and require that it ends within `limit` (killing it if not).
+fn run_within(p: &Project, args: &[&str], limit: std::time::Duration) -> Out {
+    let mut child = p.spawn(args);
+    let ended = wait_for(limit, || child.try_wait().is_ok_and(|s| s.is_some()));
+    if !ended {
+        let _ = child.kill();
+    }
+    let out = child_output(child);
+    assert!(ended, "nemo-dag {args:?} still ran after {limit:?}\n{out}");
+    out
+}
+
+/// Templates that do unbounded work: two nested `range(100000)` loops ran past 20 s (killed),
+/// and `"a" * 100000000` rendered 100 MB (208 MB resident) into a YAML comment and loaded.
+/// Rendering has a budget of work ("fuel"), and the manifest a size limit (issue #15, item 12).
+#[test]
+fn a_template_that_does_too_much_work_is_stopped() {
+    let stage = "stages:\n  a: {op: cmd, outputs: {o: o.txt}, cmd: \"echo > {outputs.o}\"}\n";
+    let limit = std::time::Duration::from_secs(15);
+    for (name, template, needles) in [
+        (
+            "loops",
+            "# {% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}\n",
+            &["m.yaml:3", "too much work"][..],
+        ),
+        (
+            "repeat",
+            "# {{ \"a\" * 100000000 }}\n",
+            &["m.yaml:3", "too much work"][..],
+        ),
+        (
+            "size",
+            "# {{ \"a\" * 9000000 }}\n",
+            &["m.yaml", "more than 8 MiB"][..],
+        ),
+    ] {
+        let p = with_manifest(name, "m.yaml", &format!("{stage}{template}"));
+        let out = run_within(&p, &["validate", "m.yaml"], limit);
+        assert_eq!(out.code, 2, "{name}: {out}");
+        assert_bad_input(&p, &["run", "m.yaml"], needles);
+    }
+}
+
+/// A manifest file over 8 MiB is refused before it is read whole (issue #15, item 12).
+#[test]
+fn a_manifest_over_the_size_limit_is_refused() {
+    let padding = "# padding\n".repeat(900_000);
+    let p = with_manifest(
+        "huge-file",
+        "m.yaml",
+        &format!(
+            "stages:\n  a: {{op: cmd, outputs: {{o: o.txt}}, cmd: \"echo > {{outputs.o}}\"}}\n{padding}"
+        ),
+    );
+    assert_bad_input(&p, &["run", "m.yaml"], &["m.yaml", "more than 8 MiB"]);
+}
+
+/// A manifest that is not UTF-8: the error said only "stream did not contain valid UTF-8".
+/// It names the byte, its offset, line and column (issue #15, item 16).
+#[test]
+fn a_manifest_that_is_not_utf8_names_the_byte() {
+    let p = Project::new("not-utf8");
+    let text = b"stages:\n  a: {op: cmd, outputs: {o: o.txt}, cmd: \"echo \xff > {outputs.o}\"}\n";
+    let offset = text.iter().position(|b| *b == 0xff).expect("there");
+    std::fs::write(p.path("m.yaml"), text).expect("written");
+    assert_bad_input(
+        &p,
+        &["run", "m.yaml"],
+        &[
+            "not UTF-8",
+            &format!("byte 0xff at offset {offset}"),
+            &format!("m.yaml:2:{}]", offset - "stages:\n".len() + 1),
+        ],
+    );
+}
+
+/// Errors that come from the command line point at the argument, as manifest errors point
+/// at the file (docs/manifest.md, "Errors"); a value an override set is blamed on the
+/// override, not on the line of the file it replaced (issue #15, item 16).
+#[test]
+fn an_error_from_the_command_line_points_at_the_argument() {
+    let p = with_manifest("argument-place", "m.yaml", TWO_STAGE_YAML);
+    assert_bad_input(
+        &p,
+        &["run", "m.yaml", "vars.n=2", "stages.gen.params.zzz=1"],
+        &[
+            "command line:1:10]",
+            "vars.n=2 stages.gen.params.zzz=1",
+            "has no key `zzz`",
+        ],
+    );
+    assert_bad_input(
+        &p,
+        &["run", "m.yaml", "stages.total.inputs.nums=gen:nope"],
+        &[
+            "stage `gen` has no output `nope`",
+            "command line:1:1]",
+            "stages.total.inputs.nums=gen:nope",
+        ],
+    );
+    assert_bad_input(
+        &p,
+        &["run", "m.yaml", "-c", "nope", "vars.n=2"],
+        &["no variant `nope`", "command line:1:1]", "-c nope vars.n=2"],
+    );
+}
+
+/// `resources:` values were taken as written: `cpus: 0`, `time: soon`, `mem: lots` loaded and
+/// went to the executors. Each is checked when the manifest loads, with the place
+/// (issue #15, item 18).
+#[test]
+fn nonsense_resources_are_refused() {
+    let manifest = |resources: &str| {
+        format!(
+            "stages:\n  a:\n    op: cmd\n    outputs: {{o: o.txt}}\n    cmd: \"echo > {{outputs.o}}\"\n    resources: {{{resources}}}\n"
+        )
+    };
+    for (resources, needles) in [
+        ("cpus: 0", &["resources.cpus", "at least 1"][..]),
+        ("cpus: 100000000", &["resources.cpus", "at most"][..]),
+        ("gpus: 5000", &["resources.gpus", "at most"][..]),
+        ("nodes: 0", &["resources.nodes", "at least 1"][..]),
+        ("mem: lots", &["resources.mem", "`lots`", "16G"][..]),
+        ("mem: -5", &["resources.mem", "`-5`"][..]),
+        ("mem: 2.5G", &["resources.mem", "`2.5G`"][..]),
+        ("mem: 900000T", &["resources.mem", "at most"][..]),
+        ("time: soon", &["resources.time", "`soon`", "HH:MM:SS"][..]),
+        ("time: 0", &["resources.time", "leave `time` out"][..]),
+        ("time: \"1:75:00\"", &["resources.time", "`1:75:00`"][..]),
+        ("time: 10000000", &["resources.time", "at most"][..]),
+        ("device: \"\"", &["resources.device", "empty"][..]),
+    ] {
+        let p = with_manifest("resources", "m.yaml", &manifest(resources));
+        let mut needles = needles.to_vec();
+        needles.push("m.yaml:6");
+        assert_bad_input(&p, &["run", "m.yaml"], &needles);
+    }
+    // Sensible values load, in Slurm's forms.
+    for resources in [
+        "cpus: 2, gpus: 0, nodes: 1, mem: 16G, time: \"04:00:00\"",
+        "mem: 0, time: 90",
+        "mem: 512, time: \"1-12\"",
+        "time: \"2-00:30:00\", device: cuda",
+    ] {
+        let p = with_manifest("resources-ok", "m.yaml", &manifest(resources));
+        p.ok(&["validate", "m.yaml"]);
+    }
+}

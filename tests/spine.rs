@@ -92,7 +92,7 @@ fn incremental_two_stage_run_then_cached_then_param_change() {
 #[test]
 fn early_cutoff_when_an_upstream_rerun_produces_identical_bytes() {
     let p = Project::new("cutoff");
-    // `note` only reaches a shell comment: changing it changes a's key, not a's output.
+    // `note` only reaches `:` (which does nothing): changing it changes a's key, not a's output.
     p.write(
         "chain.yaml",
         r#"stages:
@@ -100,7 +100,7 @@ fn early_cutoff_when_an_upstream_rerun_produces_identical_bytes() {
     op: cmd
     params: {note: first}
     outputs: {o: a.txt}
-    cmd: "echo hi > {outputs.o} # {params.note}"
+    cmd: "echo hi > {outputs.o}; : {params.note}"
   b:
     op: cmd
     inputs: {i: "a:o"}

@@ -10,6 +10,14 @@ use serde_json::{Map, Number, Value};
 use std::collections::HashMap;
 use std::ops::Range;
 
+/// The most values a YAML document may hold, its aliases expanded: a few hundred bytes of
+/// nested aliases can otherwise expand to gigabytes (the "billion laughs").
+pub const MAX_NODES: usize = 1_000_000;
+
+/// The deepest nesting of a YAML document, its aliases included. The parser limits flow
+/// style (`[[[…]]]`) but not block style (`- - - …`), and the tree is built recursively.
+pub const MAX_DEPTH: usize = 100;
+
 /// A path to a node: `["stages", "train", "params", "lr"]`.
 pub type KeyPath = Vec<String>;
 
@@ -127,6 +135,8 @@ mod yaml {
             offsets: char_offsets(text),
             spans: Spans::default(),
             anchors: HashMap::new(),
+            nodes: 0,
+            deepest: 0,
         };
         builder.document()
     }
@@ -146,7 +156,18 @@ mod yaml {
         parser: Parser<'a, saphyr_parser::StrInput<'a>>,
         offsets: Option<Vec<usize>>,
         spans: Spans,
-        anchors: HashMap<usize, Value>,
+        anchors: HashMap<usize, Anchored>,
+        /// Values built so far, aliases counted by what they expand to.
+        nodes: usize,
+        /// The deepest level reached inside the node being built.
+        deepest: usize,
+    }
+
+    /// An anchored value, with what an alias to it adds to the document.
+    struct Anchored {
+        value: Value,
+        nodes: usize,
+        height: usize,
     }
 
     impl<'a> Builder<'a> {
@@ -203,21 +224,112 @@ mod yaml {
                     }
                     ev => {
                         let mut path = Vec::new();
-                        root = self.node(ev, span, &mut path)?;
+                        root = self.node(ev, span, &mut path, 0)?;
                     }
                 }
             }
             Ok((root, std::mem::take(&mut self.spans)))
         }
 
+        /// One node at `depth`, with everything under it; counts and limits what it holds.
         fn node(
             &mut self,
             ev: Event<'a>,
             span: Span,
             path: &mut KeyPath,
+            depth: usize,
         ) -> Result<Value, SyntaxError> {
             let start = self.range(&span);
-            let (value, anchor, end) = match ev {
+            if depth > MAX_DEPTH {
+                return Err(SyntaxError {
+                    message: format!("YAML nested deeper than {MAX_DEPTH} levels"),
+                    span: start,
+                });
+            }
+            self.count(1, &start)?;
+            let nodes_before = self.nodes;
+            let deepest_outside = std::mem::replace(&mut self.deepest, depth);
+            let built = self.node_value(ev, start.clone(), path, depth);
+            let height = self.deepest - depth;
+            self.deepest = self.deepest.max(deepest_outside);
+            let (value, anchor, end) = built?;
+            if anchor > 0 {
+                let anchored = Anchored {
+                    value: value.clone(),
+                    nodes: self.nodes - nodes_before + 1,
+                    height,
+                };
+                self.anchors.insert(anchor, anchored);
+            }
+            if self.track {
+                self.spans.0.insert(
+                    path.clone(),
+                    NodeSpan {
+                        key: 0..0,
+                        value: start.start..end.max(start.start),
+                    },
+                );
+            }
+            Ok(value)
+        }
+
+        /// Count `n` more values in the document.
+        fn count(&mut self, n: usize, at: &Range<usize>) -> Result<(), SyntaxError> {
+            self.nodes = self.nodes.saturating_add(n);
+            if self.nodes > MAX_NODES {
+                return Err(SyntaxError {
+                    message: format!(
+                        "the YAML document holds more than {MAX_NODES} values, its aliases expanded"
+                    ),
+                    span: at.clone(),
+                });
+            }
+            Ok(())
+        }
+
+        /// An alias: a copy of its anchor's value, counted and limited as if written out.
+        fn alias(
+            &mut self,
+            id: usize,
+            at: &Range<usize>,
+            depth: usize,
+        ) -> Result<Value, SyntaxError> {
+            let Some(anchored) = self.anchors.get(&id) else {
+                return Err(SyntaxError {
+                    message: "YAML alias refers to an unknown anchor".into(),
+                    span: at.clone(),
+                });
+            };
+            let (nodes, height) = (anchored.nodes, anchored.height);
+            if depth + height > MAX_DEPTH {
+                return Err(SyntaxError {
+                    message: format!(
+                        "YAML nested deeper than {MAX_DEPTH} levels through this alias"
+                    ),
+                    span: at.clone(),
+                });
+            }
+            self.deepest = self.deepest.max(depth + height);
+            // The alias itself was counted as one value already.
+            self.count(nodes.saturating_sub(1), at)
+                .map_err(|e| SyntaxError {
+                    message: format!(
+                        "YAML aliases expand to more than {MAX_NODES} values (an alias bomb?)"
+                    ),
+                    ..e
+                })?;
+            Ok(self.anchors[&id].value.clone())
+        }
+
+        /// The value of one node, its anchor id (0 for none) and where it ends.
+        fn node_value(
+            &mut self,
+            ev: Event<'a>,
+            start: Range<usize>,
+            path: &mut KeyPath,
+            depth: usize,
+        ) -> Result<(Value, usize, usize), SyntaxError> {
+            Ok(match ev {
                 Event::Scalar(s, style, anchor, tag) => {
                     let tagged_str = tag.as_ref().is_some_and(|t| t.suffix == "str");
                     let v = if style == ScalarStyle::Plain && !tagged_str {
@@ -227,13 +339,7 @@ mod yaml {
                     };
                     (v, anchor, start.end)
                 }
-                Event::Alias(id) => {
-                    let v = self.anchors.get(&id).cloned().ok_or_else(|| SyntaxError {
-                        message: "YAML alias refers to an unknown anchor".into(),
-                        span: start.clone(),
-                    })?;
-                    (v, 0, start.end)
-                }
+                Event::Alias(id) => (self.alias(id, &start, depth)?, 0, start.end),
                 Event::SequenceStart(anchor, _) => {
                     let mut items = Vec::new();
                     loop {
@@ -245,7 +351,7 @@ mod yaml {
                         if self.track {
                             path.push(items.len().to_string());
                         }
-                        let item = self.node(ev, span, path)?;
+                        let item = self.node(ev, span, path, depth + 1)?;
                         if self.track {
                             path.pop();
                         }
@@ -279,7 +385,7 @@ mod yaml {
                         if self.track {
                             path.push(key.clone());
                         }
-                        let value = self.node(ev, vspan, path)?;
+                        let value = self.node(ev, vspan, path, depth + 1)?;
                         if self.track {
                             path.pop();
                         }
@@ -323,20 +429,7 @@ mod yaml {
                         span: start,
                     });
                 }
-            };
-            if anchor > 0 {
-                self.anchors.insert(anchor, value.clone());
-            }
-            if self.track {
-                self.spans.0.insert(
-                    path.clone(),
-                    NodeSpan {
-                        key: 0..0,
-                        value: start.start..end.max(start.start),
-                    },
-                );
-            }
-            Ok(value)
+            })
         }
     }
 }
@@ -492,5 +585,31 @@ mod tests {
         assert_eq!(plain_scalar("~"), Value::Null);
         assert_eq!(plain_scalar("1.5"), json!(1.5));
         assert_eq!(plain_scalar("abc"), json!("abc"));
+    }
+
+    #[test]
+    fn aliases_count_as_what_they_expand_to() {
+        let levels = |n: usize| {
+            let mut text = String::from("l0: &l0 [a, b, c, d, e, f, g, h, i, j]\n");
+            for i in 1..n {
+                let aliases = vec![format!("*l{}", i - 1); 10].join(", ");
+                text.push_str(&format!("l{i}: &l{i} [{aliases}]\n"));
+            }
+            text
+        };
+        let (v, _) = parse(Format::Yaml, &levels(4), false).unwrap();
+        assert_eq!(v["l3"][9][9][9][9], json!("j"));
+        let err = parse(Format::Yaml, &levels(7), false).unwrap_err();
+        assert!(err.message.contains("aliases expand"), "{}", err.message);
+        let deep = format!("x:\n  {}1", "- ".repeat(MAX_DEPTH + 1));
+        let err = parse(Format::Yaml, &deep, true).unwrap_err();
+        assert!(err.message.contains("nested deeper"), "{}", err.message);
+        let (v, _) = parse(
+            Format::Yaml,
+            &format!("x:\n  {}1", "- ".repeat(MAX_DEPTH - 1)),
+            true,
+        )
+        .unwrap();
+        assert!(v["x"].is_array());
     }
 }

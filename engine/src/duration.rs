@@ -6,40 +6,61 @@
 use serde_json::Value;
 use std::time::Duration;
 
-/// The duration of a `resources.time` value, or `None` if it is not one of Slurm's forms
-/// (or is zero, which Slurm reads as "no limit" and nemo-dag refuses).
-pub fn parse(value: &Value) -> Option<Duration> {
-    let secs = match value {
-        Value::Number(n) => n.as_u64()?.checked_mul(60)?,
-        Value::String(s) => parse_text(s.trim())?,
-        _ => return None,
-    };
-    (secs > 0).then(|| Duration::from_secs(secs))
-}
+/// The longest `time`: a year.
+const MAX_TIME: Duration = Duration::from_secs(365 * 24 * 3600);
 
-fn parse_text(text: &str) -> Option<u64> {
-    let number = |s: &str| -> Option<u64> {
-        (!s.is_empty() && s.bytes().all(|b| b.is_ascii_digit()))
-            .then(|| s.parse().ok())
-            .flatten()
+/// The duration of a `resources.time` value, or why it is not one of Slurm's forms. Zero,
+/// which Slurm reads as "no limit", is refused: leaving `time` out says that.
+pub fn parse(value: &Value) -> Result<Duration, String> {
+    let text = match value {
+        Value::String(s) => s.clone(),
+        other => other.to_string(),
+    };
+    let not_a_time = || {
+        format!(
+            "`{text}` is not a time limit: write minutes (`90`), HH:MM:SS (`04:00:00`) or D-HH:MM:SS (`2-00:00:00`), as Slurm's --time takes"
+        )
     };
     let (days, clock) = match text.split_once('-') {
-        Some((d, rest)) => (Some(number(d)?), rest),
-        None => (None, text),
+        Some((days, clock)) => (Some(days), clock),
+        None => (None, text.as_str()),
     };
-    let parts: Vec<u64> = clock.split(':').map(number).collect::<Option<_>>()?;
-    let secs = match (days, parts.as_slice()) {
-        (None, [m]) => m.checked_mul(60)?,
-        (None, [m, s]) => m.checked_mul(60)?.checked_add(*s)?,
-        (None, [h, m, s]) | (Some(_), [h, m, s]) => h
-            .checked_mul(3600)?
-            .checked_add(m.checked_mul(60)?)?
-            .checked_add(*s)?,
-        (Some(_), [h]) => h.checked_mul(3600)?,
-        (Some(_), [h, m]) => h.checked_mul(3600)?.checked_add(m.checked_mul(60)?)?,
-        _ => return None,
+    let fields: Vec<&str> = clock.split(':').collect();
+    let numbers: Option<Vec<u64>> = std::iter::once(days.unwrap_or("0"))
+        .chain(fields.iter().copied())
+        .map(|f| {
+            (!f.is_empty() && f.len() <= 12 && f.bytes().all(|b| b.is_ascii_digit()))
+                .then(|| f.parse().ok())
+                .flatten()
+        })
+        .collect();
+    let Some(numbers) = numbers else {
+        return Err(not_a_time());
     };
-    secs.checked_add(days.unwrap_or(0).checked_mul(86_400)?)
+    // In seconds, what each field counts, and the most it may be after the first.
+    let units: &[(u64, u64)] = match (days.is_some(), fields.len()) {
+        (false, 1) => &[(60, u64::MAX)],
+        (false, 2) => &[(60, u64::MAX), (1, 59)],
+        (false, 3) | (true, 3) => &[(3600, 23), (60, 59), (1, 59)],
+        (true, 1) => &[(3600, 23)],
+        (true, 2) => &[(3600, 23), (60, 59)],
+        _ => return Err(not_a_time()),
+    };
+    let mut seconds = numbers[0].saturating_mul(86_400);
+    for (i, (&n, &(unit, most))) in numbers[1..].iter().zip(units).enumerate() {
+        let leading = i == 0 && days.is_none();
+        if !leading && n > most {
+            return Err(not_a_time());
+        }
+        seconds = seconds.saturating_add(n.saturating_mul(unit));
+    }
+    match Duration::from_secs(seconds) {
+        d if d.is_zero() => Err(format!(
+            "`{text}` is no time at all; to run without a limit, leave `time` out"
+        )),
+        d if d > MAX_TIME => Err(format!("`{text}`: it takes at most 365 days")),
+        d => Ok(d),
+    }
 }
 
 /// A duration as people read it: `1h 02m 03s`, `45s`.
@@ -59,7 +80,7 @@ mod tests {
 
     #[test]
     fn every_slurm_form_parses() {
-        let secs = |v: Value| parse(&v).map(|d| d.as_secs());
+        let secs = |v: Value| parse(&v).ok().map(|d| d.as_secs());
         assert_eq!(secs(json!(90)), Some(5400), "a bare number is minutes");
         assert_eq!(secs(json!("90")), Some(5400));
         assert_eq!(secs(json!("1:30")), Some(90));
@@ -84,7 +105,7 @@ mod tests {
             json!("99999999999999999999"),
             json!(true),
         ] {
-            assert_eq!(parse(&bad), None, "{bad}");
+            assert!(parse(&bad).is_err(), "{bad}");
         }
     }
 }

@@ -23,6 +23,21 @@ use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
+/// The longest stage name, in characters: names are table columns (`status`, `graph`), file
+/// and job names.
+pub const MAX_STAGE_NAME: usize = 128;
+
+/// The largest manifest or variant file, and the largest text its template renders to: a
+/// recipe is kilobytes, and every later step (parse, spans, the compiled-tree cache) costs
+/// memory in proportion.
+pub const MAX_MANIFEST_BYTES: usize = 8 << 20;
+
+/// The work a template may do while rendering, in minijinja's fuel: one unit per
+/// instruction, and one per 64 bytes of data it makes, checked before a known-size
+/// allocation. A thousand-stage loop takes a few tens of thousands; this stops two nested
+/// `range(100000)` loops, or `"a" * 100000000`, within a second.
+pub const TEMPLATE_FUEL: u64 = 1_000_000;
+
 /// What the command line says about which manifest to load and how.
 #[derive(Debug, Clone)]
 pub struct LoadArgs {
@@ -135,6 +150,99 @@ pub struct Resources {
     pub requeue: Option<bool>,
 }
 
+/// The largest `cpus` a stage may ask for.
+const MAX_CPUS: u32 = 10_000;
+/// The most `gpus` (per node) a stage may ask for.
+const MAX_GPUS: u32 = 1_024;
+/// The most `nodes` a stage may ask for.
+const MAX_NODES: u32 = 100_000;
+/// The largest `mem`, in bytes: 64 TiB.
+const MAX_MEM: u64 = 64 << 40;
+
+impl Resources {
+    /// The wall-clock limit `time` sets, if any. Checked when the manifest loads, so a
+    /// loaded stage's `time` is always one.
+    pub fn time_limit(&self) -> Option<std::time::Duration> {
+        self.time
+            .as_ref()
+            .and_then(|t| crate::duration::parse(t).ok())
+    }
+
+    /// The memory `mem` asks for, in bytes, if any (`Some(0)`: Slurm's "all of a node's").
+    pub fn mem_bytes(&self) -> Option<u64> {
+        self.mem.as_ref().and_then(|m| parse_mem(m).ok())
+    }
+
+    /// The first field that is not a sensible request, and why.
+    fn check(&self) -> Result<(), (&'static str, String)> {
+        within("cpus", self.cpus, 1, MAX_CPUS)?;
+        within("gpus", self.gpus, 0, MAX_GPUS)?;
+        within("nodes", self.nodes, 1, MAX_NODES)?;
+        if let Some(mem) = &self.mem {
+            parse_mem(mem).map_err(|why| ("mem", why))?;
+        }
+        if let Some(time) = &self.time {
+            crate::duration::parse(time).map_err(|why| ("time", why))?;
+        }
+        if self.device.as_deref().is_some_and(|d| d.trim().is_empty()) {
+            return Err(("device", "is empty: name a device, or leave it out".into()));
+        }
+        Ok(())
+    }
+}
+
+fn within(
+    field: &'static str,
+    value: Option<u32>,
+    min: u32,
+    max: u32,
+) -> Result<(), (&'static str, String)> {
+    match value {
+        Some(v) if v < min => Err((field, format!("{v}: it takes at least {min}"))),
+        Some(v) if v > max => Err((field, format!("{v}: it takes at most {max}"))),
+        _ => Ok(()),
+    }
+}
+
+/// Slurm's `--mem`: megabytes, or a whole number with a unit K, M, G or T; 0 is all of a
+/// node's memory. Returns bytes.
+fn parse_mem(value: &Value) -> Result<u64, String> {
+    let text = scalar_text(value);
+    let not_a_size = || {
+        format!(
+            "`{text}` is not a memory size: write megabytes (`512`) or a whole number with K, M, G or T (`16G`), as Slurm's --mem takes"
+        )
+    };
+    let (digits, unit) = match text.char_indices().last() {
+        Some((i, c)) if c.is_ascii_alphabetic() => (&text[..i], c.to_ascii_uppercase()),
+        _ => (text.as_str(), 'M'),
+    };
+    let shift = match unit {
+        'K' => 10,
+        'M' => 20,
+        'G' => 30,
+        'T' => 40,
+        _ => return Err(not_a_size()),
+    };
+    if digits.is_empty() || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return Err(not_a_size());
+    }
+    let bytes = digits
+        .parse::<u64>()
+        .ok()
+        .and_then(|n| n.checked_mul(1 << shift))
+        .filter(|b| *b <= MAX_MEM);
+    bytes.ok_or_else(|| format!("`{text}`: it takes at most {}T", MAX_MEM >> 40))
+}
+
+/// A scalar as the text it was written as (`90`, `16G`).
+fn scalar_text(value: &Value) -> String {
+    match value {
+        Value::String(s) => s.clone(),
+        other => other.to_string(),
+    }
+}
+
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct RawManifest {
@@ -191,12 +299,24 @@ impl Document {
 #[derive(Debug, Default)]
 struct Locator {
     docs: Vec<Document>, // base first, then the variant
+    /// The arguments, and the nodes overrides set: (key path, index of the override).
+    command_line: Option<CommandLine>,
+    overridden: Vec<(KeyPath, usize)>,
 }
 
 impl Locator {
-    /// An error pointing at `path`: in the variant if it sets that node, else the base.
+    /// An error pointing at `path`: at the override that set it (or a node above it), else
+    /// in the variant if it sets that node, else the base.
     fn error(&self, path: &[String], want_key: bool, message: impl Into<String>) -> InputError {
         let err = InputError::new(message);
+        let set_by = self
+            .overridden
+            .iter()
+            .rev()
+            .find(|(set, _)| path.starts_with(set));
+        if let (Some((_, index)), Some(command_line)) = (set_by, &self.command_line) {
+            return command_line.at_override(*index, err);
+        }
         let exact = self
             .docs
             .iter()
@@ -234,12 +354,18 @@ impl Manifest {
             .map_err(|e| InputError::new(format!("cannot resolve {}: {e}", args.path.display())))?;
         let base = read_source(&path)?;
         let dir = path.parent().map(Path::to_path_buf).unwrap_or_default();
+        let command_line = CommandLine::new(args);
         let variant_path = args
             .variant
             .as_deref()
             .map(|v| find_variant(&path, v))
-            .transpose()?;
-        let variant = variant_path.as_deref().map(read_source).transpose()?;
+            .transpose()
+            .map_err(|e| command_line.at_variant(e))?;
+        let variant = variant_path
+            .as_deref()
+            .map(read_source)
+            .transpose()
+            .map_err(|e| command_line.at_variant(e))?;
 
         let tree_key = {
             let mut h = blake3::Hasher::new();
@@ -277,15 +403,21 @@ impl Manifest {
         }
 
         // 1–2. vars: base, then the variant's, then `vars.*` overrides.
-        let (var_overrides, overrides): (Vec<&String>, Vec<&String>) =
-            args.overrides.iter().partition(|o| o.starts_with("vars."));
+        let (var_overrides, overrides): (Vec<_>, Vec<_>) = args
+            .overrides
+            .iter()
+            .enumerate()
+            .partition(|(_, o)| o.starts_with("vars."));
         let mut vars = extract_vars(&base)?;
         if let Some(v) = &variant {
             merge(&mut vars, extract_vars(v)?);
         }
         let mut vars_doc = serde_json::json!({ "vars": vars });
-        for o in &var_overrides {
-            apply_override(&mut vars_doc, o)?;
+        let mut overridden = Vec::new();
+        for (index, o) in var_overrides {
+            let set =
+                apply_override(&mut vars_doc, o).map_err(|e| command_line.at_override(index, e))?;
+            overridden.push((set, index));
         }
         let vars = vars_doc["vars"].take();
 
@@ -303,9 +435,13 @@ impl Manifest {
         }
 
         // 5. overrides of any other key.
-        for o in &overrides {
-            apply_override(&mut tree, o)?;
+        for (index, o) in overrides {
+            let set =
+                apply_override(&mut tree, o).map_err(|e| command_line.at_override(index, e))?;
+            overridden.push((set, index));
         }
+        locator.command_line = Some(command_line);
+        locator.overridden = overridden;
         if let Some(map) = tree.as_object_mut()
             && (map.contains_key("vars") || !vars.is_null())
         {
@@ -351,9 +487,9 @@ impl Manifest {
                     "check the spelling; see docs/manifest.md for every field a stage takes"
                         .to_string()
                 });
-                let mut err = locator.error(&path, true, schema_message(&path, &inner));
-                err.help = help;
-                err
+                locator
+                    .error(&path, true, schema_message(&path, &inner))
+                    .maybe_help(help)
             })?,
         };
         let mut manifest = Manifest {
@@ -399,6 +535,16 @@ impl Manifest {
                     format!("stage name `{name}` may only use letters, digits, `_` and `-`"),
                 ));
             }
+            let length = name.chars().count();
+            if length > MAX_STAGE_NAME {
+                return Err(self.locator.error(
+                    &loc(&[]),
+                    true,
+                    format!(
+                        "stage name `{name}` is {length} characters long; a name has at most {MAX_STAGE_NAME} characters"
+                    ),
+                ));
+            }
             let op = ops.get(&r.op).ok_or_else(|| {
                 self.locator
                     .error(&loc(&["op"]), false, format!("unknown op `{}`", r.op))
@@ -407,6 +553,13 @@ impl Manifest {
                         "the ops are",
                         ops.names().into_iter(),
                     ))
+            })?;
+            r.resources.check().map_err(|(field, why)| {
+                self.locator.error(
+                    &loc(&["resources", field]),
+                    false,
+                    format!("stage `{name}`: resources.{field}: {why}"),
+                )
             })?;
             if !r.params.is_object() {
                 return Err(self.locator.error(
@@ -475,13 +628,9 @@ impl Manifest {
                 .and_then(|()| op.check(&decl).map(drop))
                 .map_err(|e| {
                     let rest: Vec<&str> = e.path.iter().map(String::as_str).collect();
-                    let mut err = self.locator.error(
-                        &loc(&rest),
-                        false,
-                        format!("stage `{name}`: {}", e.message),
-                    );
-                    err.help = e.help;
-                    err
+                    self.locator
+                        .error(&loc(&rest), false, format!("stage `{name}`: {}", e.message))
+                        .maybe_help(e.help)
                 })?;
             stage.outputs = op.outputs(&stage.decl());
             let mut deps: Vec<String> = stage
@@ -654,24 +803,68 @@ fn schema_message(path: &[String], inner: &str) -> String {
 }
 
 fn read_source(path: &Path) -> Result<Source, InputError> {
-    let text = std::fs::read_to_string(path).map_err(|e| {
+    let cannot_read = |e: std::io::Error| {
         let help = if e.kind() == std::io::ErrorKind::NotFound {
             "check the path; manifests are YAML (.yaml/.yml) or TOML (.toml) files"
         } else {
             "check that the file is readable UTF-8 text"
         };
         InputError::new(format!("cannot read manifest {}: {e}", path.display())).help(help)
-    })?;
+    };
+    let mut bytes = Vec::new();
+    std::fs::File::open(path)
+        .and_then(|file| {
+            use std::io::Read;
+            file.take(MAX_MANIFEST_BYTES as u64 + 1)
+                .read_to_end(&mut bytes)
+        })
+        .map_err(cannot_read)?;
+    if bytes.len() > MAX_MANIFEST_BYTES {
+        return Err(InputError::new(format!(
+            "manifest {} holds more than {}",
+            path.display(),
+            mebibytes(MAX_MANIFEST_BYTES)
+        ))
+        .help("a manifest is a recipe: keep data in input files, and let Jinja loops write repeated stages"));
+    }
     if Format::from_path(path).is_none() {
         return Err(InputError::new(format!(
             "{}: unknown manifest format; use a .yaml, .yml or .toml file",
             path.display()
         )));
     }
-    Ok(Source {
-        name: path.display().to_string(),
-        text: Arc::from(text),
-    })
+    let name = path.display().to_string();
+    match String::from_utf8(bytes) {
+        Ok(text) => Ok(Source {
+            name,
+            text: Arc::from(text),
+        }),
+        Err(e) => Err(not_utf8(name, e)),
+    }
+}
+
+/// A manifest with bytes that are not UTF-8: the first, by offset, line and column.
+fn not_utf8(name: String, e: std::string::FromUtf8Error) -> InputError {
+    let at = e.utf8_error().valid_up_to();
+    let bytes = e.as_bytes();
+    let byte = bytes.get(at).copied().unwrap_or_default();
+    let line_start = bytes[..at]
+        .iter()
+        .rposition(|b| *b == b'\n')
+        .map_or(0, |i| i + 1);
+    let line = bytes[..at].iter().filter(|b| **b == b'\n').count() + 1;
+    let message = format!(
+        "manifest {name} is not UTF-8: byte {byte:#04x} at offset {at} (line {line}, column {})",
+        at - line_start + 1
+    );
+    // Shown with U+FFFD for each bad sequence; the text before the first is unchanged.
+    let shown = Source {
+        name,
+        text: Arc::from(String::from_utf8_lossy(bytes).into_owned()),
+    };
+    InputError::new(message)
+        .at(&shown, at..at + '\u{fffd}'.len_utf8(), "not UTF-8")
+        .help("save the manifest as UTF-8 text")
 }
 
 /// `-c NAME`: `<dir>/<stem>/NAME.{yaml,yml,toml}`; a value with `/` or a suffix is a path.
@@ -793,23 +986,7 @@ fn render_and_parse(
     locator: &mut Locator,
 ) -> Result<Value, InputError> {
     let format = Format::from_path(Path::new(&source.name)).unwrap_or(Format::Yaml);
-    let mut env = minijinja::Environment::new();
-    env.set_undefined_behavior(minijinja::UndefinedBehavior::Strict);
-    let rendered = env
-        .render_str(&source.text, minijinja::value::Serde(vars))
-        .map_err(|e| {
-            let span = e
-                .range()
-                .or_else(|| e.line().map(|l| line_range(&source.text, l)))
-                .unwrap_or(0..0);
-            let what = match e.detail() {
-                Some(d) => format!("{}: {d}", e.kind()),
-                None => e.kind().to_string(),
-            };
-            InputError::new(format!("template error: {what}"))
-                .at(source, span, "here")
-                .help("template variables come from `vars:` (and `vars.NAME=VALUE` overrides)")
-        })?;
+    let rendered = render(source, vars)?;
     let rendered_source = if rendered.trim_end() == source.text.trim_end() {
         source.clone()
     } else {
@@ -826,6 +1003,71 @@ fn render_and_parse(
         spans: std::sync::OnceLock::new(),
     });
     Ok(value)
+}
+
+/// The manifest's text through minijinja: strict about undefined variables, with a budget
+/// of work ([`TEMPLATE_FUEL`]) and of output ([`MAX_MANIFEST_BYTES`]).
+fn render(source: &Source, vars: &Value) -> Result<String, InputError> {
+    let mut env = minijinja::Environment::new();
+    env.set_undefined_behavior(minijinja::UndefinedBehavior::Strict);
+    env.set_fuel(Some(TEMPLATE_FUEL));
+    let mut out = BoundedWriter::default();
+    let result = env
+        .template_from_str(&source.text)
+        .and_then(|t| t.render_captured_to(minijinja::value::Serde(vars), &mut out));
+    let Err(e) = result else {
+        return Ok(String::from_utf8_lossy(&out.bytes).into_owned());
+    };
+    let span = e
+        .range()
+        .or_else(|| e.line().map(|l| line_range(&source.text, l)))
+        .unwrap_or(0..0);
+    let error = if out.overflowed {
+        InputError::new(format!(
+            "the manifest renders to more than {}",
+            mebibytes(MAX_MANIFEST_BYTES)
+        ))
+        .help("a manifest is a recipe: keep data in input files")
+    } else if e.kind() == minijinja::ErrorKind::OutOfFuel {
+        InputError::new(format!(
+            "template error: the template does too much work (more than {TEMPLATE_FUEL} steps)"
+        ))
+        .help("a manifest's loops write its stages: thousands of iterations, not millions")
+    } else {
+        let what = match e.detail() {
+            Some(d) => format!("{}: {d}", e.kind()),
+            None => e.kind().to_string(),
+        };
+        InputError::new(format!("template error: {what}"))
+            .help("template variables come from `vars:` (and `vars.NAME=VALUE` overrides)")
+    };
+    Err(error.at(source, span, "here"))
+}
+
+/// Collects rendered bytes, up to [`MAX_MANIFEST_BYTES`]; a write past that fails the render.
+#[derive(Default)]
+struct BoundedWriter {
+    bytes: Vec<u8>,
+    overflowed: bool,
+}
+
+impl std::io::Write for BoundedWriter {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        if self.bytes.len() + buf.len() > MAX_MANIFEST_BYTES {
+            self.overflowed = true;
+            return Err(std::io::Error::other("the manifest renders too large"));
+        }
+        self.bytes.extend_from_slice(buf);
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+fn mebibytes(bytes: usize) -> String {
+    format!("{} MiB", bytes >> 20)
 }
 
 fn line_range(text: &str, line: usize) -> std::ops::Range<usize> {
@@ -852,8 +1094,9 @@ pub fn merge(base: &mut Value, over: Value) {
     }
 }
 
-/// `a.b.c=VALUE`: set an existing key; the value is typed like a YAML scalar.
-fn apply_override(tree: &mut Value, text: &str) -> Result<(), InputError> {
+/// `a.b.c=VALUE`: set an existing key; the value is typed like a YAML scalar. Returns the
+/// key path it set.
+fn apply_override(tree: &mut Value, text: &str) -> Result<KeyPath, InputError> {
     let Some((key, raw)) = text.split_once('=') else {
         let mut e = InputError::new(format!("override `{text}` is not KEY.PATH=VALUE"));
         if tree["stages"].get(text).is_some() {
@@ -906,7 +1149,59 @@ fn apply_override(tree: &mut Value, text: &str) -> Result<(), InputError> {
         })?;
     }
     *node = doc::plain_scalar(raw);
-    Ok(())
+    Ok(path.iter().map(|s| s.to_string()).collect())
+}
+
+/// The arguments that shape a load, `-c VARIANT` then the `KEY.PATH=VALUE` overrides, as
+/// one text that errors about them point into.
+#[derive(Debug)]
+struct CommandLine {
+    source: Source,
+    variant: Option<std::ops::Range<usize>>,
+    overrides: Vec<std::ops::Range<usize>>,
+}
+
+impl CommandLine {
+    fn new(args: &LoadArgs) -> CommandLine {
+        let mut text = String::new();
+        let mut add = |arg: &str| {
+            if !text.is_empty() {
+                text.push(' ');
+            }
+            let start = text.len();
+            text.push_str(arg);
+            start..text.len()
+        };
+        let variant = args.variant.as_deref().map(|v| {
+            let flag = add("-c");
+            flag.start..add(v).end
+        });
+        let overrides = args.overrides.iter().map(|o| add(o)).collect();
+        CommandLine {
+            source: Source {
+                name: "command line".into(),
+                text: Arc::from(text),
+            },
+            variant,
+            overrides,
+        }
+    }
+
+    /// `err`, pointing at the `index`th override.
+    fn at_override(&self, index: usize, err: InputError) -> InputError {
+        match self.overrides.get(index) {
+            Some(range) => err.at(&self.source, range.clone(), "this argument"),
+            None => err,
+        }
+    }
+
+    /// `err`, pointing at `-c VARIANT`.
+    fn at_variant(&self, err: InputError) -> InputError {
+        match &self.variant {
+            Some(range) => err.at(&self.source, range.clone(), "this argument"),
+            None => err,
+        }
+    }
 }
 
 #[cfg(test)]
@@ -930,5 +1225,70 @@ mod tests {
         );
         let err = apply_override(&mut tree, "stages.a.params.zzz=1").unwrap_err();
         assert!(err.message.contains("zzz"));
+    }
+
+    #[test]
+    fn time_and_mem_read_as_slurm_reads_them() {
+        use serde_json::json;
+        use std::time::Duration;
+        let minutes = |m: u64| Duration::from_secs(m * 60);
+        for (written, want) in [
+            (json!(90), minutes(90)),
+            (json!("90"), minutes(90)),
+            (json!("5:30"), Duration::from_secs(5 * 60 + 30)),
+            (json!("04:00:00"), minutes(240)),
+            (json!("100:00:00"), minutes(6000)),
+            (json!("2-12"), minutes((2 * 24 + 12) * 60)),
+            (json!("1-00:30"), minutes(24 * 60 + 30)),
+            (
+                json!("1-02:03:04"),
+                Duration::from_secs(86_400 + 2 * 3600 + 3 * 60 + 4),
+            ),
+        ] {
+            assert_eq!(crate::duration::parse(&written), Ok(want), "{written}");
+            let r = Resources {
+                time: Some(written.clone()),
+                ..Resources::default()
+            };
+            assert_eq!(r.time_limit(), Some(want), "{written}");
+        }
+        for bad in [
+            json!(0),
+            json!("00:00:00"),
+            json!(1.5),
+            json!(-3),
+            json!("soon"),
+            json!("1:60"),
+            json!("1-24"),
+            json!("1-1:2:3:4"),
+            json!("::"),
+            json!("UNLIMITED"),
+            json!("999999999999999999999"),
+            json!(600_000),
+        ] {
+            assert!(crate::duration::parse(&bad).is_err(), "{bad}");
+        }
+        assert_eq!(Resources::default().time_limit(), None);
+        for (written, want) in [
+            (json!(512), 512 << 20),
+            (json!("16G"), 16 << 30),
+            (json!("16g"), 16 << 30),
+            (json!("100K"), 100 << 10),
+            (json!(0), 0),
+            (json!("2T"), 2 << 40),
+        ] {
+            assert_eq!(parse_mem(&written), Ok(want), "{written}");
+        }
+        for bad in [
+            json!("lots"),
+            json!("G"),
+            json!("1.5G"),
+            json!(-1),
+            json!("16GB"),
+            json!("65T"),
+            json!(1e30),
+        ] {
+            assert!(parse_mem(&bad).is_err(), "{bad}");
+        }
     }
 }

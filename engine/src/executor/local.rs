@@ -395,11 +395,7 @@ async fn schedule(
                 width,
                 last: VecDeque::new(),
             };
-            let limit = stage
-                .resources
-                .time
-                .as_ref()
-                .and_then(crate::duration::parse);
+            let limit = stage.resources.time_limit();
             let pid = start_job(&exe, &spec, &mut tasks, echo, limit)?;
             cpus_in_use += cpus;
             running.insert(name.to_string(), (pid, cpus, resolved.key.clone()));

@@ -41,9 +41,16 @@ impl std::fmt::Debug for Registry {
 /// suggest a command. Ties go to the first candidate.
 pub fn nearest<'a>(wanted: &str, candidates: impl IntoIterator<Item = &'a str>) -> Option<&'a str> {
     let mut best: Option<(usize, &str)> = None;
+    let wanted_len = wanted.chars().count();
     for c in candidates {
+        let c_len = c.chars().count();
+        let limit = (wanted_len.max(c_len) / 3).max(1);
+        // The distance is at least the difference in length: skip what cannot be close
+        // without the quadratic table (a multi-megabyte name took seconds and gigabytes).
+        if wanted_len.abs_diff(c_len) > limit {
+            continue;
+        }
         let d = edit_distance(wanted, c);
-        let limit = (wanted.chars().count().max(c.chars().count()) / 3).max(1);
         if d <= limit && best.is_none_or(|(bd, _)| d < bd) {
             best = Some((d, c));
         }
