@@ -92,6 +92,7 @@ pub fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::simt::{SCHEDULES, Schedule, arg, launch_1d};
     use crate::testing::*;
 
     #[test]
@@ -128,55 +129,48 @@ mod tests {
         (x, w, g): (&[f32], &[f32], &[f32]),
         (rows, d): (usize, usize),
         (grid, block): (u32, u32),
-        reverse: i32,
+        schedule: Schedule,
     ) -> [Vec<f32>; 3] {
-        use crate::simt::*;
         let (mut y, mut rstd) = (vec![0f32; rows * d], vec![0f32; rows]);
-        let (mut dx, mut partial, mut dw) = (
-            vec![0f32; rows * d],
-            vec![0f32; grid as usize * d],
-            vec![0f32; d],
-        );
-        let (r, n) = (rows as i32, d as i32);
+        let mut dx = vec![0f32; rows * d];
+        let mut partial = vec![0f32; grid as usize * d];
+        let mut dw = vec![0f32; d];
+        let (r, n, eps, blocks) = (rows as i32, d as i32, 1e-5f32, grid as i32);
+        let (x, w, g) = (x.as_ptr(), w.as_ptr(), g.as_ptr());
+        let (yp, rp) = (y.as_mut_ptr(), rstd.as_mut_ptr());
+        let (dxp, pp, dwp) = (dx.as_mut_ptr(), partial.as_mut_ptr(), dw.as_mut_ptr());
         // SAFETY: every buffer holds what the kernels index: rows × d values, a rstd a row,
         // a partial row of d a block.
         unsafe {
-            check(simt_rms_norm_fwd_f32(
-                grid,
-                block,
-                reverse,
-                x.as_ptr(),
-                w.as_ptr(),
-                y.as_mut_ptr(),
-                rstd.as_mut_ptr(),
-                r,
-                n,
-                1e-5,
-            ))
-            .unwrap();
-            check(simt_rms_norm_bwd_f32(
-                grid,
-                block,
-                reverse,
-                x.as_ptr(),
-                w.as_ptr(),
-                rstd.as_ptr(),
-                g.as_ptr(),
-                dx.as_mut_ptr(),
-                partial.as_mut_ptr(),
-                r,
-                n,
-            ))
-            .unwrap();
-            check(simt_rms_norm_dw_reduce(
+            let fwd = [
+                arg(&x),
+                arg(&w),
+                arg(&yp),
+                arg(&rp),
+                arg(&r),
+                arg(&n),
+                arg(&eps),
+            ];
+            launch_1d("rms_norm_fwd_f32", grid, block, schedule, &fwd).unwrap();
+            let bwd = [
+                arg(&x),
+                arg(&w),
+                arg(&rp),
+                arg(&g),
+                arg(&dxp),
+                arg(&pp),
+                arg(&r),
+                arg(&n),
+            ];
+            launch_1d("rms_norm_bwd_f32", grid, block, schedule, &bwd).unwrap();
+            let reduce = [arg(&pp), arg(&dwp), arg(&blocks), arg(&n)];
+            launch_1d(
+                "rms_norm_dw_reduce",
                 d.div_ceil(128) as u32,
                 128,
-                reverse,
-                partial.as_ptr(),
-                dw.as_mut_ptr(),
-                grid as i32,
-                n,
-            ))
+                schedule,
+                &reduce,
+            )
             .unwrap();
         }
         [y, dx, dw]
@@ -207,8 +201,7 @@ mod tests {
             let inputs = (values(x.as_tensor()), values(w.as_tensor()), values(&g));
             let inputs = (&inputs.0[..], &inputs.1[..], &inputs.2[..]);
             for launch in [(1, 32), (3, 64), (rows as u32, 256), (2, 1024)] {
-                let got = cuda_f32(inputs, (rows, d), launch, 0);
-                let reversed = cuda_f32(inputs, (rows, d), launch, 1);
+                let [got, reversed] = SCHEDULES.map(|s| cuda_f32(inputs, (rows, d), launch, s));
                 let at = format!("rows {rows}, d {d}, grid × block {launch:?}");
                 assert_eq!(got, reversed, "{at}: the schedules disagree");
                 for (what, got, want, tolerance) in [
@@ -227,7 +220,6 @@ mod tests {
     /// ops on the same (rounded) input, plus the f32 sums' own difference.
     #[test]
     fn the_cuda_bf16_forward_rounds_once() {
-        use crate::simt::*;
         use half::bf16;
         let (rows, d) = (5, 700);
         let mut rng = Rng::new(11);
@@ -247,22 +239,19 @@ mod tests {
         );
         let bits: Vec<u16> = x.iter().map(|v| v.to_bits()).collect();
         let (mut y, mut rstd) = (vec![0u16; rows * d], vec![0f32; rows]);
+        let (xp, wp, yp, rp) = (bits.as_ptr(), w.as_ptr(), y.as_mut_ptr(), rstd.as_mut_ptr());
+        let (r, n, eps) = (rows as i32, d as i32, 1e-5f32);
+        let params = [
+            arg(&xp),
+            arg(&wp),
+            arg(&yp),
+            arg(&rp),
+            arg(&r),
+            arg(&n),
+            arg(&eps),
+        ];
         // SAFETY: rows × d values in and out, one rstd a row.
-        check(unsafe {
-            simt_rms_norm_fwd_bf16(
-                2,
-                128,
-                0,
-                bits.as_ptr(),
-                w.as_ptr(),
-                y.as_mut_ptr(),
-                rstd.as_mut_ptr(),
-                rows as i32,
-                d as i32,
-                1e-5,
-            )
-        })
-        .unwrap();
+        unsafe { launch_1d("rms_norm_fwd_bf16", 2, 128, Schedule::Forward, &params) }.unwrap();
         for (i, (&got, &want)) in y.iter().zip(&want).enumerate() {
             let got = bf16::from_bits(got).to_f32();
             let bound = want.abs() * 2f32.powi(-8) + 1e-5;

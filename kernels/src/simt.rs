@@ -1,87 +1,86 @@
-//! The SIMT shim, from Rust: each `.cu` kernel's C entry point (cuda/launch/*.cpp, built by
-//! build.rs), and the shim's own checks. Tests only: the shim executes the CUDA sources on
-//! the CPU, one fiber per CUDA thread (cuda/simt/simt.h says what it models and refuses), so
-//! a kernel is held to its Rust reference on a machine with no GPU.
+//! The SIMT shim, from Rust: launch any `.cu` kernel by name, with its arguments as
+//! cuLaunchKernel takes them (one pointer to each argument's value). Tests only: the shim
+//! executes the CUDA sources on the CPU, one fiber per CUDA thread (cuda/simt/simt.h says what
+//! it models and refuses; build.rs builds every kernel into it), so a kernel is held to its
+//! Rust reference on a machine with no GPU.
 
-use std::ffi::{CStr, c_char, c_int, c_uint};
+use std::ffi::{CStr, CString, c_char, c_int, c_void};
 
-unsafe extern "C" {
-    fn simt_last_error() -> *const c_char;
-
-    pub fn simt_rms_norm_fwd_f32(
-        grid: c_uint,
-        block: c_uint,
-        reverse: c_int,
-        x: *const f32,
-        w: *const f32,
-        y: *mut f32,
-        rstd: *mut f32,
-        rows: c_int,
-        d: c_int,
-        eps: f32,
-    ) -> c_int;
-    pub fn simt_rms_norm_fwd_bf16(
-        grid: c_uint,
-        block: c_uint,
-        reverse: c_int,
-        x: *const u16,
-        w: *const f32,
-        y: *mut u16,
-        rstd: *mut f32,
-        rows: c_int,
-        d: c_int,
-        eps: f32,
-    ) -> c_int;
-    pub fn simt_rms_norm_bwd_f32(
-        grid: c_uint,
-        block: c_uint,
-        reverse: c_int,
-        x: *const f32,
-        w: *const f32,
-        rstd: *const f32,
-        dy: *const f32,
-        dx: *mut f32,
-        dw_partial: *mut f32,
-        rows: c_int,
-        d: c_int,
-    ) -> c_int;
-    pub fn simt_rms_norm_dw_reduce(
-        grid: c_uint,
-        block: c_uint,
-        reverse: c_int,
-        dw_partial: *const f32,
-        dw: *mut f32,
-        blocks: c_int,
-        d: c_int,
-    ) -> c_int;
-
-    fn simt_check_shuffles(
-        block: c_uint,
-        out: *mut c_int,
-        kind: c_int,
-        arg: c_int,
-        width: c_int,
-    ) -> c_int;
-    fn simt_check_neighbour(
-        block: c_uint,
-        reverse: c_int,
-        out: *mut c_int,
-        with_barrier: c_int,
-    ) -> c_int;
-    fn simt_check_divergent_barrier(block: c_uint) -> c_int;
-    fn simt_check_barrier_after_return(block: c_uint) -> c_int;
-    fn simt_check_shuffle_after_return(block: c_uint, out: *mut c_int) -> c_int;
+#[repr(C)]
+struct Geometry {
+    grid: [u32; 3],
+    block: [u32; 3],
+    reverse: c_int,
 }
 
-/// A launch's status as a Result: the shim's reason when it refused the kernel.
-pub fn check(status: c_int) -> Result<(), String> {
+unsafe extern "C" {
+    fn simt_launch_named(
+        name: *const c_char,
+        g: *const Geometry,
+        params: *mut *mut c_void,
+    ) -> c_int;
+    fn simt_last_error() -> *const c_char;
+}
+
+/// The order the shim runs warps in: lowest first, or highest first with lanes reversed. A
+/// kernel whose results differ between the two has a race.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Schedule {
+    Forward,
+    Reverse,
+}
+
+pub const SCHEDULES: [Schedule; 2] = [Schedule::Forward, Schedule::Reverse];
+
+/// A pointer to an argument's value, as cuLaunchKernel takes it: `arg(&rows)`, and for a
+/// buffer, `arg(&x.as_ptr())` (the pointer is the value).
+pub fn arg<T>(value: &T) -> *mut c_void {
+    value as *const T as *mut c_void
+}
+
+/// Run the kernel `name` over `grid` blocks of `block` threads.
+///
+/// # Safety
+/// `params` must hold one pointer for each of the kernel's parameters, each to a value of that
+/// parameter's type, and every buffer a kernel reaches through them must hold what it indexes.
+pub unsafe fn launch(
+    name: &str,
+    grid: [u32; 3],
+    block: [u32; 3],
+    schedule: Schedule,
+    params: &[*mut c_void],
+) -> Result<(), String> {
+    let c_name = CString::new(name).map_err(|e| e.to_string())?;
+    let g = Geometry {
+        grid,
+        block,
+        reverse: c_int::from(schedule == Schedule::Reverse),
+    };
+    let mut params = params.to_vec();
+    // SAFETY: the caller vouches for the parameters; the name and geometry are ours.
+    let status = unsafe { simt_launch_named(c_name.as_ptr(), &g, params.as_mut_ptr()) };
     if status == 0 {
         return Ok(());
     }
-    // SAFETY: the shim returns a NUL-terminated string that lives until the next launch on
+    // SAFETY: the shim returns a NUL-terminated string that lives until its next launch on
     // this thread.
     let reason = unsafe { CStr::from_ptr(simt_last_error()) };
-    Err(reason.to_string_lossy().into_owned())
+    Err(format!("{name}: {}", reason.to_string_lossy()))
+}
+
+/// [`launch`] over a one-dimensional grid and block.
+///
+/// # Safety
+/// As [`launch`].
+pub unsafe fn launch_1d(
+    name: &str,
+    grid: u32,
+    block: u32,
+    schedule: Schedule,
+    params: &[*mut c_void],
+) -> Result<(), String> {
+    // SAFETY: passed on.
+    unsafe { launch(name, [grid, 1, 1], [block, 1, 1], schedule, params) }
 }
 
 #[cfg(test)]
@@ -89,24 +88,26 @@ mod tests {
     use super::*;
 
     /// What each shuffle gives every lane of a 64-thread block, lanes holding 100 + lane.
-    fn shuffled(kind: c_int, arg: c_int, width: c_int) -> Vec<c_int> {
+    fn shuffled(kind: c_int, lane_arg: c_int, width: c_int) -> Vec<c_int> {
         let mut out = vec![0; 64];
+        let p = out.as_mut_ptr();
+        let params = [arg(&p), arg(&kind), arg(&lane_arg), arg(&width)];
         // SAFETY: `out` holds one value per thread of the block.
-        check(unsafe { simt_check_shuffles(64, out.as_mut_ptr(), kind, arg, width) }).unwrap();
+        unsafe { launch_1d("check_shuffles", 1, 64, Schedule::Forward, &params) }.unwrap();
         out
     }
 
     /// CUDA's rule: a source lane outside the lane's segment of `width` gives its own value.
-    fn expected(kind: c_int, arg: i32, width: i32) -> Vec<c_int> {
+    fn expected(kind: c_int, lane_arg: i32, width: i32) -> Vec<c_int> {
         (0..64)
             .map(|t: i32| {
                 let lane = t % 32;
                 let segment = lane / width;
                 let src = match kind {
-                    0 => lane ^ arg,
-                    1 => lane + arg,
-                    2 => lane - arg,
-                    _ => segment * width + arg % width,
+                    0 => lane ^ lane_arg,
+                    1 => lane + lane_arg,
+                    2 => lane - lane_arg,
+                    _ => segment * width + lane_arg % width,
                 };
                 let src = if src >= 0 && src / width == segment {
                     src
@@ -121,7 +122,7 @@ mod tests {
     #[test]
     fn shuffles_give_cudas_lanes() {
         for kind in 0..4 {
-            for (arg, width) in [
+            for (lane_arg, width) in [
                 (1, 32),
                 (16, 32),
                 (3, 32),
@@ -131,9 +132,9 @@ mod tests {
                 (0, 32),
             ] {
                 assert_eq!(
-                    shuffled(kind, arg, width),
-                    expected(kind, arg, width),
-                    "kind {kind}, arg {arg}, width {width}"
+                    shuffled(kind, lane_arg, width),
+                    expected(kind, lane_arg, width),
+                    "kind {kind}, arg {lane_arg}, width {width}"
                 );
             }
         }
@@ -141,33 +142,53 @@ mod tests {
 
     #[test]
     fn a_missing_barrier_shows_as_schedules_that_disagree() {
-        let run = |reverse, with_barrier| {
+        let run = |schedule, with_barrier: c_int| {
             let mut out = vec![0; 96];
+            let p = out.as_mut_ptr();
             // SAFETY: one value per thread.
-            check(unsafe { simt_check_neighbour(96, reverse, out.as_mut_ptr(), with_barrier) })
-                .unwrap();
+            unsafe {
+                launch_1d(
+                    "check_neighbour",
+                    1,
+                    96,
+                    schedule,
+                    &[arg(&p), arg(&with_barrier)],
+                )
+            }
+            .unwrap();
             out
         };
         let want: Vec<c_int> = (0..96).map(|t| ((t + 1) % 96) * 7 + 1).collect();
-        assert_eq!(run(0, 1), want);
-        assert_eq!(run(1, 1), want);
-        assert_ne!(run(0, 0), run(1, 0), "without the barrier the order shows");
+        assert_eq!(run(Schedule::Forward, 1), want);
+        assert_eq!(run(Schedule::Reverse, 1), want);
+        assert_ne!(
+            run(Schedule::Forward, 0),
+            run(Schedule::Reverse, 0),
+            "without the barrier the order shows"
+        );
     }
 
     #[test]
-    fn wrong_barriers_are_refused_with_a_reason() {
-        // SAFETY: these kernels take no memory.
-        let divergent = check(unsafe { simt_check_divergent_barrier(64) }).unwrap_err();
+    fn wrong_barriers_and_unknown_kernels_are_refused_with_a_reason() {
+        let refused = |name: &str, params: &[*mut c_void]| {
+            // SAFETY: these kernels take at most one buffer of a value per thread.
+            unsafe { launch_1d(name, 1, 64, Schedule::Forward, params) }.unwrap_err()
+        };
+        let divergent = refused("check_divergent_barrier", &[]);
         assert!(divergent.contains("different barriers"), "{divergent}");
-        let returned = check(unsafe { simt_check_barrier_after_return(64) }).unwrap_err();
+        let returned = refused("check_barrier_after_return", &[]);
         assert!(returned.contains("returned"), "{returned}");
-        let mut out = vec![0; 32];
-        // SAFETY: one value per thread.
-        let lanes =
-            check(unsafe { simt_check_shuffle_after_return(32, out.as_mut_ptr()) }).unwrap_err();
+        let mut out = vec![0; 64];
+        let p = out.as_mut_ptr();
+        let lanes = refused("check_shuffle_after_return", &[arg(&p)]);
         assert!(
             lanes.contains("after lanes of the warp returned"),
             "{lanes}"
+        );
+        let unknown = refused("rms_norm_sideways", &[]);
+        assert!(
+            unknown.contains("no kernel named `rms_norm_sideways`"),
+            "{unknown}"
         );
         // The shim still launches after a refused kernel.
         assert_eq!(shuffled(0, 1, 32), expected(0, 1, 32));

@@ -273,6 +273,11 @@ int launch(dim3 grid, dim3 block, bool reverse, const std::function<void()>& ker
 
 const char* last_error() { return last_error_message.c_str(); }
 
+int refuse(const char* why) {
+    last_error_message = why;
+    return 1;
+}
+
 }  // namespace simt
 
 extern "C" const char* simt_last_error() { return simt::last_error(); }

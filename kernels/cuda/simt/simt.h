@@ -20,6 +20,8 @@
 #include <cstdint>
 #include <cstring>
 #include <functional>
+#include <type_traits>
+#include <utility>
 
 namespace simt {
 
@@ -65,6 +67,27 @@ T shuffle(unsigned mask, T value, int (*source)(int, int, int), int arg, int wid
 // last_error().
 int launch(dim3 grid, dim3 block, bool reverse, const std::function<void()>& kernel);
 const char* last_error();
+// Fail a launch before it starts, with `why` as its last_error(); returns 1.
+int refuse(const char* why);
+
+// A launch as cuLaunchKernel takes it: the geometry, and one pointer to each argument's value.
+struct Geometry {
+    unsigned grid[3];
+    unsigned block[3];
+    int reverse;
+};
+
+template <class... A, std::size_t... I>
+void call_with(void (*kernel)(A...), void** params, std::index_sequence<I...>) {
+    kernel(*static_cast<std::remove_cv_t<A>*>(params[I])...);
+}
+
+template <class... A>
+int launch_erased(void (*kernel)(A...), const Geometry& g, void** params) {
+    return launch(dim3(g.grid[0], g.grid[1], g.grid[2]), dim3(g.block[0], g.block[1], g.block[2]),
+                  g.reverse != 0,
+                  [&] { call_with(kernel, params, std::index_sequence_for<A...>{}); });
+}
 
 }  // namespace simt
 

@@ -1,0 +1,51 @@
+// Kernels that check the SIMT shim itself (built for the shim only, never for a GPU): each
+// shuffle's lanes, and the kernel errors the shim must catch (a race that only a missing
+// barrier allows, divergent barriers, shuffles after lanes returned).
+
+// out[t] = the value each shuffle gives thread t of a block, lanes holding 100 + lane.
+extern "C" __global__ void check_shuffles(int* out, int kind, int arg, int width) {
+    const int t = threadIdx.x;
+    const int v = 100 + t % 32;
+    int got = 0;
+    switch (kind) {
+        case 0: got = __shfl_xor_sync(0xffffffffu, v, arg, width); break;
+        case 1: got = __shfl_down_sync(0xffffffffu, v, unsigned(arg), width); break;
+        case 2: got = __shfl_up_sync(0xffffffffu, v, unsigned(arg), width); break;
+        default: got = __shfl_sync(0xffffffffu, v, arg, width); break;
+    }
+    out[t] = got;
+}
+
+// Each thread writes its slot, then reads its neighbour's: correct only with the barrier.
+extern "C" __global__ void check_neighbour(int* out, int with_barrier) {
+    __shared__ int slots[1024];
+    const int t = threadIdx.x;
+    slots[t] = t * 7 + 1;
+    if (with_barrier) {
+        __syncthreads();
+    }
+    out[t] = slots[(t + 1) % blockDim.x];
+    __syncthreads();
+}
+
+extern "C" __global__ void check_divergent_barrier() {
+    if (threadIdx.x % 2 == 0) {
+        __syncthreads();
+    } else {
+        __syncwarp();
+    }
+}
+
+extern "C" __global__ void check_barrier_after_return() {
+    if (threadIdx.x == 0) {
+        return;
+    }
+    __syncthreads();
+}
+
+extern "C" __global__ void check_shuffle_after_return(int* out) {
+    if (threadIdx.x == 5) {
+        return;
+    }
+    out[threadIdx.x] = __shfl_xor_sync(0xffffffffu, int(threadIdx.x), 1);
+}
