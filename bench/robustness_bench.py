@@ -20,14 +20,16 @@ The scenarios:
   mtime, an empty or missing artifact.json, a run record naming another stage's key). Detected =
   `run` neither serves the damaged bytes nor builds on them (it refuses, or rebuilds an entry that
   is not an artifact), and `verify --all` reports every scenario but the rebuilt ones.
-- The fuzzer's figures (cases, panics, hangs) are those of `cargo test -p nemo-dag-engine
-  --release fuzz` (see docs/reliability.md); this script does not repeat them.
+- The manifest fuzzer (tests/fuzz): --fuzz-cases cases (0: skip) through
+  `cargo test --release -p nemo-dag --test fuzz`, its line quoted. The fuzzer runs in-process
+  against the working tree's library, so it has no baseline column.
 """
 
 import argparse
 import json
 import os
 import random
+import re
 import shutil
 import signal
 import subprocess
@@ -343,6 +345,19 @@ def measure(binary, trials, gc_trials, tmp):
     return figures, missed
 
 
+def fuzz(cases, seed):
+    """Run the manifest fuzzer for `cases` cases; (cases, panics, hangs, its line)."""
+    env = dict(os.environ, NEMO_DAG_FUZZ_CASES=str(cases), NEMO_DAG_FUZZ_SECONDS="100000",
+               NEMO_DAG_FUZZ_SEED=str(seed))
+    out = subprocess.run(["cargo", "test", "--release", "-q", "-p", "nemo-dag", "--test", "fuzz"],
+                         cwd=ROOT, env=env, capture_output=True, text=True)
+    line = next((l for l in out.stdout.splitlines() if " cases, " in l), None)
+    if line is None:
+        sys.exit(f"the fuzzer printed no figures:\n{out.stdout}\n{out.stderr}")
+    n, panics, hangs = (int(x) for x in re.search(r"(\d+) cases, (\d+) panics, (\d+) hangs", line).groups())
+    return n, panics, hangs, line.split(": ", 1)[1]
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--bin", default=str(BIN))
@@ -350,6 +365,7 @@ def main():
     ap.add_argument("--trials", type=int, default=100, help="kill trials of each kind")
     ap.add_argument("--gc-trials", type=int, default=20)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--fuzz-cases", type=int, default=10_000, help="manifest fuzzer cases (0: skip)")
     a = ap.parse_args()
     builds = [("this build", a.bin)] + ([("baseline", a.baseline_bin)] if a.baseline_bin else [])
     results = []
@@ -377,9 +393,15 @@ def main():
             n, of = figures[name]
             row += f" {f'{n} / {of}':>14}"
         print(row)
+    if a.fuzz_cases:
+        n, panics, hangs, line = fuzz(a.fuzz_cases, a.seed)
+        row = f"{'fuzz: panics + hangs':<36} {'0':>5}" + f" {f'{panics + hangs} / {n}':>14}"
+        print(row + "".join(f" {'-':>14}" for _ in results[1:]))
     for label, _, missed, seconds in results:
         extra = f"; missed: {', '.join(missed)}" if missed else ""
         print(f"{label}: {seconds:.0f} s{extra}")
+    if a.fuzz_cases:
+        print(f"fuzzer: {line}")
 
 
 if __name__ == "__main__":

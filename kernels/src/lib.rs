@@ -38,6 +38,8 @@ pub mod rng;
 pub mod rope;
 pub mod rows;
 pub mod simd;
+#[cfg(test)]
+mod simt;
 pub mod softmax;
 pub mod swiglu;
 #[cfg(test)]

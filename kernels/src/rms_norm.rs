@@ -109,4 +109,168 @@ mod tests {
             }
         }
     }
+
+    fn values(t: &Tensor) -> Vec<f32> {
+        t.flatten_all().unwrap().to_vec1().unwrap()
+    }
+
+    fn largest_gap(a: &[f32], b: &[f32]) -> f32 {
+        assert_eq!(a.len(), b.len());
+        a.iter()
+            .zip(b)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0.0, f32::max)
+    }
+
+    /// What rms_norm.cu computes through the SIMT shim: y, dx and dw for `grid` blocks of
+    /// `block` threads, in one schedule.
+    fn cuda_f32(
+        (x, w, g): (&[f32], &[f32], &[f32]),
+        (rows, d): (usize, usize),
+        (grid, block): (u32, u32),
+        reverse: i32,
+    ) -> [Vec<f32>; 3] {
+        use crate::simt::*;
+        let (mut y, mut rstd) = (vec![0f32; rows * d], vec![0f32; rows]);
+        let (mut dx, mut partial, mut dw) = (
+            vec![0f32; rows * d],
+            vec![0f32; grid as usize * d],
+            vec![0f32; d],
+        );
+        let (r, n) = (rows as i32, d as i32);
+        // SAFETY: every buffer holds what the kernels index: rows × d values, a rstd a row,
+        // a partial row of d a block.
+        unsafe {
+            check(simt_rms_norm_fwd_f32(
+                grid,
+                block,
+                reverse,
+                x.as_ptr(),
+                w.as_ptr(),
+                y.as_mut_ptr(),
+                rstd.as_mut_ptr(),
+                r,
+                n,
+                1e-5,
+            ))
+            .unwrap();
+            check(simt_rms_norm_bwd_f32(
+                grid,
+                block,
+                reverse,
+                x.as_ptr(),
+                w.as_ptr(),
+                rstd.as_ptr(),
+                g.as_ptr(),
+                dx.as_mut_ptr(),
+                partial.as_mut_ptr(),
+                r,
+                n,
+            ))
+            .unwrap();
+            check(simt_rms_norm_dw_reduce(
+                d.div_ceil(128) as u32,
+                128,
+                reverse,
+                partial.as_ptr(),
+                dw.as_mut_ptr(),
+                grid as i32,
+                n,
+            ))
+            .unwrap();
+        }
+        [y, dx, dw]
+    }
+
+    /// rms_norm.cu, executed by the SIMT shim, against the plain ops: forward and both
+    /// gradients at shapes that leave threads idle, loop over columns and over rows, in either
+    /// schedule, which must give the same bytes (the dw sum has no atomics).
+    #[test]
+    fn the_cuda_kernels_match_the_plain_ops() {
+        for (rows, d) in [(1, 1), (3, 7), (7, 1000), (33, 96), (4, 3000)] {
+            let mut rng = Rng::new(7 * d as u64 + rows as u64);
+            let x = Var::from_tensor(&randn(&mut rng, &[rows, d], 2.0)).unwrap();
+            let w = Var::from_tensor(&randn(&mut rng, &[d], 1.0)).unwrap();
+            let g = randn(&mut rng, &[rows, d], 1.0);
+            let plain = rms_norm_plain(x.as_tensor(), w.as_tensor(), 1e-5).unwrap();
+            let grads = (&plain * &g)
+                .unwrap()
+                .sum_all()
+                .unwrap()
+                .backward()
+                .unwrap();
+            let want = [
+                values(&plain),
+                values(grads.get(x.as_tensor()).unwrap()),
+                values(grads.get(w.as_tensor()).unwrap()),
+            ];
+            let inputs = (values(x.as_tensor()), values(w.as_tensor()), values(&g));
+            let inputs = (&inputs.0[..], &inputs.1[..], &inputs.2[..]);
+            for launch in [(1, 32), (3, 64), (rows as u32, 256), (2, 1024)] {
+                let got = cuda_f32(inputs, (rows, d), launch, 0);
+                let reversed = cuda_f32(inputs, (rows, d), launch, 1);
+                let at = format!("rows {rows}, d {d}, grid × block {launch:?}");
+                assert_eq!(got, reversed, "{at}: the schedules disagree");
+                for (what, got, want, tolerance) in [
+                    ("y", &got[0], &want[0], 1e-5),
+                    ("dx", &got[1], &want[1], 1e-4),
+                    ("dw", &got[2], &want[2], 1e-4),
+                ] {
+                    let gap = largest_gap(got, want);
+                    assert!(gap < tolerance, "{at}: {what} is {gap} from the plain ops");
+                }
+            }
+        }
+    }
+
+    /// The bf16 forward: bf16 in and out, f32 inside. Within half a bf16 ulp (2⁻⁸ of the value) of the plain
+    /// ops on the same (rounded) input, plus the f32 sums' own difference.
+    #[test]
+    fn the_cuda_bf16_forward_rounds_once() {
+        use crate::simt::*;
+        use half::bf16;
+        let (rows, d) = (5, 700);
+        let mut rng = Rng::new(11);
+        let x: Vec<bf16> = values(&randn(&mut rng, &[rows, d], 2.0))
+            .into_iter()
+            .map(bf16::from_f32)
+            .collect();
+        let w = values(&randn(&mut rng, &[d], 1.0));
+        let xf: Vec<f32> = x.iter().map(|v| v.to_f32()).collect();
+        let want = values(
+            &rms_norm_plain(
+                &Tensor::from_vec(xf, &[rows, d], &Device::Cpu).unwrap(),
+                &Tensor::from_vec(w.clone(), &[d], &Device::Cpu).unwrap(),
+                1e-5,
+            )
+            .unwrap(),
+        );
+        let bits: Vec<u16> = x.iter().map(|v| v.to_bits()).collect();
+        let (mut y, mut rstd) = (vec![0u16; rows * d], vec![0f32; rows]);
+        // SAFETY: rows × d values in and out, one rstd a row.
+        check(unsafe {
+            simt_rms_norm_fwd_bf16(
+                2,
+                128,
+                0,
+                bits.as_ptr(),
+                w.as_ptr(),
+                y.as_mut_ptr(),
+                rstd.as_mut_ptr(),
+                rows as i32,
+                d as i32,
+                1e-5,
+            )
+        })
+        .unwrap();
+        for (i, (&got, &want)) in y.iter().zip(&want).enumerate() {
+            let got = bf16::from_bits(got).to_f32();
+            let bound = want.abs() * 2f32.powi(-8) + 1e-5;
+            assert!(
+                (got - want).abs() <= bound,
+                "element {i}: {got} against {want}"
+            );
+            assert_eq!(bf16::from_bits(y[i]), bf16::from_f32(got), "stored as bf16");
+        }
+    }
 }

@@ -1,0 +1,278 @@
+// The SIMT shim's scheduler (see simt.h). Blocks run one after another, each on an OS thread
+// of its own; within a block, each CUDA thread is a fiber (ucontext) with its own stack. Warps
+// run one at a time, each as far as it can go alone (to a block barrier, or its end), so a
+// shared-memory race between warps shows as a difference between the two schedules (lowest
+// warp first, or highest first). A block barrier releases the block when every thread waits
+// at it; when nothing can go on and some thread has not ended, the kernel is wrong, and the
+// launch says why.
+
+#include "simt.h"
+
+#include <ucontext.h>
+
+#include <cstdlib>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace simt {
+namespace {
+
+constexpr size_t kStackBytes = 256 * 1024;
+constexpr int kWarp = 32;
+
+enum class State { Ready, AtBlockBarrier, AtWarpBarrier, Done };
+
+struct Fiber {
+    ucontext_t context;
+    std::unique_ptr<char[]> stack;
+    uint3 index;
+    unsigned linear;
+    State state;
+};
+
+// One launch: its geometry, and the block being run.
+struct Launch {
+    dim3 grid, block;
+    uint3 block_index;
+    const std::function<void()>* kernel;
+    std::vector<Fiber> fibers;
+    ucontext_t scheduler;
+    Fiber* current;
+    std::vector<uint32_t> words;  // one exchange slot per thread
+    std::string error;
+};
+
+thread_local Launch* active = nullptr;
+thread_local std::string last_error_message;
+
+[[noreturn]] void misuse(const char* what);
+
+Fiber& current_fiber() {
+    if (active == nullptr || active->current == nullptr) {
+        misuse("a device function was called outside a kernel launch");
+    }
+    return *active->current;
+}
+
+// Back to the scheduler until released; a fiber in error is never resumed.
+void wait(State state) {
+    Fiber& fiber = current_fiber();
+    fiber.state = state;
+    swapcontext(&fiber.context, &active->scheduler);
+}
+
+// A misuse inside a kernel: record it and leave the fiber parked for good.
+[[noreturn]] void misuse(const char* what) {
+    if (active == nullptr || active->current == nullptr) {
+        last_error_message = what;
+        std::abort();
+    }
+    if (active->error.empty()) {
+        active->error = what;
+    }
+    for (;;) {
+        wait(State::AtBlockBarrier);
+    }
+}
+
+void entry() {
+    (*active->kernel)();
+    active->current->state = State::Done;
+    swapcontext(&active->current->context, &active->scheduler);
+}
+
+std::string where(const Launch& l) {
+    return "block (" + std::to_string(l.block_index.x) + "," + std::to_string(l.block_index.y) +
+           "," + std::to_string(l.block_index.z) + ")";
+}
+
+// Whether warp `first..end` can be released from an exchange: all its lanes wait at one.
+// Sets `l.error` if some lanes returned while others wait there.
+bool warp_ready(Launch& l, size_t first, size_t end) {
+    size_t waiting = 0, done = 0;
+    for (size_t i = first; i < end; ++i) {
+        waiting += l.fibers[i].state == State::AtWarpBarrier;
+        done += l.fibers[i].state == State::Done;
+    }
+    if (waiting > 0 && done > 0) {
+        l.error = "a warp shuffle or __syncwarp after lanes of the warp returned, in " + where(l);
+    }
+    return waiting == end - first;
+}
+
+// Run warp `first..end` as far as it goes alone: its lanes to their next wait point, again
+// and again while the warp's own exchanges release it. False if the kernel failed.
+bool run_warp(Launch& l, size_t first, size_t end, bool reverse) {
+    for (;;) {
+        for (size_t k = 0; k < end - first; ++k) {
+            Fiber& f = l.fibers[reverse ? end - 1 - k : first + k];
+            if (f.state == State::Ready) {
+                l.current = &f;
+                swapcontext(&l.scheduler, &f.context);
+                l.current = nullptr;
+                if (!l.error.empty()) {
+                    return false;
+                }
+            }
+        }
+        if (!warp_ready(l, first, end)) {
+            return l.error.empty();
+        }
+        for (size_t i = first; i < end; ++i) {
+            l.fibers[i].state = State::Ready;
+        }
+    }
+}
+
+// Warps run one at a time, each as far as it can before the next starts (the most skew a
+// GPU may show between warps), lowest first or, reversed, highest first with lanes in
+// reverse. Then a block barrier releases the block, or nothing can go on: an error.
+bool run_block(Launch& l, bool reverse) {
+    size_t n = l.fibers.size();
+    for (size_t i = 0; i < n; ++i) {
+        Fiber& f = l.fibers[i];
+        unsigned bx = l.block.x, by = l.block.y;
+        f.index = {unsigned(i % bx), unsigned(i / bx % by), unsigned(i / (bx * by))};
+        f.linear = unsigned(i);
+        f.state = State::Ready;
+        getcontext(&f.context);
+        f.context.uc_stack.ss_sp = f.stack.get();
+        f.context.uc_stack.ss_size = kStackBytes;
+        f.context.uc_link = nullptr;
+        makecontext(&f.context, entry, 0);
+    }
+    size_t warps = (n + kWarp - 1) / kWarp;
+    for (;;) {
+        for (size_t k = 0; k < warps; ++k) {
+            size_t w = reverse ? warps - 1 - k : k;
+            if (!run_warp(l, w * kWarp, std::min(n, (w + 1) * kWarp), reverse)) {
+                return false;
+            }
+        }
+        size_t live = 0, at_block = 0;
+        for (auto& f : l.fibers) {
+            live += f.state != State::Done;
+            at_block += f.state == State::AtBlockBarrier;
+        }
+        if (live == 0) {
+            return true;
+        }
+        if (at_block != live) {
+            l.error = "threads of " + where(l) +
+                      " wait at different barriers (__syncthreads or a shuffle in divergent code)";
+            return false;
+        }
+        if (live != n) {
+            l.error = "__syncthreads after some threads of the block returned, in " + where(l);
+            return false;
+        }
+        for (auto& f : l.fibers) {
+            f.state = State::Ready;
+        }
+    }
+}
+
+}  // namespace
+
+const uint3& thread_idx() { return current_fiber().index; }
+const uint3& block_idx() {
+    current_fiber();
+    return active->block_index;
+}
+const dim3& block_dim() {
+    current_fiber();
+    return active->block;
+}
+const dim3& grid_dim() {
+    current_fiber();
+    return active->grid;
+}
+
+void syncthreads() { wait(State::AtBlockBarrier); }
+
+void syncwarp(unsigned mask) {
+    if (mask != 0xffffffffu) {
+        misuse("__syncwarp with a partial mask: the shim runs full warps only");
+    }
+    wait(State::AtWarpBarrier);
+}
+
+int source_xor(int lane, int arg, int width) {
+    int src = lane ^ arg;
+    return (src / width == lane / width) ? src : lane;
+}
+int source_down(int lane, int arg, int width) {
+    int src = lane + arg;
+    return (src / width == lane / width) ? src : lane;
+}
+int source_up(int lane, int arg, int width) {
+    int src = lane - arg;
+    return (src >= 0 && src / width == lane / width) ? src : lane;
+}
+int source_idx(int lane, int arg, int width) { return lane / width * width + arg % width; }
+
+uint32_t exchange(unsigned mask, uint32_t word, int (*source)(int, int, int), int arg,
+                  int width) {
+    if (mask != 0xffffffffu) {
+        misuse("a warp shuffle with a partial mask: the shim runs full warps only");
+    }
+    if (width <= 0 || width > kWarp || (width & (width - 1)) != 0) {
+        misuse("a warp shuffle's width must be a power of two up to 32");
+    }
+    Fiber& me = current_fiber();
+    unsigned warp_start = me.linear / kWarp * kWarp;
+    int lane = int(me.linear % kWarp);
+    active->words[me.linear] = word;
+    wait(State::AtWarpBarrier);
+    unsigned from = warp_start + unsigned(source(lane, arg, width));
+    uint32_t got = from < active->fibers.size() ? active->words[from] : word;
+    wait(State::AtWarpBarrier);  // every lane has read before any writes again
+    return got;
+}
+
+int launch(dim3 grid, dim3 block, bool reverse, const std::function<void()>& kernel) {
+    size_t threads = size_t(block.x) * block.y * block.z;
+    if (threads == 0 || threads > 1024 || grid.x == 0 || grid.y == 0 || grid.z == 0) {
+        last_error_message = "a launch needs 1 to 1024 threads a block and a grid of at least 1";
+        return 1;
+    }
+    Launch l;
+    l.grid = grid;
+    l.block = block;
+    l.kernel = &kernel;
+    l.fibers.resize(threads);
+    for (auto& f : l.fibers) {
+        f.stack.reset(new char[kStackBytes]);
+    }
+    l.words.assign(threads, 0);
+    l.current = nullptr;
+    bool ok = true;
+    for (unsigned z = 0; z < grid.z && ok; ++z) {
+        for (unsigned y = 0; y < grid.y && ok; ++y) {
+            for (unsigned x = 0; x < grid.x && ok; ++x) {
+                l.block_index = {x, y, z};
+                // A fresh OS thread a block: its __shared__ (thread_local) memory starts at
+                // zero, never with what an earlier block or launch left there.
+                std::thread runner([&] {
+                    active = &l;
+                    ok = run_block(l, reverse);
+                    active = nullptr;
+                });
+                runner.join();
+            }
+        }
+    }
+    if (!ok) {
+        last_error_message = l.error;
+        return 1;
+    }
+    return 0;
+}
+
+const char* last_error() { return last_error_message.c_str(); }
+
+}  // namespace simt
+
+extern "C" const char* simt_last_error() { return simt::last_error(); }

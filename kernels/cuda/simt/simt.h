@@ -1,0 +1,126 @@
+// The SIMT shim: CUDA C++ kernels compiled unchanged by the host C++ compiler and executed on
+// the CPU, one fiber per CUDA thread, for tests. It is force-included ahead of a `.cu` file.
+//
+// What it models: the launch state (threadIdx, blockIdx, blockDim, gridDim) of the running
+// thread; __shared__ memory (per block: a block's fibers share one OS thread, new for each
+// block, so shared memory starts at zero); block
+// barriers (__syncthreads) and warp shuffles over 32 lanes with their real semantics: a
+// barrier waits for every live thread of the block, a shuffle for every lane of the warp.
+// What it refuses, with a message: a barrier some threads of the block can no longer reach
+// (they returned, or wait at another barrier), a shuffle with a partial mask, a shuffle after
+// lanes of the warp returned. Fibers run in thread order or in reverse (`reverse` of
+// simt::launch): a kernel whose result depends on the order has a race.
+//
+// What it cannot check: inline PTX (mma, cp.async, TMA), the memory model, timing. Fast-math
+// intrinsics (__expf, rsqrtf) are libm calls here, a few ulp from the GPU's.
+#pragma once
+
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <functional>
+
+namespace simt {
+
+struct uint3 {
+    unsigned x, y, z;
+};
+
+struct dim3 {
+    unsigned x, y, z;
+    constexpr dim3(unsigned x = 1, unsigned y = 1, unsigned z = 1) : x(x), y(y), z(z) {}
+};
+
+// The running CUDA thread's launch state.
+const uint3& thread_idx();
+const uint3& block_idx();
+const dim3& block_dim();
+const dim3& grid_dim();
+
+void syncthreads();
+void syncwarp(unsigned mask);
+// One 32-bit word through the warp: `lane` is the lane to read from (already resolved).
+uint32_t exchange(unsigned mask, uint32_t word, int (*source)(int lane, int arg, int width),
+                  int arg, int width);
+
+int source_xor(int lane, int arg, int width);
+int source_down(int lane, int arg, int width);
+int source_up(int lane, int arg, int width);
+int source_idx(int lane, int arg, int width);
+
+template <class T>
+T shuffle(unsigned mask, T value, int (*source)(int, int, int), int arg, int width) {
+    static_assert(sizeof(T) == 4 || sizeof(T) == 8, "shuffles move 32- or 64-bit values");
+    uint32_t words[sizeof(T) / 4];
+    std::memcpy(words, &value, sizeof(T));
+    for (auto& w : words) {
+        w = exchange(mask, w, source, arg, width);
+    }
+    std::memcpy(&value, words, sizeof(T));
+    return value;
+}
+
+// Run `kernel` over `grid` blocks of `block` threads. Returns 0, or 1 with the reason in
+// last_error().
+int launch(dim3 grid, dim3 block, bool reverse, const std::function<void()>& kernel);
+const char* last_error();
+
+}  // namespace simt
+
+using simt::dim3;
+using simt::uint3;
+
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __noinline__
+#define __restrict__ __restrict
+#define __shared__ static thread_local
+#define __launch_bounds__(...)
+
+#define threadIdx (::simt::thread_idx())
+#define blockIdx (::simt::block_idx())
+#define blockDim (::simt::block_dim())
+#define gridDim (::simt::grid_dim())
+#define warpSize 32
+
+inline void __syncthreads() { simt::syncthreads(); }
+inline void __syncwarp(unsigned mask = 0xffffffffu) { simt::syncwarp(mask); }
+
+template <class T>
+T __shfl_xor_sync(unsigned mask, T v, int lane_mask, int width = 32) {
+    return simt::shuffle(mask, v, simt::source_xor, lane_mask, width);
+}
+template <class T>
+T __shfl_down_sync(unsigned mask, T v, unsigned delta, int width = 32) {
+    return simt::shuffle(mask, v, simt::source_down, int(delta), width);
+}
+template <class T>
+T __shfl_up_sync(unsigned mask, T v, unsigned delta, int width = 32) {
+    return simt::shuffle(mask, v, simt::source_up, int(delta), width);
+}
+template <class T>
+T __shfl_sync(unsigned mask, T v, int src_lane, int width = 32) {
+    return simt::shuffle(mask, v, simt::source_idx, src_lane, width);
+}
+
+// Device math the host's libm spells differently.
+inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
+inline float __expf(float x) { return std::exp(x); }
+inline float __logf(float x) { return std::log(x); }
+inline float __fdividef(float a, float b) { return a / b; }
+inline float __saturatef(float x) { return x < 0.f ? 0.f : (x > 1.f ? 1.f : x); }
+inline int __float_as_int(float f) {
+    int i;
+    std::memcpy(&i, &f, 4);
+    return i;
+}
+inline float __int_as_float(int i) {
+    float f;
+    std::memcpy(&f, &i, 4);
+    return f;
+}
+using std::max;
+using std::min;
