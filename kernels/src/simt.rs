@@ -75,6 +75,24 @@ unsafe extern "C" {
         f: c_int,
     ) -> c_int;
 
+    pub fn simt_relu2_fwd_f32(
+        grid: c_uint,
+        block: c_uint,
+        reverse: c_int,
+        h: *const f32,
+        y: *mut f32,
+        n: usize,
+    ) -> c_int;
+    pub fn simt_relu2_bwd_f32(
+        grid: c_uint,
+        block: c_uint,
+        reverse: c_int,
+        h: *const f32,
+        dy: *const f32,
+        dh: *mut f32,
+        n: usize,
+    ) -> c_int;
+
     fn simt_check_shuffles(
         block: c_uint,
         out: *mut c_int,
