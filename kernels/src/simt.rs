@@ -93,6 +93,22 @@ unsafe extern "C" {
         n: usize,
     ) -> c_int;
 
+    /// rope.cu's forward (`backward` 0: `x` to `y`) or backward (`dy` to `dx`).
+    pub fn simt_rope_f32(
+        grid: c_uint,
+        block: c_uint,
+        reverse: c_int,
+        backward: c_int,
+        x: *const f32,
+        cos: *const f32,
+        sin: *const f32,
+        y: *mut f32,
+        batch: c_int,
+        heads: c_int,
+        len: c_int,
+        dim: c_int,
+    ) -> c_int;
+
     fn simt_check_shuffles(
         block: c_uint,
         out: *mut c_int,
