@@ -109,6 +109,30 @@ unsafe extern "C" {
         dim: c_int,
     ) -> c_int;
 
+    pub fn simt_cross_entropy_fwd_f32(
+        grid: c_uint,
+        block: c_uint,
+        reverse: c_int,
+        logits: *const f32,
+        labels: *const u32,
+        loss: *mut f32,
+        lse: *mut f32,
+        rows: c_int,
+        vocab: c_int,
+    ) -> c_int;
+    pub fn simt_cross_entropy_bwd_f32(
+        grid: c_uint,
+        block: c_uint,
+        reverse: c_int,
+        logits: *const f32,
+        labels: *const u32,
+        lse: *const f32,
+        dloss: *const f32,
+        dlogits: *mut f32,
+        rows: c_int,
+        vocab: c_int,
+    ) -> c_int;
+
     fn simt_check_shuffles(
         block: c_uint,
         out: *mut c_int,
