@@ -133,6 +133,29 @@ unsafe extern "C" {
         vocab: c_int,
     ) -> c_int;
 
+    pub fn simt_embedding_fwd_f32(
+        grid: c_uint,
+        block: c_uint,
+        reverse: c_int,
+        table: *const f32,
+        ids: *const u32,
+        out: *mut f32,
+        tokens: c_int,
+        vocab: c_int,
+        dim: c_int,
+    ) -> c_int;
+    pub fn simt_embedding_bwd_f32(
+        grid: c_uint,
+        block: c_uint,
+        reverse: c_int,
+        dout: *const f32,
+        ids: *const u32,
+        dtable: *mut f32,
+        tokens: c_int,
+        vocab: c_int,
+        dim: c_int,
+    ) -> c_int;
+
     fn simt_check_shuffles(
         block: c_uint,
         out: *mut c_int,
