@@ -28,6 +28,8 @@
 //! of work side by side, one thread each) and [`rng`] (the seeded generator of initialisations
 //! and tests).
 
+#[cfg(test)]
+mod adamw;
 pub mod attention;
 pub mod causal_conv_silu;
 pub mod cross_entropy;

@@ -156,6 +156,26 @@ unsafe extern "C" {
         dim: c_int,
     ) -> c_int;
 
+    /// adamw.cu's step; `w_bf16` may be null.
+    pub fn simt_adamw_f32(
+        grid: c_uint,
+        block: c_uint,
+        reverse: c_int,
+        w: *mut f32,
+        g: *const f32,
+        m: *mut f32,
+        v: *mut f32,
+        w_bf16: *mut u16,
+        n: usize,
+        lr: f32,
+        b1: f32,
+        b2: f32,
+        bc1: f32,
+        bc2: f32,
+        eps: f32,
+        wd: f32,
+    ) -> c_int;
+
     fn simt_check_shuffles(
         block: c_uint,
         out: *mut c_int,
