@@ -35,6 +35,8 @@ pub mod causal_conv_silu;
 pub mod cross_entropy;
 pub mod embedding;
 pub mod gated_rms_norm;
+#[cfg(test)]
+mod grad_norm;
 pub mod linear;
 pub mod relu2;
 pub mod rms_norm;

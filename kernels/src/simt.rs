@@ -176,6 +176,32 @@ unsafe extern "C" {
         wd: f32,
     ) -> c_int;
 
+    pub fn simt_grad_norm_partials(
+        grid: c_uint,
+        block: c_uint,
+        reverse: c_int,
+        g: *const f32,
+        n: usize,
+        partial: *mut f64,
+    ) -> c_int;
+    /// grad_norm.cu's second pass, on one block.
+    pub fn simt_grad_norm_finish(
+        block: c_uint,
+        reverse: c_int,
+        partial: *const f64,
+        blocks: c_int,
+        norm: *mut f64,
+    ) -> c_int;
+    pub fn simt_grad_clip_f32(
+        grid: c_uint,
+        block: c_uint,
+        reverse: c_int,
+        g: *mut f32,
+        n: usize,
+        norm: *const f64,
+        max_norm: f64,
+    ) -> c_int;
+
     fn simt_check_shuffles(
         block: c_uint,
         out: *mut c_int,
