@@ -2,7 +2,10 @@
 //! (as Megatron-LM's `fused_vocab_parallel_cross_entropy`, on one device): per row
 //! `lse(x) − x[label]`.
 //!
-//! Backward: `dx = g · (softmax(x) − onehot)`. Must match: [`cross_entropy_plain`] within 1e-5.
+//! Backward: `dx = g · (softmax(x) − onehot)`. Must match: [`cross_entropy_plain`] within 1e-5,
+//! the fused CPU op and the CUDA kernels (`cross_entropy.cu`, an online max/sum, one block a
+//! row) alike. A label outside the vocabulary is an error here; the CUDA kernels, which
+//! cannot return one, make that row's loss and gradient NaN.
 
 use crate::rows::{PAR_MIN, for_rows, slice, with_values};
 use crate::simd;
@@ -123,5 +126,94 @@ mod tests {
             cross_entropy(&x, &bad).is_err(),
             "a label outside the vocabulary"
         );
+    }
+
+    /// cross_entropy.cu's per-row loss and dlogits through the SIMT shim, for `grid` blocks
+    /// of `block` threads.
+    fn cuda(
+        (x, labels, dloss): (&[f32], &[u32], &[f32]),
+        (grid, block): (u32, u32),
+        schedule: Schedule,
+    ) -> Vec<Vec<f32>> {
+        use crate::simt::{arg, launch_1d};
+        let (n, v) = (labels.len(), x.len() / labels.len());
+        let (mut loss, mut lse, mut dx) = (vec![0f32; n], vec![0f32; n], vec![0f32; n * v]);
+        let (rows, vocab) = (n as i32, v as i32);
+        // SAFETY: x and dx hold N × V values; labels, dloss, loss and lse one a row.
+        unsafe {
+            launch_1d(
+                "cross_entropy_fwd_f32",
+                grid,
+                block,
+                schedule,
+                &[
+                    arg(&x.as_ptr()),
+                    arg(&labels.as_ptr()),
+                    arg(&loss.as_mut_ptr()),
+                    arg(&lse.as_mut_ptr()),
+                    arg(&rows),
+                    arg(&vocab),
+                ],
+            )
+            .unwrap();
+            launch_1d(
+                "cross_entropy_bwd_f32",
+                grid,
+                block,
+                schedule,
+                &[
+                    arg(&x.as_ptr()),
+                    arg(&labels.as_ptr()),
+                    arg(&lse.as_ptr()),
+                    arg(&dloss.as_ptr()),
+                    arg(&dx.as_mut_ptr()),
+                    arg(&rows),
+                    arg(&vocab),
+                ],
+            )
+            .unwrap();
+        }
+        vec![loss, dx]
+    }
+
+    /// cross_entropy.cu, executed by the SIMT shim, against the plain ops within 1e-5, loss
+    /// and dlogits: vocabularies smaller than the block (idle threads enter the online sum
+    /// empty) and not multiples of it, rows beyond the grid, logits large enough that a
+    /// running maximum is replaced many times, in both schedules.
+    #[test]
+    fn the_cuda_kernels_match_the_plain_ops() {
+        for (n, v) in [(1, 1), (5, 11), (9, 1000), (3, 3001)] {
+            let mut rng = Rng::new(13 * v as u64 + n as u64);
+            let x = Var::from_tensor(&randn(&mut rng, &[n, v], 3.0)).unwrap();
+            let labels: Vec<u32> = (0..n).map(|i| ((i * 7919 + 3) % v) as u32).collect();
+            let label_tensor = Tensor::from_vec(labels.clone(), n, &Device::Cpu).unwrap();
+            let w = randn(&mut rng, &[n], 1.0);
+            let plain = cross_entropy_plain(x.as_tensor(), &label_tensor).unwrap();
+            let want = [values(&plain), plain_grads(&plain, &w, &[&x]).remove(0)];
+            let (xv, wv) = (values(x.as_tensor()), values(&w));
+            for launch in [(1, 32), (2, 64), (n as u32, 256), (3, 1024)] {
+                let at = format!("N {n}, V {v}, grid × block {launch:?}");
+                let got = in_both_schedules(&at, |rev| cuda((&xv, &labels, &wv), launch, rev));
+                for (what, got, want) in [("loss", &got[0], &want[0]), ("dx", &got[1], &want[1])] {
+                    let gap = largest_gap(got, want);
+                    assert!(gap < 1e-5, "{at}: {what} is {gap} from the plain ops");
+                }
+            }
+        }
+    }
+
+    /// A label outside the vocabulary poisons its own row (loss and gradient NaN) and no
+    /// other: the CPU op refuses it; the GPU's step stops at the gradient-norm check.
+    #[test]
+    fn the_cuda_kernels_poison_a_row_whose_label_is_outside_the_vocabulary() {
+        let (n, v) = (3, 40);
+        let mut rng = Rng::new(5);
+        let x = values(&randn(&mut rng, &[n, v], 1.0));
+        let labels = [2, v as u32, 7];
+        let got = cuda((&x, &labels, &[1.0; 3]), (2, 32), Schedule::Forward);
+        assert!(got[0][1].is_nan() && got[1][v..2 * v].iter().all(|d| d.is_nan()));
+        let finite = |d: &[f32]| d.iter().all(|d| d.is_finite());
+        assert!(got[0][0].is_finite() && got[0][2].is_finite());
+        assert!(finite(&got[1][..v]) && finite(&got[1][2 * v..]));
     }
 }

@@ -20,6 +20,7 @@
 //! | [`attention`] | grouped-query causal self-attention over packed rows |
 //! | [`swiglu`], [`relu2`] | the MLP activations |
 //! | [`cross_entropy`] | cross-entropy fused with the softmax over the vocabulary |
+//! | [`embedding`] | the token embedding's lookup (a reference and its CUDA kernels) |
 //! | [`causal_conv_silu`], [`gated_rms_norm`] | Mamba-2's convolution and gated norm |
 //!
 //! Shared pieces: [`simd`] (vectorised row math, the same bytes at every SIMD level),
@@ -27,10 +28,15 @@
 //! of work side by side, one thread each) and [`rng`] (the seeded generator of initialisations
 //! and tests).
 
+#[cfg(test)]
+mod adamw;
 pub mod attention;
 pub mod causal_conv_silu;
 pub mod cross_entropy;
+pub mod embedding;
 pub mod gated_rms_norm;
+#[cfg(test)]
+mod grad_norm;
 pub mod linear;
 pub mod relu2;
 pub mod rms_norm;
@@ -49,6 +55,7 @@ pub mod workers;
 pub use attention::{attention, attention_plain, split_heads};
 pub use causal_conv_silu::{causal_conv_silu, causal_conv_silu_plain};
 pub use cross_entropy::{cross_entropy, cross_entropy_plain};
+pub use embedding::embedding_plain;
 pub use gated_rms_norm::{gated_rms_norm, gated_rms_norm_plain};
 pub use linear::{linear, linear_plain};
 pub use relu2::{relu2, relu2_plain};

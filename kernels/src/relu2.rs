@@ -1,7 +1,8 @@
 //! Squared ReLU (So et al. 2021, "Primer"; Nemotron-H's MLP activation): `y = max(h, 0)²`.
 //!
 //! Backward: `dh = dy · 2·max(h, 0)`. Must match: [`relu2_plain`] to the byte, forward and
-//! backward (the same arithmetic as relu then sqr).
+//! backward (the same arithmetic as relu then sqr), the fused CPU op and the CUDA kernels
+//! (`relu2.cu`) alike.
 
 use crate::rows::{slice, with_values};
 use crate::simd;
@@ -66,6 +67,58 @@ mod tests {
             assert_eq!(max_diff(&fused, &plain), 0.0);
             for diff in grad_diffs(&fused, &plain, &g, &[&h]) {
                 assert_eq!(diff, 0.0);
+            }
+        }
+    }
+
+    /// relu2.cu's y and dh through the SIMT shim, for `grid` blocks of `block` threads.
+    fn cuda(h: &[f32], dy: &[f32], (grid, block): (u32, u32), schedule: Schedule) -> Vec<Vec<f32>> {
+        use crate::simt::{arg, launch_1d};
+        let n = h.len();
+        let (mut y, mut dh) = (vec![0f32; n], vec![0f32; n]);
+        // SAFETY: h, dy, y and dh all hold n values.
+        unsafe {
+            launch_1d(
+                "relu2_fwd_f32",
+                grid,
+                block,
+                schedule,
+                &[arg(&h.as_ptr()), arg(&y.as_mut_ptr()), arg(&n)],
+            )
+            .unwrap();
+            launch_1d(
+                "relu2_bwd_f32",
+                grid,
+                block,
+                schedule,
+                &[
+                    arg(&h.as_ptr()),
+                    arg(&dy.as_ptr()),
+                    arg(&dh.as_mut_ptr()),
+                    arg(&n),
+                ],
+            )
+            .unwrap();
+        }
+        vec![y, dh]
+    }
+
+    /// relu2.cu, executed by the SIMT shim: the plain ops' bytes, forward and backward, at
+    /// sizes that are not multiples of the block and grids that loop or leave threads idle,
+    /// in both schedules.
+    #[test]
+    fn the_cuda_kernels_give_the_plain_ops_bytes() {
+        for (rows, f) in [(1, 1), (3, 5), (7, 333), (64, 96)] {
+            let mut rng = Rng::new(17 * f as u64 + rows as u64);
+            let h = Var::from_tensor(&randn(&mut rng, &[rows, f], 2.0)).unwrap();
+            let g = randn(&mut rng, &[rows, f], 1.0);
+            let plain = relu2_plain(h.as_tensor()).unwrap();
+            let want = vec![values(&plain), plain_grads(&plain, &g, &[&h]).remove(0)];
+            let (hv, gv) = (values(h.as_tensor()), values(&g));
+            for launch in [(1, 32), (3, 64), (rows as u32, 256), (40, 1024)] {
+                let at = format!("rows {rows}, F {f}, grid × block {launch:?}");
+                let got = in_both_schedules(&at, |rev| cuda(&hv, &gv, launch, rev));
+                assert_eq!(got, want, "{at}");
             }
         }
     }

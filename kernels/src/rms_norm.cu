@@ -9,7 +9,7 @@
 
 #include <cuda_bf16.h>
 
-__device__ __forceinline__ float warp_sum(float v) {
+static __device__ __forceinline__ float warp_sum(float v) {
     for (int offset = 16; offset > 0; offset >>= 1) {
         v += __shfl_xor_sync(0xffffffffu, v, offset);
     }
@@ -17,7 +17,7 @@ __device__ __forceinline__ float warp_sum(float v) {
 }
 
 // The sum of `v` over the block, in every thread.
-__device__ float block_sum(float v) {
+static __device__ float block_sum(float v) {
     __shared__ float partial[32];
     const int lane = threadIdx.x % 32;
     const int warp = threadIdx.x / 32;
@@ -33,17 +33,17 @@ __device__ float block_sum(float v) {
     return v;
 }
 
-__device__ __forceinline__ float load(const float* p, size_t i) { return p[i]; }
-__device__ __forceinline__ float load(const __nv_bfloat16* p, size_t i) {
+static __device__ __forceinline__ float load(const float* p, size_t i) { return p[i]; }
+static __device__ __forceinline__ float load(const __nv_bfloat16* p, size_t i) {
     return __bfloat162float(p[i]);
 }
-__device__ __forceinline__ void store(float* p, size_t i, float v) { p[i] = v; }
-__device__ __forceinline__ void store(__nv_bfloat16* p, size_t i, float v) {
+static __device__ __forceinline__ void store(float* p, size_t i, float v) { p[i] = v; }
+static __device__ __forceinline__ void store(__nv_bfloat16* p, size_t i, float v) {
     p[i] = __float2bfloat16(v);
 }
 
 template <typename T>
-__device__ void rms_norm_fwd(const T* x, const float* w, T* y, float* rstd, int rows, int d,
+static __device__ void rms_norm_fwd(const T* x, const float* w, T* y, float* rstd, int rows, int d,
                              float eps) {
     for (int r = blockIdx.x; r < rows; r += gridDim.x) {
         const size_t row = size_t(r) * d;

@@ -111,18 +111,6 @@ mod tests {
         }
     }
 
-    fn values(t: &Tensor) -> Vec<f32> {
-        t.flatten_all().unwrap().to_vec1().unwrap()
-    }
-
-    fn largest_gap(a: &[f32], b: &[f32]) -> f32 {
-        assert_eq!(a.len(), b.len());
-        a.iter()
-            .zip(b)
-            .map(|(x, y)| (x - y).abs())
-            .fold(0.0, f32::max)
-    }
-
     /// What rms_norm.cu computes through the SIMT shim: y, dx and dw for `grid` blocks of
     /// `block` threads, in one schedule.
     fn cuda_f32(

@@ -4,6 +4,7 @@
 use crate::rope::{RopeTables, rope_angles};
 
 pub use crate::rng::Rng;
+pub use crate::simt::Schedule;
 pub use candle_core::{Device, Tensor, Var};
 
 /// `shape` of normal values with standard deviation `std`, from `rng`.
@@ -61,4 +62,46 @@ pub fn rope_tables(d: usize, positions: &[u32], b: usize, t: usize) -> RopeTable
     let cos = Tensor::from_vec(cos, (b, 1, t, d), &Device::Cpu).unwrap();
     let sin = Tensor::from_vec(sin, (b, 1, t, d), &Device::Cpu).unwrap();
     RopeTables::new(&cos, &sin).unwrap()
+}
+
+/// The values of `t`, flattened.
+pub fn values(t: &Tensor) -> Vec<f32> {
+    t.flatten_all().unwrap().to_vec1().unwrap()
+}
+
+/// The largest absolute difference between two results of the same length.
+pub fn largest_gap(a: &[f32], b: &[f32]) -> f32 {
+    assert_eq!(a.len(), b.len());
+    a.iter()
+        .zip(b)
+        .map(|(x, y)| (x - y).abs())
+        .fold(0.0, f32::max)
+}
+
+/// The gradients of `Σ g ⊙ y` with respect to each of `vars`, flattened: what a kernel's
+/// backward must produce for the upstream gradient `g`.
+pub fn plain_grads(y: &Tensor, g: &Tensor, vars: &[&Var]) -> Vec<Vec<f32>> {
+    let grads = (y * g).unwrap().sum_all().unwrap().backward().unwrap();
+    vars.iter()
+        .map(|v| values(grads.get(v.as_tensor()).unwrap()))
+        .collect()
+}
+
+/// `run(schedule)` in the SIMT shim's two schedules (lowest warp first, then highest first),
+/// which must give the same bytes: a difference is a race between warps. Returns the result.
+pub fn in_both_schedules(
+    at: &str,
+    run: impl Fn(crate::simt::Schedule) -> Vec<Vec<f32>>,
+) -> Vec<Vec<f32>> {
+    let bits = |r: &[Vec<f32>]| -> Vec<Vec<u32>> {
+        r.iter()
+            .map(|v| v.iter().map(|x| x.to_bits()).collect())
+            .collect()
+    };
+    let [forward, reversed] = crate::simt::SCHEDULES.map(run);
+    assert!(
+        bits(&forward) == bits(&reversed),
+        "{at}: the two schedules disagree"
+    );
+    forward
 }

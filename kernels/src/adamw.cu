@@ -1,0 +1,31 @@
+// One fused AdamW step on the GPU (decoupled weight decay, Loshchilov & Hutter 2019), with
+// f32 master weights and moments, the formula of ops/train's optim.rs (AdamW::step, through
+// kernels::simd::adamw), term for term:
+//
+//   m = b1·m + (1 − b1)·g        v = b2·v + (1 − b2)·g·g
+//   w = w − lr·( (m / bc1) / (sqrt(v / bc2) + eps)  +  wd·w )
+//
+// where bc1 = 1 − b1ᵗ and bc2 = 1 − b2ᵗ are computed by the caller in f64 and rounded to f32
+// (as AdamW::step does). When w_bf16 is not null, the updated weight is also written there
+// rounded to bf16: the copy the next step's matmuls read. One thread an element, grid-stride.
+
+#include <cuda_bf16.h>
+
+extern "C" __global__ void adamw_f32(float* w, const float* g, float* m, float* v,
+                                     __nv_bfloat16* w_bf16, size_t n, float lr, float b1,
+                                     float b2, float bc1, float bc2, float eps, float wd) {
+    const size_t stride = size_t(gridDim.x) * blockDim.x;
+    for (size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
+        const float gi = g[i];
+        const float mi = b1 * m[i] + (1.0f - b1) * gi;
+        const float vi = b2 * v[i] + (1.0f - b2) * gi * gi;
+        const float update = (mi / bc1) / (sqrtf(vi / bc2) + eps);
+        const float wi = w[i] - lr * (update + wd * w[i]);
+        m[i] = mi;
+        v[i] = vi;
+        w[i] = wi;
+        if (w_bf16 != nullptr) {
+            w_bf16[i] = __float2bfloat16(wi);
+        }
+    }
+}

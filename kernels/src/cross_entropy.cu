@@ -1,0 +1,97 @@
+// Cross-entropy fused with the softmax over the vocabulary: the kernels of cross_entropy.rs.
+// logits is (N, V), labels N u32. One block a row (rows beyond the grid loop).
+//
+// Forward: each thread runs an online max/sum over its strided columns (m, s with
+// s = Σ exp(x − m)), the block combines the pairs in a fixed tree (warp shuffles, then the
+// warps' pairs through shared memory), and the row's lse = m + log s gives
+// loss = lse − x[label]; lse is kept for the backward. Backward: dlogits = g · (exp(x − lse)
+// − onehot(label)), as cross_entropy.rs's CPU op writes it.
+//
+// cross_entropy.rs refuses a label outside the vocabulary; a kernel cannot, so such a row's
+// loss and dlogits are NaN (never an out-of-bounds read), and the step's gradient-norm check
+// stops the run. blockDim.x is a multiple of 32, at most 1024.
+
+#include <cuda_bf16.h>
+#include <math_constants.h>
+
+struct MaxSum {
+    float m;  // the largest value seen
+    float s;  // Σ exp(x − m) over the values seen
+};
+
+// The pair of the union of two sets of values: the same bits whichever comes first.
+static __device__ __forceinline__ MaxSum ce_combine(MaxSum a, MaxSum b) {
+    const float m = fmaxf(a.m, b.m);
+    if (m == -CUDART_INF_F) {
+        return {m, 0.0f};
+    }
+    return {m, a.s * expf(a.m - m) + b.s * expf(b.m - m)};
+}
+
+static __device__ __forceinline__ MaxSum ce_warp_combine(MaxSum v) {
+    for (int offset = 16; offset > 0; offset >>= 1) {
+        const MaxSum other = {__shfl_xor_sync(0xffffffffu, v.m, offset),
+                              __shfl_xor_sync(0xffffffffu, v.s, offset)};
+        v = ce_combine(v, other);
+    }
+    return v;
+}
+
+// The pair of the whole block, in every thread.
+static __device__ MaxSum ce_block_combine(MaxSum v) {
+    __shared__ float partial_m[32];
+    __shared__ float partial_s[32];
+    const int lane = threadIdx.x % 32;
+    const int warp = threadIdx.x / 32;
+    v = ce_warp_combine(v);
+    if (lane == 0) {
+        partial_m[warp] = v.m;
+        partial_s[warp] = v.s;
+    }
+    __syncthreads();
+    const int warps = blockDim.x / 32;
+    v = lane < warps ? MaxSum{partial_m[lane], partial_s[lane]} : MaxSum{-CUDART_INF_F, 0.0f};
+    v = ce_warp_combine(v);
+    __syncthreads();  // the partials are written again for the next row
+    return v;
+}
+
+extern "C" __global__ void cross_entropy_fwd_f32(const float* logits, const unsigned* labels,
+                                                 float* loss, float* lse, int rows, int vocab) {
+    for (int r = blockIdx.x; r < rows; r += gridDim.x) {
+        const float* x = logits + size_t(r) * vocab;
+        MaxSum own = {-CUDART_INF_F, 0.0f};
+        for (int j = threadIdx.x; j < vocab; j += blockDim.x) {
+            const float v = x[j];
+            if (v > own.m) {
+                own.s = own.s * expf(own.m - v) + 1.0f;
+                own.m = v;
+            } else {
+                own.s += expf(v - own.m);
+            }
+        }
+        const MaxSum row = ce_block_combine(own);
+        if (threadIdx.x == 0) {
+            const float l = row.m + logf(row.s);
+            const unsigned label = labels[r];
+            lse[r] = l;
+            loss[r] = label < unsigned(vocab) ? l - x[label] : CUDART_NAN_F;
+        }
+    }
+}
+
+// dlogits from the upstream gradient of each row's loss, dloss (N).
+extern "C" __global__ void cross_entropy_bwd_f32(const float* logits, const unsigned* labels,
+                                                 const float* lse, const float* dloss,
+                                                 float* dlogits, int rows, int vocab) {
+    for (int r = blockIdx.x; r < rows; r += gridDim.x) {
+        const size_t row = size_t(r) * vocab;
+        const unsigned label = labels[r];
+        const float g = label < unsigned(vocab) ? dloss[r] : CUDART_NAN_F;
+        const float l = lse[r];
+        for (int j = threadIdx.x; j < vocab; j += blockDim.x) {
+            const float p = g * expf(logits[row + j] - l);
+            dlogits[row + j] = unsigned(j) == label ? p - g : p;
+        }
+    }
+}
