@@ -30,6 +30,7 @@
 pub mod attention;
 pub mod causal_conv_silu;
 pub mod cross_entropy;
+pub mod cuda;
 pub mod gated_rms_norm;
 pub mod linear;
 pub mod relu2;
