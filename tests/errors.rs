@@ -765,6 +765,8 @@ fn nonsense_resources_are_refused() {
         ("time: \"1:75:00\"", &["resources.time", "`1:75:00`"][..]),
         ("time: 10000000", &["resources.time", "at most"][..]),
         ("device: \"\"", &["resources.device", "empty"][..]),
+        ("device: gpu", &["resources.device", "`gpu`", "cuda:N"][..]),
+        ("device: \"cuda:x\"", &["resources.device", "`cuda:x`"][..]),
     ] {
         let p = with_manifest("resources", "m.yaml", &manifest(resources));
         let mut needles = needles.to_vec();
@@ -777,6 +779,9 @@ fn nonsense_resources_are_refused() {
         "mem: 0, time: 90",
         "mem: 512, time: \"1-12\"",
         "time: \"2-00:30:00\", device: cuda",
+        "device: \"cuda:1\"",
+        "device: auto",
+        "device: cpu",
     ] {
         let p = with_manifest("resources-ok", "m.yaml", &manifest(resources));
         p.ok(&["validate", "m.yaml"]);

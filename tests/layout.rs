@@ -120,3 +120,44 @@ fn the_engine_and_the_data_crate_build_without_candle() {
         assert!(ml.is_empty(), "{root} depends on {ml:?}");
     }
 }
+
+/// The binary starts on a machine with no CUDA: cudarc opens the driver and NVRTC at run time
+/// (`dynamic-loading`), and nothing asks for link-time CUDA. candle-core's `cuda` feature would:
+/// it turns on cudarc's `dynamic-linking`, which puts libcuda in the binary's `DT_NEEDED`
+/// (the loader then refuses to start it without a driver) and cannot share a build with
+/// `dynamic-loading`.
+#[test]
+fn cuda_is_loaded_at_run_time_and_candle_never_gets_its_cuda_feature() {
+    let tree = cargo(&[
+        "tree",
+        "-p",
+        "nemo-dag",
+        "-e",
+        "normal",
+        "-f",
+        "{p} [{f}]",
+        "--offline",
+        "--prefix",
+        "none",
+    ]);
+    let tree = String::from_utf8_lossy(&tree);
+    let features = |name: &str| -> BTreeSet<String> {
+        tree.lines()
+            .filter(|l| l.starts_with(&format!("{name} ")))
+            .filter_map(|l| l.split_once('[').and_then(|(_, f)| f.split_once(']')))
+            .flat_map(|(f, _)| f.split(',').map(str::to_string))
+            .collect()
+    };
+    let candle = features("candle-core");
+    assert!(
+        !candle.is_empty(),
+        "cargo tree lists candle-core with its features: {tree}"
+    );
+    assert!(
+        !candle.contains("cuda"),
+        "candle-core gets cuda: {candle:?}"
+    );
+    let cudarc = features("cudarc");
+    assert!(cudarc.contains("dynamic-loading"), "cudarc: {cudarc:?}");
+    assert!(!cudarc.contains("dynamic-linking"), "cudarc: {cudarc:?}");
+}

@@ -28,6 +28,9 @@ mod recipes;
 /// Stage keys of every shipped manifest are what they were.
 mod keys;
 
+/// `resources.device` on a machine with no GPU: `cuda` fails, `auto` runs on the CPU.
+mod device;
+
 /// The crates' arrows point down, and the engine builds without ML code.
 mod layout;
 

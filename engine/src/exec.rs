@@ -20,7 +20,7 @@ use crate::executor::local::{self, Outcome};
 use crate::manifest::{LoadArgs, Manifest};
 use crate::stage_log::StageLog;
 use crate::store::{ARTIFACT_SCHEMA, Artifact, InputRecord, OutputRecord, Store};
-use nemo_dag_op::{Progress, Registry, RunContext, StageDecl};
+use nemo_dag_op::{Device, Progress, Registry, RunContext, StageDecl};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use std::collections::BTreeMap;
@@ -46,6 +46,9 @@ pub struct JobSpec {
     pub manifest: String,
     /// Build even if the key is already published (`run --force`).
     pub force: bool,
+    /// The stage's `resources.device`, as written (checked when the manifest loaded).
+    #[serde(default)]
+    pub device: Option<String>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -59,6 +62,59 @@ pub struct JobResult {
     pub error: Option<String>,
     #[serde(default)]
     pub log: Option<String>,
+}
+
+/// Checks `resources.device` on this machine. `cuda`/`cuda:N` with no usable GPU is an error
+/// carrying the probe's reason; `auto` says on stderr what it found. The ops train on the CPU
+/// (the GPU trainer is issue #16), so `auto` uses the CPU even where a GPU is found, and says
+/// so; `cuda` on a machine with a GPU runs only `cmd` stages, whose command may use it.
+fn check_device(spec: &JobSpec, ops: Registry) -> Result<()> {
+    let device = match spec.device.as_deref().map(Device::parse).transpose() {
+        Ok(device) => device.unwrap_or(Device::Cpu),
+        Err(why) => return Err(stage_error(spec, &format!("resources.device: {why}"), None)),
+    };
+    let probe = |ordinal| match ops.gpu_probe() {
+        Some(probe) => probe(ordinal),
+        None => Err("this nemo-dag was built without GPU support".to_string()),
+    };
+    match device {
+        Device::Cpu => Ok(()),
+        Device::Auto => {
+            let found = match probe(0) {
+                Ok(gpu) => format!("found {gpu}, but nemo-dag's ops do not train on a GPU yet"),
+                Err(why) => format!("no usable GPU ({why})"),
+            };
+            eprintln!(
+                "nemo-dag: stage `{}`: device auto: {found}; running on the CPU",
+                spec.stage
+            );
+            Ok(())
+        }
+        Device::Cuda(ordinal) => match probe(ordinal) {
+            Err(why) => Err(stage_error(
+                spec,
+                &format!("asks for device cuda:{ordinal}, which is not usable here: {why}"),
+                Some("write `device: auto` to run on the CPU where there is no GPU"),
+            )),
+            Ok(gpu) if spec.cmd.is_none() => Err(stage_error(
+                spec,
+                &format!(
+                    "asks for device cuda:{ordinal} ({gpu}), but op `{}` runs on the CPU only",
+                    spec.op
+                ),
+                Some("write `device: auto` or `cpu`: nemo-dag's ops do not train on a GPU yet"),
+            )),
+            Ok(gpu) => {
+                eprintln!("nemo-dag: stage `{}`: device {gpu}", spec.stage);
+                Ok(())
+            }
+        },
+    }
+}
+
+fn stage_error(spec: &JobSpec, message: &str, help: Option<&str>) -> Failure {
+    let help = help.map(|h| format!("\n  help: {h}")).unwrap_or_default();
+    Failure::Other(miette::miette!("stage `{}` {message}{help}", spec.stage))
 }
 
 pub fn exec(spec: &JobSpec, ops: Registry) -> Result<JobResult> {
@@ -104,6 +160,8 @@ pub fn exec(spec: &JobSpec, ops: Registry) -> Result<JobResult> {
         ))
     })?;
 
+    // Before the attempt exists: a stage that cannot have its device writes nothing.
+    check_device(spec, ops)?;
     let attempt = store.start_attempt(&spec.key, op.resumable())?;
     let tmp = attempt.dir;
     let out_dir = tmp.join("out");

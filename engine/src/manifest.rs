@@ -15,7 +15,7 @@
 
 use crate::diag::{InputError, Source};
 use crate::doc::{self, Format, KeyPath, Spans};
-use nemo_dag_op::{AnyOp, DeclError, Outputs, Registry, Spec, StageDecl};
+use nemo_dag_op::{AnyOp, DEVICE_FORMS, DeclError, Device, Outputs, Registry, Spec, StageDecl};
 use petgraph::graph::{DiGraph, NodeIndex};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -184,8 +184,17 @@ impl Resources {
         if let Some(time) = &self.time {
             crate::duration::parse(time).map_err(|why| ("time", why))?;
         }
-        if self.device.as_deref().is_some_and(|d| d.trim().is_empty()) {
-            return Err(("device", "is empty: name a device, or leave it out".into()));
+        match self.device.as_deref() {
+            Some(d) if d.trim().is_empty() => {
+                return Err((
+                    "device",
+                    format!("is empty: write {DEVICE_FORMS}, or leave it out"),
+                ));
+            }
+            Some(d) => {
+                Device::parse(d).map_err(|why| ("device", why))?;
+            }
+            None => {}
         }
         Ok(())
     }

@@ -33,6 +33,7 @@ mod adamw;
 pub mod attention;
 pub mod causal_conv_silu;
 pub mod cross_entropy;
+pub mod cuda;
 pub mod embedding;
 pub mod gated_rms_norm;
 #[cfg(test)]

@@ -59,7 +59,14 @@ pub fn registry() -> Registry {
         &export::Export,
         &eval::Eval,
     ];
-    Registry::new(OPS)
+    Registry::new(OPS).with_gpu_probe(probe_gpu)
+}
+
+/// CUDA device `ordinal` as the kernels crate finds it: its description, or what is missing.
+fn probe_gpu(ordinal: usize) -> Result<String, String> {
+    kernels::cuda::Gpu::probe(ordinal)
+        .map(|gpu| gpu.to_string())
+        .map_err(|why| why.to_string())
 }
 
 /// The stage's `tokenizer` input, loaded (`tokenize` and `pack` take one); returns its path too.

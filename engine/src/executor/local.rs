@@ -590,6 +590,7 @@ pub fn job_spec(
         upstream_keys: resolved.upstream_keys.clone(),
         manifest: manifest.path.display().to_string(),
         force,
+        device: stage.resources.device.clone(),
     }
 }
 

@@ -13,11 +13,14 @@
 //! - [`RunContext`]: inputs, output directory, log and [`Progress`] of one run; [`RunError`]:
 //!   why it failed.
 //! - [`Registry`]: the ops a binary offers, and the nearest name to a misspelt one.
+//! - [`Device`]: a stage's `resources.device`, and the [`GpuProbe`] a binary checks it with.
 //! - [`process`]: shell quoting and die-with-parent, for every place that starts a process.
 
+pub mod device;
 pub mod process;
 pub mod registry;
 
+pub use device::{DEVICE_FORMS, Device, GpuProbe};
 pub use registry::{Registry, nearest};
 
 use serde::de::DeserializeOwned;

@@ -3,17 +3,36 @@
 //! The engine never names an op: the `nemo-dag` binary hands it a [`Registry`] built from the
 //! ops crate's static list, so the engine builds and tests without any ML code.
 
-use crate::AnyOp;
+use crate::{AnyOp, GpuProbe};
 
-/// The ops a manifest may name, in the order `nemo-dag ops` lists them.
+/// The ops a manifest may name, in the order `nemo-dag ops` lists them, and how this binary
+/// finds a GPU.
 #[derive(Clone, Copy)]
 pub struct Registry {
     ops: &'static [&'static dyn AnyOp],
+    gpu_probe: Option<GpuProbe>,
 }
 
 impl Registry {
+    /// A registry whose binary has no GPU support: a stage that asks for `cuda` fails.
     pub const fn new(ops: &'static [&'static dyn AnyOp]) -> Self {
-        Registry { ops }
+        Registry {
+            ops,
+            gpu_probe: None,
+        }
+    }
+
+    /// The same ops, with the probe that tells whether CUDA device `N` is usable.
+    pub const fn with_gpu_probe(self, probe: GpuProbe) -> Self {
+        Registry {
+            gpu_probe: Some(probe),
+            ..self
+        }
+    }
+
+    /// How this binary finds a GPU; `None` when it was built without GPU support.
+    pub fn gpu_probe(&self) -> Option<GpuProbe> {
+        self.gpu_probe
     }
 
     /// The op a manifest calls `name`.

@@ -1,0 +1,45 @@
+//! The `.cu` sources embedded in the binary.
+
+/// One kernel source file.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct KernelSource {
+    /// The file's path under `kernels/src`, e.g. `rms_norm.cu`: NVRTC's name for the program,
+    /// so its errors read `rms_norm.cu(12): error: …`.
+    pub name: &'static str,
+    pub text: &'static str,
+}
+
+pub const SOURCES: &[KernelSource] = &[
+    KernelSource {
+        name: "adamw.cu",
+        text: include_str!("../adamw.cu"),
+    },
+    KernelSource {
+        name: "cross_entropy.cu",
+        text: include_str!("../cross_entropy.cu"),
+    },
+    KernelSource {
+        name: "embedding.cu",
+        text: include_str!("../embedding.cu"),
+    },
+    KernelSource {
+        name: "grad_norm.cu",
+        text: include_str!("../grad_norm.cu"),
+    },
+    KernelSource {
+        name: "relu2.cu",
+        text: include_str!("../relu2.cu"),
+    },
+    KernelSource {
+        name: "rms_norm.cu",
+        text: include_str!("../rms_norm.cu"),
+    },
+    KernelSource {
+        name: "rope.cu",
+        text: include_str!("../rope.cu"),
+    },
+    KernelSource {
+        name: "swiglu.cu",
+        text: include_str!("../swiglu.cu"),
+    },
+];

@@ -1,0 +1,86 @@
+//! `resources.device` on a machine with no usable GPU (this one, and CI): `cuda` fails the
+//! stage before it starts, with what is missing, and writes nothing; `auto` runs on the CPU
+//! and says so (docs/manifest.md, "resources.device").
+
+use crate::common::*;
+use nemo_dag_kernels::cuda::CudaLibrary;
+
+fn manifest(device: &str) -> String {
+    format!(
+        "stages:\n  a:\n    op: cmd\n    outputs: {{o: o.txt}}\n    cmd: \"echo hi > {{outputs.o}}\"\n    resources: {{device: \"{device}\"}}\n"
+    )
+}
+
+/// Whether the driver library opens here; the no-GPU paths are only testable where it does not.
+fn driver_present(test: &str) -> bool {
+    let present = CudaLibrary::Driver.is_present();
+    if present {
+        eprintln!("{test}: skipped: libcuda opens on this machine, so it is not one with no GPU");
+    }
+    present
+}
+
+#[test]
+fn device_cuda_without_a_gpu_fails_the_stage_before_it_starts_and_writes_nothing() {
+    if driver_present("device_cuda_without_a_gpu_fails") {
+        return;
+    }
+    for device in ["cuda", "cuda:1"] {
+        let p = Project::new("device-cuda");
+        p.write("m.yaml", &manifest(device));
+        let out = p.run(&["run", "m.yaml"]);
+        assert_ne!(out.code, 0, "{out}");
+        let ordinal = if device == "cuda" { "cuda:0" } else { "cuda:1" };
+        for needle in [
+            ordinal,
+            "CUDA driver library",
+            "libcuda.so.1",
+            "LD_LIBRARY_PATH",
+            "device: auto",
+        ] {
+            assert!(
+                out.stderr.contains(needle),
+                "stderr lacks {needle:?}\n{out}"
+            );
+        }
+        assert!(!out.stderr.contains("panicked"), "{out}");
+        assert!(p.artifact_dirs().is_empty(), "nothing is published\n{out}");
+        let logs: Vec<_> = snapshot(&p.store())
+            .into_iter()
+            .filter(|(path, _)| path.ends_with("log.txt"))
+            .collect();
+        assert!(logs.is_empty(), "no attempt was started: {logs:?}");
+    }
+}
+
+#[test]
+fn device_auto_without_a_gpu_runs_on_the_cpu_and_says_why() {
+    if driver_present("device_auto_without_a_gpu_runs_on_the_cpu") {
+        return;
+    }
+    let p = Project::new("device-auto");
+    p.write("m.yaml", &manifest("auto"));
+    let out = p.ok(&["run", "m.yaml"]);
+    for needle in [
+        "device auto: no usable GPU",
+        "libcuda.so.1",
+        "running on the CPU",
+    ] {
+        assert!(
+            out.stderr.contains(needle),
+            "stderr lacks {needle:?}\n{out}"
+        );
+    }
+    assert_eq!(p.artifact_dirs().len(), 1, "{out}");
+}
+
+#[test]
+fn device_cpu_runs_on_the_cpu_without_a_word() {
+    let p = Project::new("device-cpu");
+    p.write("m.yaml", &manifest("cpu"));
+    let out = p.ok(&["run", "m.yaml"]);
+    assert!(
+        !out.stderr.contains("GPU") && !out.stderr.contains("cuda"),
+        "{out}"
+    );
+}
