@@ -44,6 +44,10 @@ fn device_cuda_without_a_gpu_fails_the_stage_before_it_starts_and_writes_nothing
             );
         }
         assert!(!out.stderr.contains("panicked"), "{out}");
+        assert!(
+            !out.stderr.contains("see its log"),
+            "no log was written, so none is pointed at\n{out}"
+        );
         assert!(p.artifact_dirs().is_empty(), "nothing is published\n{out}");
         let logs: Vec<_> = snapshot(&p.store())
             .into_iter()

@@ -137,12 +137,14 @@ fn summarize(outcomes: &[Outcome]) {
 fn fail_if_any(outcomes: &[Outcome]) -> Result<()> {
     let failed: Vec<&Outcome> = outcomes.iter().filter(|o| o.state == "failed").collect();
     if let Some(first) = failed.first() {
-        let log = first
-            .log
-            .as_deref()
-            .unwrap_or("the store's failed/ directory");
+        // A stage refused before its attempt started (a missing device, say) has no log: its
+        // reason is the line printed above.
+        let see = match first.log.as_deref() {
+            Some(log) => format!("see its log: {log}"),
+            None => "its error is above".to_string(),
+        };
         return Err(Failure::Stage(format!(
-            "{} stage(s) failed; first: `{}` — see its log: {log}",
+            "{} stage(s) failed; first: `{}` — {see}",
             failed.len(),
             first.name
         )));
