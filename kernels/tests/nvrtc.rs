@@ -32,6 +32,7 @@ const REGISTER_CEILINGS: &[(&str, u32)] = &[
     ("cross_entropy_fwd_f32", 32), // 25 on NVRTC 13.0
     ("embedding_bwd_f32", 32),     // 22 on NVRTC 13.0
     ("embedding_fwd_f32", 24),     // 18 on NVRTC 13.0
+    ("gemm_f32", 40),              // 32 on NVRTC 13.0
     ("grad_clip_f32", 32),         // 26 on NVRTC 13.0
     ("grad_norm_finish", 24),      // 18 on NVRTC 13.0
     ("grad_norm_partials", 24),    // 20 on NVRTC 13.0

@@ -27,6 +27,10 @@ pub const SOURCES: &[KernelSource] = &[
         text: include_str!("../grad_norm.cu"),
     },
     KernelSource {
+        name: "linear.cu",
+        text: include_str!("../linear.cu"),
+    },
+    KernelSource {
         name: "relu2.cu",
         text: include_str!("../relu2.cu"),
     },
