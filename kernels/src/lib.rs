@@ -28,6 +28,7 @@
 //! of work side by side, one thread each) and [`rng`] (the seeded generator of initialisations
 //! and tests).
 
+mod accumulate;
 #[cfg(test)]
 mod adamw;
 pub mod attention;
@@ -38,6 +39,7 @@ pub mod embedding;
 pub mod gated_rms_norm;
 #[cfg(test)]
 mod grad_norm;
+pub mod launch;
 pub mod linear;
 pub mod relu2;
 pub mod rms_norm;
@@ -45,8 +47,7 @@ pub mod rng;
 pub mod rope;
 pub mod rows;
 pub mod simd;
-#[cfg(test)]
-mod simt;
+pub mod simt;
 pub mod softmax;
 pub mod swiglu;
 #[cfg(test)]

@@ -1,8 +1,9 @@
 //! The SIMT shim, from Rust: launch any `.cu` kernel by name, with its arguments as
-//! cuLaunchKernel takes them (one pointer to each argument's value). Tests only: the shim
-//! executes the CUDA sources on the CPU, one fiber per CUDA thread (cuda/simt/simt.h says what
-//! it models and refuses; build.rs builds every kernel into it), so a kernel is held to its
-//! Rust reference on a machine with no GPU.
+//! cuLaunchKernel takes them (one pointer to each argument's value). The shim executes the CUDA
+//! sources on the CPU, one fiber per CUDA thread (cuda/simt/simt.h says what it models and
+//! refuses; build.rs builds every kernel into it), so a kernel is held to its Rust reference on
+//! a machine with no GPU. The kernels' tests call it directly; [`crate::launch::Shim`] wraps it
+//! as a device for code written against [`crate::launch::Launcher`].
 
 use std::ffi::{CStr, CString, c_char, c_int, c_void};
 

@@ -11,6 +11,10 @@ pub struct KernelSource {
 
 pub const SOURCES: &[KernelSource] = &[
     KernelSource {
+        name: "accumulate.cu",
+        text: include_str!("../accumulate.cu"),
+    },
+    KernelSource {
         name: "adamw.cu",
         text: include_str!("../adamw.cu"),
     },

@@ -1,0 +1,162 @@
+//! [`Launcher`] on a GPU: every embedded `.cu` source compiled by NVRTC for the device's
+//! architecture (through the on-disk kernel cache), loaded as a module, launched on one stream.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use cudarc::driver::{
+    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, LaunchConfig,
+    PushKernelArg,
+};
+use cudarc::nvrtc::Ptx;
+
+use super::{Arg, Geometry, LaunchError, Launcher, Result, in_bounds};
+use crate::cuda::{Gpu, KernelCache, Nvrtc, SOURCES};
+
+/// One GPU, its compiled kernels and a stream.
+pub struct Cuda {
+    gpu: Gpu,
+    stream: Arc<CudaStream>,
+    modules: Vec<Arc<CudaModule>>,
+    functions: Mutex<HashMap<String, CudaFunction>>,
+}
+
+fn driver(call: &str) -> impl Fn(cudarc::driver::DriverError) -> LaunchError + '_ {
+    move |e| LaunchError(format!("{call}: {e}"))
+}
+
+impl Cuda {
+    /// Device `ordinal` with every kernel compiled and loaded; an error says what is missing
+    /// (driver, NVRTC, headers, device) or which source did not compile.
+    pub fn new(ordinal: usize) -> Result<Cuda> {
+        let gpu = Gpu::probe(ordinal).map_err(|e| LaunchError(e.to_string()))?;
+        let nvrtc = Nvrtc::load().map_err(|e| LaunchError(e.to_string()))?;
+        let cache = KernelCache::user();
+        let context = CudaContext::new(ordinal).map_err(driver("cuCtxCreate"))?;
+        // One stream, in issue order: no cross-stream events to track.
+        // SAFETY: no other stream of this context is ever used.
+        unsafe { context.disable_event_tracking() };
+        let arch = gpu.arch();
+        let mut modules = Vec::with_capacity(SOURCES.len());
+        for source in SOURCES {
+            let compiled = nvrtc
+                .compile(source, &arch, cache.as_ref())
+                .map_err(|e| LaunchError(e.to_string()))?;
+            let module = context
+                .load_module(Ptx::from_binary(compiled.image))
+                .map_err(|e| LaunchError(format!("cuModuleLoadData({}): {e}", source.name)))?;
+            modules.push(module);
+        }
+        Ok(Cuda {
+            gpu,
+            stream: context.default_stream(),
+            modules,
+            functions: Mutex::new(HashMap::new()),
+        })
+    }
+
+    /// The device this launcher runs on.
+    pub fn gpu(&self) -> &Gpu {
+        &self.gpu
+    }
+
+    /// Waits for every launch issued so far.
+    pub fn synchronize(&self) -> Result<()> {
+        self.stream
+            .synchronize()
+            .map_err(driver("cuStreamSynchronize"))
+    }
+
+    fn function(&self, name: &str) -> Result<CudaFunction> {
+        let mut functions = self
+            .functions
+            .lock()
+            .map_err(|_| LaunchError("the kernel table's lock was poisoned".into()))?;
+        if let Some(f) = functions.get(name) {
+            return Ok(f.clone());
+        }
+        let found = self
+            .modules
+            .iter()
+            .find_map(|m| m.load_function(name).ok())
+            .ok_or_else(|| LaunchError(format!("no kernel named `{name}` in the sources")))?;
+        functions.insert(name.to_string(), found.clone());
+        Ok(found)
+    }
+}
+
+impl Launcher for Cuda {
+    type Buffer = CudaSlice<u8>;
+
+    fn describe(&self) -> String {
+        self.gpu.to_string()
+    }
+
+    fn alloc(&self, bytes: usize) -> Result<CudaSlice<u8>> {
+        // cuMemAlloc refuses 0 bytes; an empty buffer is one byte nobody reads.
+        self.stream
+            .alloc_zeros::<u8>(bytes.max(1))
+            .map_err(|e| LaunchError(format!("cuMemAlloc({bytes} bytes): {e}")))
+    }
+
+    fn write(&self, buffer: &mut CudaSlice<u8>, offset: usize, data: &[u8]) -> Result<()> {
+        in_bounds("write", offset, data.len(), buffer.len())?;
+        if data.is_empty() {
+            return Ok(());
+        }
+        let mut view = buffer.slice_mut(offset..offset + data.len());
+        self.stream
+            .memcpy_htod(data, &mut view)
+            .map_err(driver("cuMemcpyHtoD"))
+    }
+
+    fn read(&self, buffer: &CudaSlice<u8>, offset: usize, len: usize) -> Result<Vec<u8>> {
+        in_bounds("read", offset, len, buffer.len())?;
+        let mut out = vec![0u8; len];
+        if len > 0 {
+            let view = buffer.slice(offset..offset + len);
+            self.stream
+                .memcpy_dtoh(&view, &mut out)
+                .map_err(driver("cuMemcpyDtoH"))?;
+        }
+        self.synchronize()?;
+        Ok(out)
+    }
+
+    unsafe fn launch(
+        &self,
+        name: &str,
+        geometry: Geometry,
+        args: &[Arg<'_, CudaSlice<u8>>],
+    ) -> Result<()> {
+        let function = self.function(name)?;
+        let pointer = |buffer: &CudaSlice<u8>, offset: usize| {
+            in_bounds(name, offset, 0, buffer.len())?;
+            let (base, _sync) = buffer.device_ptr(&self.stream);
+            Ok(base + offset as u64)
+        };
+        let slots = args
+            .iter()
+            .map(|a| a.slot(pointer))
+            .collect::<Result<Vec<u64>>>()?;
+        let mut builder = self.stream.launch_builder(&function);
+        for slot in &slots {
+            // Each slot holds the argument's bytes in its low end; the driver reads as many
+            // as the kernel's parameter takes.
+            builder.arg(slot);
+        }
+        let config = LaunchConfig {
+            grid_dim: (geometry.grid[0], geometry.grid[1], geometry.grid[2]),
+            block_dim: (geometry.block[0], geometry.block[1], geometry.block[2]),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: the caller vouches for the arguments' types and the buffers' sizes.
+        unsafe { builder.launch(config) }
+            .map(|_| ())
+            .map_err(|e| LaunchError(format!("launching {name}: {e}")))
+    }
+
+    fn len(&self, buffer: &CudaSlice<u8>) -> usize {
+        buffer.len()
+    }
+}
