@@ -26,6 +26,7 @@ pub mod choice;
 pub mod data;
 pub mod dpo;
 pub mod eval;
+pub mod gpu;
 pub mod grpo;
 pub mod optim;
 pub mod order;
@@ -348,14 +349,9 @@ impl Trainer {
             grads.push(sum.unwrap_or_else(|| vec![0.0; var.elem_count()]));
         }
         let norm = optim::clip(&mut grads, self.schedule.clip_grad);
-        if !norm.is_finite() {
-            return Err(RunError::new(format!(
-                "step {}: the gradient norm is {norm}; lower lr or check the data",
-                self.step + 1
-            )));
-        }
+        self.check_norm(norm)?;
         let s = &self.schedule;
-        let lr = optim::lr_at(self.step, s.steps, s.lr, s.min_lr, s.warmup, s.decay);
+        let lr = self.lr();
         let mut weights = Vec::with_capacity(grads.len());
         for (_, var) in self.model.params.iter() {
             weights.push(to_f32_vec(var.as_tensor()).map_err(err)?);
@@ -367,9 +363,35 @@ impl Trainer {
             var.set(&t).map_err(err)?;
         }
         self.model.update_moe_biases();
-        self.step += 1;
         let loss = loss_sum / tokens.max(1.0);
-        self.last_metrics = objective.metrics(&tally);
+        let metrics = objective.metrics(&tally);
+        self.finish_step(loss, norm, lr, metrics);
+        Ok((loss, norm))
+    }
+
+    /// The learning rate of the step about to be taken.
+    pub fn lr(&self) -> f64 {
+        let s = &self.schedule;
+        optim::lr_at(self.step, s.steps, s.lr, s.min_lr, s.warmup, s.decay)
+    }
+
+    /// A step whose gradient norm is not finite stops the run: its update would be garbage.
+    pub fn check_norm(&self, norm: f64) -> Result<(), RunError> {
+        if norm.is_finite() {
+            return Ok(());
+        }
+        Err(RunError::new(format!(
+            "step {}: the gradient norm is {norm}; lower lr or check the data",
+            self.step + 1
+        )))
+    }
+
+    /// Counts a step taken (on any device) and keeps its point of the curve when it is
+    /// logged: every `log_interval` steps, the first and the last.
+    pub fn finish_step(&mut self, loss: f64, norm: f64, lr: f64, metrics: BTreeMap<String, f64>) {
+        self.step += 1;
+        self.last_metrics = metrics;
+        let s = &self.schedule;
         if self.step.is_multiple_of(s.log_interval.max(1)) || self.step == s.steps || self.step == 1
         {
             self.curve.push(Point {
@@ -380,7 +402,6 @@ impl Trainer {
                 metrics: self.last_metrics.clone(),
             });
         }
-        Ok((loss, norm))
     }
 
     /// Train to `schedule.steps`, checkpointing into `ckpt_dir` every `save_interval` steps
@@ -465,39 +486,8 @@ fn add_into(acc: &mut [f32], g: &Tensor) -> candle_core::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    pub(crate) use crate::gpu::check::Counting;
     use model::config::ModelConfig;
-    use model::layers::Layout;
-
-    /// Rows of a repeating arithmetic sequence: next token = (token + 3) mod 32, learnable;
-    /// `Counting(n)` gives n micro-batches of 2 rows a step.
-    struct Counting(u64);
-
-    impl BatchSource for Counting {
-        fn global_batch(&mut self, step: u64) -> Result<Vec<Batch>, RunError> {
-            let (b, t) = (2, 12);
-            (0..self.0)
-                .map(|m| {
-                    let mut ids = Vec::new();
-                    let mut labels = Vec::new();
-                    for r in 0..b as u64 {
-                        let start = (step * 7 + m * 3 + r * 5) % 32;
-                        let seq: Vec<u32> = (0..=t as u64)
-                            .map(|i| ((start + 3 * i) % 32) as u32)
-                            .collect();
-                        ids.extend_from_slice(&seq[..t]);
-                        labels.extend_from_slice(&seq[1..]);
-                    }
-                    Ok(Batch {
-                        loss_mask: vec![1.0; ids.len()],
-                        ids,
-                        labels,
-                        layout: Layout::plain(b, t),
-                        valid: None,
-                    })
-                })
-                .collect()
-        }
-    }
 
     fn trainer(steps: u64, save_interval: u64) -> Trainer {
         let cfg: ModelConfig = serde_json::from_value(json!({
@@ -512,7 +502,7 @@ mod tests {
         Trainer::new(Model::new(&cfg, 32, 11).unwrap(), schedule)
     }
 
-    fn weights(t: &Trainer) -> Vec<Vec<f32>> {
+    pub(crate) fn weights(t: &Trainer) -> Vec<Vec<f32>> {
         t.model
             .params
             .iter()
@@ -629,7 +619,7 @@ mod tests {
         }
     }
 
-    fn tempdir(name: &str) -> std::path::PathBuf {
+    pub(crate) fn tempdir(name: &str) -> std::path::PathBuf {
         let d = std::env::temp_dir().join(format!("nemo-dag-train-{name}-{}", std::process::id()));
         let _ = std::fs::remove_dir_all(&d);
         std::fs::create_dir_all(&d).unwrap();

@@ -1,0 +1,262 @@
+//! The launches of one micro-batch, each with the geometry its `.cu` file documents.
+
+use super::{Activations, DeviceStep, Slot, device};
+use kernels::launch::{Arg, Geometry, Launcher};
+use model::config::Activation;
+use nemo_dag_op::RunError;
+
+/// Threads per block of the row kernels (RMSNorm, cross-entropy, embedding): a multiple of 32.
+const ROW_BLOCK: u32 = 128;
+/// Blocks the row kernels and the element-wise kernels are launched with, at most.
+const MAX_GRID: u32 = 1024;
+
+/// Operand transposes of [`Kernels::gemm`]: `NT` is `a · bᵀ` (a linear layer's forward),
+/// `NN` is `a · b` (its input gradient), `TN` is `aᵀ · b` (its weight gradient).
+pub(super) const NT: (i32, i32) = (0, 1);
+pub(super) const NN: (i32, i32) = (0, 0);
+pub(super) const TN: (i32, i32) = (1, 0);
+
+pub(super) fn row_grid(rows: usize) -> u32 {
+    (rows as u32).clamp(1, MAX_GRID)
+}
+
+pub(super) fn elementwise_grid(n: usize) -> u32 {
+    (n.div_ceil(256) as u32).clamp(1, MAX_GRID)
+}
+
+/// The launches of one micro-batch of `rows` tokens, each with the geometry its `.cu` file
+/// documents.
+pub(super) struct Kernels<'l, L: Launcher> {
+    pub launcher: &'l L,
+    pub rows: usize,
+}
+
+impl<L: Launcher> Kernels<'_, L> {
+    /// # Safety (for every launch below)
+    /// The buffers were sized by [`DeviceStep::allocate`] for at least `rows` tokens and by
+    /// [`Layout`] for the parameters; every argument has the type its kernel declares.
+    fn run(
+        &self,
+        name: &str,
+        geometry: Geometry,
+        args: &[Arg<'_, L::Buffer>],
+    ) -> Result<(), RunError> {
+        // SAFETY: see above; the shapes passed are the ones the buffers were sized with.
+        unsafe { self.launcher.launch(name, geometry, args) }.map_err(device)
+    }
+
+    fn rows(&self) -> i32 {
+        self.rows as i32
+    }
+
+    pub(super) fn embedding(
+        &self,
+        table: Arg<'_, L::Buffer>,
+        ids: &L::Buffer,
+        out: Arg<'_, L::Buffer>,
+        vocab: usize,
+        dim: usize,
+    ) -> Result<(), RunError> {
+        let args = [
+            table,
+            Arg::Ptr(ids, 0),
+            out,
+            Arg::I32(self.rows()),
+            Arg::I32(vocab as i32),
+            Arg::I32(dim as i32),
+        ];
+        let geometry = Geometry::linear(row_grid(self.rows), ROW_BLOCK);
+        self.run("embedding_fwd_f32", geometry, &args)
+    }
+
+    pub(super) fn embedding_backward(
+        &self,
+        dout: Arg<'_, L::Buffer>,
+        acts: &Activations<L::Buffer>,
+        vocab: usize,
+        dim: usize,
+    ) -> Result<(), RunError> {
+        let args = [
+            dout,
+            Arg::Ptr(&acts.ids, 0),
+            Arg::Ptr(&acts.dtable, 0),
+            Arg::I32(self.rows()),
+            Arg::I32(vocab as i32),
+            Arg::I32(dim as i32),
+        ];
+        let geometry = Geometry::linear(row_grid(vocab), ROW_BLOCK);
+        self.run("embedding_bwd_f32", geometry, &args)
+    }
+
+    pub(super) fn rms_norm(
+        &self,
+        x: Arg<'_, L::Buffer>,
+        w: Arg<'_, L::Buffer>,
+        y: Arg<'_, L::Buffer>,
+        rstd: Arg<'_, L::Buffer>,
+        d: usize,
+        eps: f32,
+    ) -> Result<(), RunError> {
+        let args = [
+            x,
+            w,
+            y,
+            rstd,
+            Arg::I32(self.rows()),
+            Arg::I32(d as i32),
+            Arg::F32(eps),
+        ];
+        let geometry = Geometry::linear(row_grid(self.rows), ROW_BLOCK);
+        self.run("rms_norm_fwd_f32", geometry, &args)
+    }
+
+    /// dx of an RMSNorm, and its weight's gradient added into `grads` at `w`'s slot.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn rms_norm_backward(
+        &self,
+        x: Arg<'_, L::Buffer>,
+        w: Slot,
+        rstd: Arg<'_, L::Buffer>,
+        dy: Arg<'_, L::Buffer>,
+        dx: Arg<'_, L::Buffer>,
+        acts: &Activations<L::Buffer>,
+        step: &DeviceStep<'_, L>,
+    ) -> Result<(), RunError> {
+        let grid = row_grid(self.rows);
+        let d = w.len;
+        let partial = Arg::Ptr(&acts.dw_partial, 0);
+        let args = [
+            x,
+            w.at(&step.weights),
+            rstd,
+            dy,
+            dx,
+            partial,
+            Arg::I32(self.rows()),
+            Arg::I32(d as i32),
+        ];
+        self.run("rms_norm_bwd_f32", Geometry::linear(grid, ROW_BLOCK), &args)?;
+        let dw = Arg::Ptr(&acts.dw, 0);
+        let reduce = [partial, dw, Arg::I32(grid as i32), Arg::I32(d as i32)];
+        let geometry = Geometry::linear(d.div_ceil(128) as u32, 128);
+        self.run("rms_norm_dw_reduce", geometry, &reduce)?;
+        self.add(w.at(&step.grads), dw, d)
+    }
+
+    pub(super) fn activation(
+        &self,
+        activation: Activation,
+        h: Arg<'_, L::Buffer>,
+        y: Arg<'_, L::Buffer>,
+        f: usize,
+    ) -> Result<(), RunError> {
+        let n = self.rows * f;
+        let geometry = Geometry::linear(elementwise_grid(n), 256);
+        match activation {
+            Activation::Swiglu => self.run(
+                "swiglu_fwd_f32",
+                geometry,
+                &[h, y, Arg::I32(self.rows()), Arg::I32(f as i32)],
+            ),
+            Activation::Relu2 => self.run("relu2_fwd_f32", geometry, &[h, y, Arg::Usize(n)]),
+        }
+    }
+
+    pub(super) fn activation_backward(
+        &self,
+        activation: Activation,
+        h: Arg<'_, L::Buffer>,
+        dy: Arg<'_, L::Buffer>,
+        dh: Arg<'_, L::Buffer>,
+        f: usize,
+    ) -> Result<(), RunError> {
+        let n = self.rows * f;
+        let geometry = Geometry::linear(elementwise_grid(n), 256);
+        match activation {
+            Activation::Swiglu => self.run(
+                "swiglu_bwd_f32",
+                geometry,
+                &[h, dy, dh, Arg::I32(self.rows()), Arg::I32(f as i32)],
+            ),
+            Activation::Relu2 => self.run("relu2_bwd_f32", geometry, &[h, dy, dh, Arg::Usize(n)]),
+        }
+    }
+
+    /// Per-token cross-entropy and its gradient, scaled by each token's loss weight.
+    pub(super) fn cross_entropy(
+        &self,
+        logits: Arg<'_, L::Buffer>,
+        acts: &Activations<L::Buffer>,
+        vocab: usize,
+    ) -> Result<(), RunError> {
+        let geometry = Geometry::linear(row_grid(self.rows), ROW_BLOCK);
+        let (labels, lse) = (Arg::Ptr(&acts.labels, 0), Arg::Ptr(&acts.lse, 0));
+        let (rows, vocab) = (Arg::I32(self.rows()), Arg::I32(vocab as i32));
+        let ce = Arg::Ptr(&acts.ce, 0);
+        self.run(
+            "cross_entropy_fwd_f32",
+            geometry,
+            &[logits, labels, ce, lse, rows, vocab],
+        )?;
+        let (dloss, dlogits) = (Arg::Ptr(&acts.dloss, 0), Arg::Ptr(&acts.dlogits, 0));
+        self.run(
+            "cross_entropy_bwd_f32",
+            geometry,
+            &[logits, labels, lse, dloss, dlogits, rows, vocab],
+        )
+    }
+
+    /// `c = op(a) · op(b) + beta · c` for `(m, n, k)`.
+    pub(super) fn gemm(
+        &self,
+        a: Arg<'_, L::Buffer>,
+        b: Arg<'_, L::Buffer>,
+        c: Arg<'_, L::Buffer>,
+        (m, n, k): (usize, usize, usize),
+        (trans_a, trans_b): (i32, i32),
+        beta: f32,
+    ) -> Result<(), RunError> {
+        let geometry = Geometry {
+            grid: [n.div_ceil(16) as u32, m.div_ceil(16) as u32, 1],
+            block: [16, 16, 1],
+        };
+        let args = [
+            a,
+            b,
+            c,
+            Arg::I32(m as i32),
+            Arg::I32(n as i32),
+            Arg::I32(k as i32),
+            Arg::I32(trans_a),
+            Arg::I32(trans_b),
+            Arg::F32(1.0),
+            Arg::F32(beta),
+            Arg::I64(0),
+            Arg::I64(0),
+            Arg::I64(0),
+        ];
+        self.run("gemm_f32", geometry, &args)
+    }
+
+    /// `acc += x` over `n` floats.
+    pub(super) fn add(
+        &self,
+        acc: Arg<'_, L::Buffer>,
+        x: Arg<'_, L::Buffer>,
+        n: usize,
+    ) -> Result<(), RunError> {
+        let geometry = Geometry::linear(elementwise_grid(n), 256);
+        self.run("add_f32", geometry, &[acc, x, Arg::Usize(n)])
+    }
+
+    /// Copies `n` floats from `src` to `dst` (regions that do not overlap).
+    pub(super) fn copy(
+        &self,
+        src: Arg<'_, L::Buffer>,
+        dst: Arg<'_, L::Buffer>,
+        n: usize,
+    ) -> Result<(), RunError> {
+        let geometry = Geometry::linear(elementwise_grid(n), 256);
+        self.run("copy_f32", geometry, &[dst, src, Arg::Usize(n)])
+    }
+}
