@@ -88,3 +88,47 @@ fn device_cpu_runs_on_the_cpu_without_a_word() {
         "{out}"
     );
 }
+
+/// `gpu-check --shim` runs the GPU trainer's step on the SIMT shim and holds it to the CPU
+/// trainer: every part says ok, and the verdict is the last line.
+#[test]
+fn gpu_check_on_the_shim_holds_the_gpu_trainer_to_the_cpu_trainer() {
+    let p = Project::new("gpu-check-shim");
+    let out = p.run(&["gpu-check", "--shim"]);
+    assert_eq!(out.code, 0, "{out}");
+    let lines: Vec<&str> = out.stdout.lines().collect();
+    for part in ["gradients", "gradients", "curve", "determinism"] {
+        assert!(
+            lines
+                .iter()
+                .any(|l| l.starts_with(part) && l.ends_with("ok")),
+            "no passing `{part}` line\n{out}"
+        );
+    }
+    assert_eq!(lines.last().copied(), Some("result       ok"), "{out}");
+}
+
+#[test]
+fn gpu_check_without_a_gpu_says_what_is_missing_and_fails() {
+    if driver_present("gpu_check_without_a_gpu") {
+        return;
+    }
+    let p = Project::new("gpu-check-none");
+    let out = p.run(&["gpu-check"]);
+    assert_eq!(out.code, 1, "{out}");
+    for needle in [
+        "gpu-check cannot run",
+        "cuda:0",
+        "CUDA driver library",
+        "LD_LIBRARY_PATH",
+    ] {
+        assert!(
+            out.stderr.contains(needle),
+            "stderr lacks {needle:?}\n{out}"
+        );
+    }
+    assert!(!out.stderr.contains("panicked"), "{out}");
+    let out = p.run(&["gpu-check", "--device", "cpu"]);
+    assert_eq!(out.code, 2, "{out}");
+    assert!(out.stderr.contains("--device cpu is not a GPU"), "{out}");
+}

@@ -28,6 +28,7 @@ pub mod dpo;
 pub mod eval;
 pub mod export;
 pub mod generate;
+pub mod gpu_check;
 pub mod grpo;
 pub mod pack;
 pub mod pretrain;

@@ -56,6 +56,8 @@ enum Command {
     Pin(commands::pin::Args),
     /// List the built-in ops
     Ops,
+    /// Check that the GPU trainer on this machine's GPU trains as the CPU trainer does
+    GpuCheck(commands::gpu_check::Args),
     /// Build one stage from a job spec (used by executors; not for people)
     #[command(hide = true)]
     Exec(commands::exec::Args),
@@ -116,6 +118,7 @@ fn run(ops: Registry) -> i32 {
         Command::Gc(a) => commands::gc::exec(a),
         Command::Pin(a) => commands::pin::exec(a),
         Command::Ops => commands::ops::exec(ops),
+        Command::GpuCheck(a) => commands::gpu_check::exec(a),
         Command::Exec(a) => return commands::exec::exec(a, ops),
     };
     match result {

@@ -4,6 +4,7 @@
 pub mod cancel;
 pub mod exec;
 pub mod gc;
+pub mod gpu_check;
 pub mod graph;
 pub mod lineage;
 pub mod ops;

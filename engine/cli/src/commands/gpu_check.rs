@@ -1,0 +1,40 @@
+//! `nemo-dag gpu-check`: does this machine's GPU train as the CPU does, and how fast?
+
+use nemo_dag_engine::diag::{Failure, InputError, Result};
+use nemo_dag_op::Device;
+use nemo_dag_ops::gpu_check::{self, Target};
+
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// The device to check: `cuda` or `cuda:N`
+    #[arg(long, default_value = "cuda:0")]
+    device: String,
+    /// Run the check on the SIMT shim instead (the same kernels executed on the CPU)
+    #[arg(long, conflicts_with = "device")]
+    shim: bool,
+    /// Optimizer steps of the speed comparison (0: none)
+    #[arg(long, default_value_t = 3)]
+    speed_steps: u64,
+}
+
+pub fn exec(a: Args) -> Result<()> {
+    let target = if a.shim {
+        Target::Shim
+    } else {
+        match Device::parse(&a.device) {
+            Ok(Device::Cuda(n)) => Target::Cuda(n),
+            Ok(other) => {
+                return Err(InputError::new(format!("--device {other} is not a GPU"))
+                    .help("write --device cuda or cuda:N, or --shim to check on the CPU")
+                    .into());
+            }
+            Err(why) => return Err(InputError::new(format!("--device: {why}")).into()),
+        }
+    };
+    let mut out = std::io::stdout();
+    match gpu_check::run(target, a.speed_steps, &mut out) {
+        Ok(true) => Ok(()),
+        Ok(false) => Err(Failure::Stage("gpu-check: a part FAILED (above)".into())),
+        Err(why) => Err(Failure::Stage(format!("gpu-check cannot run: {why}"))),
+    }
+}
