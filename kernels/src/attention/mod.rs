@@ -735,10 +735,10 @@ mod tests {
         causal: bool,
     }
 
-    /// attention.cu's forward through the SIMT shim: `[y, lse]` for `qkv`, on blocks of
-    /// `block` threads.
+    /// attention.cu through the SIMT shim: `[y, lse, dqkv]` for `qkv` and the upstream
+    /// gradient `dy`, every kernel on blocks of `block` threads.
     fn cuda(
-        qkv: &[f32],
+        (qkv, dy): (&[f32], &[f32]),
         n: Sizes,
         masking: &Masking,
         (grid, block): (Grid, u32),
@@ -747,6 +747,7 @@ mod tests {
         use crate::simt::{arg, launch_1d};
         let Sizes { b, t, h, k, d } = n;
         let (mut y, mut lse) = (vec![0f32; b * t * h * d], vec![0f32; b * h * t]);
+        let (mut delta, mut dqkv) = (vec![0f32; b * h * t], vec![0f32; qkv.len()]);
         let null = std::ptr::null::<f32>();
         let (cos, sin) = masking
             .rope
@@ -754,13 +755,20 @@ mod tests {
         let segments = masking.segments.map_or(std::ptr::null(), <[i32]>::as_ptr);
         let (bi, ti, hi, ki, di) = (b as i32, t as i32, h as i32, k as i32, d as i32);
         let causal = i32::from(masking.causal);
-        let qkv = qkv.as_ptr();
-        let (yp, lp) = (y.as_mut_ptr(), lse.as_mut_ptr());
+        let (qkv, dy) = (qkv.as_ptr(), dy.as_ptr());
+        let (yp, lp, dp, gp) = (
+            y.as_mut_ptr(),
+            lse.as_mut_ptr(),
+            delta.as_mut_ptr(),
+            dqkv.as_mut_ptr(),
+        );
         let warps = block as usize / 32;
         let query_tiles = b * h * t.div_ceil(2 * warps);
+        let key_tiles = b * k * t.div_ceil(4 * warps);
         let launch = |name: &str, items: usize, params: &[*mut std::ffi::c_void]| {
-            // SAFETY: every buffer holds what the kernel indexes for these sizes: qkv
-            // B·T·(h + 2k)·d, y B·T·h·d, lse B·h·T, the tables B·T·d and the segments B·T.
+            // SAFETY: every buffer holds what the kernel indexes for these sizes: qkv and dqkv
+            // B·T·(h + 2k)·d, y and dy B·T·h·d, lse and delta B·h·T, the tables B·T·d and
+            // the segments B·T.
             unsafe { launch_1d(name, grid.blocks(items), block, schedule, params) }.unwrap()
         };
         let common = [arg(&qkv), arg(&cos), arg(&sin), arg(&segments)];
@@ -774,7 +782,31 @@ mod tests {
         ];
         let fwd = [&common[..], &[arg(&yp), arg(&lp)], &sizes].concat();
         launch("attention_fwd_f32", query_tiles, &fwd);
-        vec![y, lse]
+        let (yc, lc) = (yp.cast_const(), lp.cast_const());
+        let delta_params = [
+            arg(&yc),
+            arg(&dy),
+            arg(&dp),
+            arg(&bi),
+            arg(&ti),
+            arg(&hi),
+            arg(&di),
+        ];
+        launch(
+            "attention_bwd_delta_f32",
+            (b * h * t).div_ceil(warps),
+            &delta_params,
+        );
+        let dc = dp.cast_const();
+        let bwd = [
+            &common[..],
+            &[arg(&dy), arg(&lc), arg(&dc), arg(&gp)],
+            &sizes,
+        ]
+        .concat();
+        launch("attention_bwd_dq_f32", query_tiles, &bwd);
+        launch("attention_bwd_dkv_f32", key_tiles, &bwd);
+        vec![y, lse, dqkv]
     }
 
     /// Segment ids of `b` packed rows of `t`: row `r` cut into `r + 1` runs of about equal
@@ -816,13 +848,13 @@ mod tests {
         positions
     }
 
-    /// attention.cu's forward, executed by the SIMT shim, against `attention_plain`: y within
-    /// 1e-5, with packed rows (a different number of segments per batch row), segments
-    /// without the causal cut, plain causal rows and no mask, with and without RoPE, GQA
-    /// groups of 1 to 4, lengths and head widths that fill no tile, and grids that loop or
-    /// leave blocks idle, in both schedules.
+    /// attention.cu, executed by the SIMT shim, against `attention_plain`: y within 1e-5 and
+    /// the gradient of qkv (dq, dk, dv, RoPE undone) within 1e-5, with packed rows (a
+    /// different number of segments per batch row), segments without the causal cut, plain
+    /// causal rows and no mask, with and without RoPE, GQA groups of 1 to 4, lengths and head
+    /// widths that fill no tile, and grids that loop or leave blocks idle, in both schedules.
     #[test]
-    fn the_cuda_forward_matches_the_plain_ops() {
+    fn the_cuda_kernels_match_the_plain_ops() {
         let b = 2;
         let shapes = [
             (1, 1, 8, 1),
@@ -838,7 +870,7 @@ mod tests {
             (Grid::Spare, 128),
             (Grid::PerItem, 96),
         ];
-        let mut worst = 0f32;
+        let mut worst = [0f32; 2];
         for (case, (h, k, d, t)) in shapes.into_iter().enumerate() {
             let n = Sizes { b, t, h, k, d };
             let segments = packed_segments(b, t);
@@ -846,8 +878,9 @@ mod tests {
             let tables = rope_tables(d, &positions_of(&segments, b, t), b, t);
             let plain_tables = rope_tables(d, &positions_of(&one_segment, b, t), b, t);
             let mut rng = Rng::new((h * 1000 + k * 100 + d + t) as u64);
-            let qkv = randn(&mut rng, &[b, t, (h + 2 * k) * d], 1.0);
-            let xv = values(&qkv);
+            let qkv = Var::from_tensor(&randn(&mut rng, &[b, t, (h + 2 * k) * d], 1.0)).unwrap();
+            let g = randn(&mut rng, &[b, t, h * d], 1.0);
+            let (xv, gv) = (values(qkv.as_tensor()), values(&g));
             for (m, mask) in ["packed", "causal", "segments", "none"]
                 .into_iter()
                 .enumerate()
@@ -864,8 +897,9 @@ mod tests {
                         _ => Some(mask_of(seg.unwrap_or(&one_segment), b, t, causal)),
                     };
                     let r = rope.then_some(table);
-                    let plain = attention_plain(&qkv, additive.as_ref(), r, h, k, d);
-                    let want = values(&plain.unwrap());
+                    let plain = attention_plain(qkv.as_tensor(), additive.as_ref(), r, h, k, d);
+                    let plain = plain.unwrap();
+                    let want = [values(&plain), plain_grads(&plain, &g, &[&qkv]).remove(0)];
                     let masking = Masking {
                         rope: r,
                         segments: seg,
@@ -880,16 +914,22 @@ mod tests {
                     for &launch in launches {
                         let at = format!("{n:?} mask={mask} rope={rope} launch={launch:?}");
                         let got = in_both_schedules(&at, |schedule| {
-                            cuda(&xv, n, &masking, launch, schedule)
+                            cuda((&xv, &gv), n, &masking, launch, schedule)
                         });
-                        let gap = largest_gap(&got[0], &want);
-                        worst = worst.max(gap);
-                        assert!(gap <= 1e-5, "{at}: y is {gap} from the plain ops");
+                        for (i, (what, got, want)) in
+                            [("y", &got[0], &want[0]), ("dqkv", &got[2], &want[1])]
+                                .into_iter()
+                                .enumerate()
+                        {
+                            let gap = largest_gap(got, want);
+                            worst[i] = worst[i].max(gap);
+                            assert!(gap <= 1e-5, "{at}: {what} is {gap} from the plain ops");
+                        }
                     }
                 }
             }
         }
-        eprintln!("largest gap: y {worst}");
+        eprintln!("largest gaps: y {}, dqkv {}", worst[0], worst[1]);
     }
 
     /// The CUDA forward keeps each row's log-sum-exp of its scaled, masked scores: what the
@@ -905,13 +945,20 @@ mod tests {
         };
         let mut rng = Rng::new(5);
         let qkv = values(&randn(&mut rng, &[n.b, n.t, 4 * n.d], 1.0));
+        let dy = vec![0f32; n.b * n.t * n.h * n.d];
         let segments = packed_segments(n.b, n.t);
         let masking = Masking {
             rope: None,
             segments: Some(&segments),
             causal: true,
         };
-        let got = cuda(&qkv, n, &masking, (Grid::PerItem, 64), Schedule::Forward);
+        let got = cuda(
+            (&qkv, &dy),
+            n,
+            &masking,
+            (Grid::PerItem, 64),
+            Schedule::Forward,
+        );
         let w = 4 * n.d;
         let scale = 1.0 / (n.d as f64).sqrt();
         for (b, h, r) in
@@ -950,13 +997,20 @@ mod tests {
             d: 130,
         };
         let qkv = vec![0.5f32; n.t * 3 * n.d];
+        let dy = vec![1f32; n.t * n.d];
         let masking = Masking {
             rope: None,
             segments: None,
             causal: true,
         };
-        let got = cuda(&qkv, n, &masking, (Grid::PerItem, 32), Schedule::Forward);
-        for (what, v) in ["y", "lse"].iter().zip(&got) {
+        let got = cuda(
+            (&qkv, &dy),
+            n,
+            &masking,
+            (Grid::PerItem, 32),
+            Schedule::Forward,
+        );
+        for (what, v) in ["y", "lse", "dqkv"].iter().zip(&got) {
             assert!(v.iter().all(|x| x.is_nan()), "{what}: {v:?}");
         }
     }
