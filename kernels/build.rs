@@ -21,6 +21,8 @@ fn main() {
         .include("cuda/simt")
         .flag("-include")
         .flag("simt.h")
+        // Kernels carry `#pragma unroll` for NVRTC, which the host compiler does not know.
+        .flag_if_supported("-Wno-unknown-pragmas")
         .file("cuda/simt/simt.cpp");
     let mut table = String::new();
     for (n, source) in sources.iter().enumerate() {
@@ -63,12 +65,17 @@ fn cu_files(dir: &Path) -> Vec<PathBuf> {
     found
 }
 
-/// The names of a source's `extern "C" __global__ void NAME(` kernels.
+/// The names of a source's `extern "C" __global__ void NAME(` kernels, also when a
+/// `__launch_bounds__(...)` stands before the name.
 fn kernel_names(text: &str) -> Vec<String> {
     let marker = "extern \"C\" __global__ void ";
     text.match_indices(marker)
         .filter_map(|(at, _)| {
-            let rest = &text[at + marker.len()..];
+            let rest = text[at + marker.len()..].trim_start();
+            let rest = match rest.strip_prefix("__launch_bounds__") {
+                Some(bounds) => bounds.split_once(')')?.1.trim_start(),
+                None => rest,
+            };
             let name: String = rest
                 .chars()
                 .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')

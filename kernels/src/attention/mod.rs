@@ -699,6 +699,322 @@ mod tests {
         };
         assert_eq!(run(1), run(3));
     }
+    /// The sizes of one CUDA attention case.
+    #[derive(Clone, Copy, Debug)]
+    struct Sizes {
+        b: usize,
+        t: usize,
+        h: usize,
+        k: usize,
+        d: usize,
+    }
+
+    /// How many blocks a launch gets: one (every block loops), one per work item, or a few
+    /// more than the items (the extra blocks find nothing to do).
+    #[derive(Clone, Copy, Debug)]
+    enum Grid {
+        One,
+        PerItem,
+        Spare,
+    }
+
+    impl Grid {
+        fn blocks(self, items: usize) -> u32 {
+            match self {
+                Grid::One => 1,
+                Grid::PerItem => items.max(1) as u32,
+                Grid::Spare => items as u32 + 3,
+            }
+        }
+    }
+
+    /// What the kernels read besides `qkv`: RoPE tables, segment ids, the causal flag.
+    struct Masking<'a> {
+        rope: Option<&'a RopeTables>,
+        segments: Option<&'a [i32]>,
+        causal: bool,
+    }
+
+    /// attention.cu through the SIMT shim: `[y, lse, dqkv]` for `qkv` and the upstream
+    /// gradient `dy`, every kernel on blocks of `block` threads.
+    fn cuda(
+        (qkv, dy): (&[f32], &[f32]),
+        n: Sizes,
+        masking: &Masking,
+        (grid, block): (Grid, u32),
+        schedule: Schedule,
+    ) -> Vec<Vec<f32>> {
+        use crate::simt::{arg, launch_1d};
+        let Sizes { b, t, h, k, d } = n;
+        let (mut y, mut lse) = (vec![0f32; b * t * h * d], vec![0f32; b * h * t]);
+        let (mut delta, mut dqkv) = (vec![0f32; b * h * t], vec![0f32; qkv.len()]);
+        let null = std::ptr::null::<f32>();
+        let (cos, sin) = masking
+            .rope
+            .map_or((null, null), |r| (r.cos.as_ptr(), r.sin.as_ptr()));
+        let segments = masking.segments.map_or(std::ptr::null(), <[i32]>::as_ptr);
+        let (bi, ti, hi, ki, di) = (b as i32, t as i32, h as i32, k as i32, d as i32);
+        let causal = i32::from(masking.causal);
+        let (qkv, dy) = (qkv.as_ptr(), dy.as_ptr());
+        let (yp, lp, dp, gp) = (
+            y.as_mut_ptr(),
+            lse.as_mut_ptr(),
+            delta.as_mut_ptr(),
+            dqkv.as_mut_ptr(),
+        );
+        let warps = block as usize / 32;
+        let query_tiles = b * h * t.div_ceil(2 * warps);
+        let key_tiles = b * k * t.div_ceil(4 * warps);
+        let launch = |name: &str, items: usize, params: &[*mut std::ffi::c_void]| {
+            // SAFETY: every buffer holds what the kernel indexes for these sizes: qkv and dqkv
+            // B·T·(h + 2k)·d, y and dy B·T·h·d, lse and delta B·h·T, the tables B·T·d and
+            // the segments B·T.
+            unsafe { launch_1d(name, grid.blocks(items), block, schedule, params) }.unwrap()
+        };
+        let common = [arg(&qkv), arg(&cos), arg(&sin), arg(&segments)];
+        let sizes = [
+            arg(&bi),
+            arg(&ti),
+            arg(&hi),
+            arg(&ki),
+            arg(&di),
+            arg(&causal),
+        ];
+        let fwd = [&common[..], &[arg(&yp), arg(&lp)], &sizes].concat();
+        launch("attention_fwd_f32", query_tiles, &fwd);
+        let (yc, lc) = (yp.cast_const(), lp.cast_const());
+        let delta_params = [
+            arg(&yc),
+            arg(&dy),
+            arg(&dp),
+            arg(&bi),
+            arg(&ti),
+            arg(&hi),
+            arg(&di),
+        ];
+        launch(
+            "attention_bwd_delta_f32",
+            (b * h * t).div_ceil(warps),
+            &delta_params,
+        );
+        let dc = dp.cast_const();
+        let bwd = [
+            &common[..],
+            &[arg(&dy), arg(&lc), arg(&dc), arg(&gp)],
+            &sizes,
+        ]
+        .concat();
+        launch("attention_bwd_dq_f32", query_tiles, &bwd);
+        launch("attention_bwd_dkv_f32", key_tiles, &bwd);
+        vec![y, lse, dqkv]
+    }
+
+    /// Segment ids of `b` packed rows of `t`: row `r` cut into `r + 1` runs of about equal
+    /// length (so rows differ), as ops/model's `Layout::segments`.
+    fn packed_segments(b: usize, t: usize) -> Vec<i32> {
+        (0..b)
+            .flat_map(|r| (0..t).map(move |i| (i * (r + 1) / t) as i32))
+            .collect()
+    }
+
+    /// The additive mask `(b, 1, t, t)` of `segments`, as ops/model's `Layout::attention_mask`
+    /// builds it (causal: `j ≤ i`; else every key of the segment).
+    fn mask_of(segments: &[i32], b: usize, t: usize, causal: bool) -> Tensor {
+        let mut m = vec![f32::NEG_INFINITY; b * t * t];
+        for r in 0..b {
+            let seg = &segments[r * t..(r + 1) * t];
+            for i in 0..t {
+                for j in 0..t {
+                    if (!causal || j <= i) && seg[i] == seg[j] {
+                        m[(r * t + i) * t + j] = 0.0;
+                    }
+                }
+            }
+        }
+        Tensor::from_vec(m, (b, 1, t, t), &Device::Cpu).unwrap()
+    }
+
+    /// Positions restarting at 0 at each segment, for the rotary tables.
+    fn positions_of(segments: &[i32], b: usize, t: usize) -> Vec<u32> {
+        let mut positions = vec![0u32; b * t];
+        for r in 0..b {
+            for i in 1..t {
+                let at = r * t + i;
+                if segments[at] == segments[at - 1] {
+                    positions[at] = positions[at - 1] + 1;
+                }
+            }
+        }
+        positions
+    }
+
+    /// attention.cu, executed by the SIMT shim, against `attention_plain`: y within 1e-5 and
+    /// the gradient of qkv (dq, dk, dv, RoPE undone) within 1e-5, with packed rows (a
+    /// different number of segments per batch row), segments without the causal cut, plain
+    /// causal rows and no mask, with and without RoPE, GQA groups of 1 to 4, lengths and head
+    /// widths that fill no tile, and grids that loop or leave blocks idle, in both schedules.
+    #[test]
+    fn the_cuda_kernels_match_the_plain_ops() {
+        let b = 2;
+        let shapes = [
+            (1, 1, 8, 1),
+            (4, 2, 8, 13),
+            (3, 3, 16, 13),
+            (4, 1, 16, 45),
+            (6, 2, 24, 33),
+            (2, 1, 32, 64),
+        ];
+        let geometries = [
+            (Grid::One, 32),
+            (Grid::PerItem, 64),
+            (Grid::Spare, 128),
+            (Grid::PerItem, 96),
+        ];
+        let mut worst = [0f32; 2];
+        for (case, (h, k, d, t)) in shapes.into_iter().enumerate() {
+            let n = Sizes { b, t, h, k, d };
+            let segments = packed_segments(b, t);
+            let one_segment = vec![0i32; b * t];
+            let tables = rope_tables(d, &positions_of(&segments, b, t), b, t);
+            let plain_tables = rope_tables(d, &positions_of(&one_segment, b, t), b, t);
+            let mut rng = Rng::new((h * 1000 + k * 100 + d + t) as u64);
+            let qkv = Var::from_tensor(&randn(&mut rng, &[b, t, (h + 2 * k) * d], 1.0)).unwrap();
+            let g = randn(&mut rng, &[b, t, h * d], 1.0);
+            let (xv, gv) = (values(qkv.as_tensor()), values(&g));
+            for (m, mask) in ["packed", "causal", "segments", "none"]
+                .into_iter()
+                .enumerate()
+            {
+                for rope in [false, true] {
+                    let (seg, causal, table) = match mask {
+                        "packed" => (Some(&segments[..]), true, &tables),
+                        "causal" => (None, true, &plain_tables),
+                        "segments" => (Some(&segments[..]), false, &tables),
+                        _ => (None, false, &plain_tables),
+                    };
+                    let additive = match mask {
+                        "none" => None,
+                        _ => Some(mask_of(seg.unwrap_or(&one_segment), b, t, causal)),
+                    };
+                    let r = rope.then_some(table);
+                    let plain = attention_plain(qkv.as_tensor(), additive.as_ref(), r, h, k, d);
+                    let plain = plain.unwrap();
+                    let want = [values(&plain), plain_grads(&plain, &g, &[&qkv]).remove(0)];
+                    let masking = Masking {
+                        rope: r,
+                        segments: seg,
+                        causal,
+                    };
+                    // Every geometry for one case's packed rows, then one in turn.
+                    let launches = if case == 1 && mask == "packed" {
+                        &geometries[..]
+                    } else {
+                        &geometries[(m * 2 + usize::from(rope)) % 4..][..1]
+                    };
+                    for &launch in launches {
+                        let at = format!("{n:?} mask={mask} rope={rope} launch={launch:?}");
+                        let got = in_both_schedules(&at, |schedule| {
+                            cuda((&xv, &gv), n, &masking, launch, schedule)
+                        });
+                        for (i, (what, got, want)) in
+                            [("y", &got[0], &want[0]), ("dqkv", &got[2], &want[1])]
+                                .into_iter()
+                                .enumerate()
+                        {
+                            let gap = largest_gap(got, want);
+                            worst[i] = worst[i].max(gap);
+                            assert!(gap <= 1e-5, "{at}: {what} is {gap} from the plain ops");
+                        }
+                    }
+                }
+            }
+        }
+        eprintln!("largest gaps: y {}, dqkv {}", worst[0], worst[1]);
+    }
+
+    /// The CUDA forward keeps each row's log-sum-exp of its scaled, masked scores: what the
+    /// backward recomputes the probabilities from.
+    #[test]
+    fn the_cuda_forward_keeps_each_rows_log_sum_exp() {
+        let n = Sizes {
+            b: 2,
+            t: 7,
+            h: 2,
+            k: 1,
+            d: 8,
+        };
+        let mut rng = Rng::new(5);
+        let qkv = values(&randn(&mut rng, &[n.b, n.t, 4 * n.d], 1.0));
+        let dy = vec![0f32; n.b * n.t * n.h * n.d];
+        let segments = packed_segments(n.b, n.t);
+        let masking = Masking {
+            rope: None,
+            segments: Some(&segments),
+            causal: true,
+        };
+        let got = cuda(
+            (&qkv, &dy),
+            n,
+            &masking,
+            (Grid::PerItem, 64),
+            Schedule::Forward,
+        );
+        let w = 4 * n.d;
+        let scale = 1.0 / (n.d as f64).sqrt();
+        for (b, h, r) in
+            (0..n.b).flat_map(|b| (0..n.h).flat_map(move |h| (0..n.t).map(move |r| (b, h, r))))
+        {
+            let q = &qkv[(b * n.t + r) * w + h * n.d..][..n.d];
+            let mut sum = 0f64;
+            for c in 0..=r {
+                if segments[b * n.t + c] == segments[b * n.t + r] {
+                    let key = &qkv[(b * n.t + c) * w + 2 * n.d..][..n.d];
+                    let s: f64 = q
+                        .iter()
+                        .zip(key)
+                        .map(|(a, b)| f64::from(*a) * f64::from(*b))
+                        .sum();
+                    sum += (s * scale).exp();
+                }
+            }
+            let lse = got[1][(b * n.h + h) * n.t + r];
+            assert!(
+                (f64::from(lse) - sum.ln()).abs() < 1e-5,
+                "({b}, {h}, {r}): {lse} vs {}",
+                sum.ln()
+            );
+        }
+    }
+
+    /// A head wider than the kernels hold (128) gives NaN everywhere, never a partial result.
+    #[test]
+    fn the_cuda_kernels_answer_a_head_wider_than_128_with_nan() {
+        let n = Sizes {
+            b: 1,
+            t: 3,
+            h: 1,
+            k: 1,
+            d: 130,
+        };
+        let qkv = vec![0.5f32; n.t * 3 * n.d];
+        let dy = vec![1f32; n.t * n.d];
+        let masking = Masking {
+            rope: None,
+            segments: None,
+            causal: true,
+        };
+        let got = cuda(
+            (&qkv, &dy),
+            n,
+            &masking,
+            (Grid::PerItem, 32),
+            Schedule::Forward,
+        );
+        for (what, v) in ["y", "lse", "dqkv"].iter().zip(&got) {
+            assert!(v.iter().all(|x| x.is_nan()), "{what}: {v:?}");
+        }
+    }
+
     #[test]
     fn attention_rejects_inconsistent_shapes() {
         let mut rng = Rng::new(2);

@@ -19,6 +19,10 @@ pub const SOURCES: &[KernelSource] = &[
         text: include_str!("../adamw.cu"),
     },
     KernelSource {
+        name: "attention/attention.cu",
+        text: include_str!("../attention/attention.cu"),
+    },
+    KernelSource {
         name: "cross_entropy.cu",
         text: include_str!("../cross_entropy.cu"),
     },

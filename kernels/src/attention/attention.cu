@@ -1,0 +1,499 @@
+// Grouped-query causal attention on the GPU: the kernels of attention/mod.rs, from the `qkv`
+// projection's output (B, T, (h + 2k)·d) (h query heads, then k key heads, then k value heads)
+// to the heads' outputs y (B, T, h·d). Query head i attends with kv head i / (h/k). RoPE is
+// applied to queries and keys as they are loaded (cos, sin (B, T, d), rotate_half; null: none).
+//
+// Masks come from the packed layout, as ops/model's Layout::attention_mask defines them: query
+// r sees key c when c ≤ r (if `causal`) and segments[b][c] == segments[b][r] (if `segments` is
+// not null). causal = 0 with no segments is the unmasked attention of attention_plain's None;
+// causal = 0 with segments lets a query see every key of its segment.
+//
+// Forward (FlashAttention's online softmax): one block per (batch row, head, tile of query
+// rows), grid-stride over them. The block loads its query rows once, then walks the key tiles
+// it may see in order (32 keys a tile in shared memory, one lane a key): each warp owns
+// ROWS_PER_WARP query rows and keeps, per row, the running max m, the running sum l and the
+// unnormalised output (each lane up to 4 of the d dimensions). A tile's probabilities go
+// through the warp's slice of shared memory to the lanes that weigh v by them. It writes
+// y = o / l and the row's log-sum-exp lse = m + log l (in units of the scaled scores) for
+// the backward.
+//
+// Backward, no atomics, every sum in a fixed order:
+//   attention_bwd_delta_f32: delta = Σ_j dy·y per (row, head).
+//   attention_bwd_dq_f32:    like the forward, one block per query tile: p = exp(s − lse),
+//                            ds = scale · p (dy·vᵀ − delta), dq = Σ_keys ds·k in key order.
+//   attention_bwd_dkv_f32:   one block per (batch row, kv head, tile of keys): it walks the
+//                            group's query heads in order and each head's query tiles in
+//                            order, dv = Σ pᵀ·dy and dk = Σ dsᵀ·q, so the group's sum never
+//                            depends on timing.
+// dq and dk are turned back by RoPE's transpose before they are written into dqkv, which has
+// qkv's layout. A row that sees no key gets y = 0 and lse = −inf, as the CPU version.
+//
+// Limits: blockDim.x a multiple of 32, at most 128 (__launch_bounds__ refuses more on a GPU);
+// head_dim ≤ 128 and even with RoPE. A head_dim over 128 gives NaN outputs (a kernel cannot
+// return an error; its launcher refuses such a head first, and a training step stops on a
+// non-finite gradient norm).
+
+#include <cuda_bf16.h>
+#include <math_constants.h>
+
+#define ATTN_MAX_THREADS 128
+constexpr int MAX_WARPS = ATTN_MAX_THREADS / 32;
+constexpr int MAX_D = 128;                       // the widest head
+constexpr int DIMS_PER_LANE = MAX_D / 32;        // a lane's share of a row
+constexpr int KV_STRIDE = MAX_D + 1;             // padded: lane c reads row c without conflicts
+constexpr int ROWS_PER_WARP = 2;                 // query rows per warp (forward, dq)
+constexpr int MAX_QROWS = ROWS_PER_WARP * MAX_WARPS;
+constexpr int KEY_TILE = 32;                     // keys per tile (forward, dq): one a lane
+constexpr int KEYS_PER_WARP = 4;                 // keys per warp (dkv)
+constexpr int MAX_KEYS = KEYS_PER_WARP * MAX_WARPS;
+constexpr int DKV_QROWS = 16;                    // query rows per tile (dkv)
+constexpr int P_STRIDE = MAX_KEYS + 1;
+constexpr unsigned FULL = 0xffffffffu;
+
+static __device__ __forceinline__ float attn_warp_sum(float v) {
+    for (int offset = 16; offset > 0; offset >>= 1) {
+        v += __shfl_xor_sync(FULL, v, offset);
+    }
+    return v;
+}
+
+static __device__ __forceinline__ float attn_warp_max(float v) {
+    for (int offset = 16; offset > 0; offset >>= 1) {
+        v = fmaxf(v, __shfl_xor_sync(FULL, v, offset));
+    }
+    return v;
+}
+
+// The problem's sizes, shared by every kernel.
+struct AttnDims {
+    int batch, len, heads, kv_heads, d;
+    __device__ int width() const { return (heads + 2 * kv_heads) * d; }
+    __device__ int group() const { return heads / kv_heads; }
+    __device__ int key_col(int kv) const { return (heads + kv) * d; }
+    __device__ int value_col(int kv) const { return (heads + kv_heads + kv) * d; }
+};
+
+// Rows [r0, r0 + count) of the d-wide head at column `col` of a (B, T, width) tensor into
+// tile[i * stride + j], turned by RoPE when cos is not null; rows past the end are zeros.
+static __device__ void load_tile(float* tile, int stride, const float* x, const float* cos,
+                                 const float* sin, int b, int r0, int count, int len, int width,
+                                 int col, int d) {
+    const int half = d / 2;
+    for (int e = threadIdx.x; e < count * d; e += blockDim.x) {
+        const int i = e / d;
+        const int j = e % d;
+        const int r = r0 + i;
+        float v = 0.0f;
+        if (r < len) {
+            const size_t row = size_t(b) * len + r;
+            const float* xr = x + row * width + col;
+            v = xr[j];
+            if (cos != nullptr) {
+                const float* c = cos + row * d;
+                const float* s = sin + row * d;
+                v = j < half ? xr[j] * c[j] - xr[j + half] * s[j]
+                             : xr[j] * c[j] + xr[j - half] * s[j];
+            }
+        }
+        tile[i * stride + j] = v;
+    }
+}
+
+// Element j of RoPE's transpose of the row g (d wide) at token `row`; g itself without tables.
+static __device__ __forceinline__ float unrotate(const float* g, const float* cos,
+                                                 const float* sin, size_t row, int j, int d) {
+    if (cos == nullptr) {
+        return g[j];
+    }
+    const int half = d / 2;
+    const float* c = cos + row * d;
+    const float* s = sin + row * d;
+    return j < half ? g[j] * c[j] + g[j + half] * s[j + half]
+                    : g[j] * c[j] - g[j - half] * s[j - half];
+}
+
+// Whether query r may attend to key c (seg: the batch row's segment ids, or null).
+static __device__ __forceinline__ bool visible(const int* seg, int causal, int r, int c,
+                                               int len) {
+    if (r >= len || c >= len || (causal && c > r)) {
+        return false;
+    }
+    return seg == nullptr || seg[r] == seg[c];
+}
+
+static __device__ __forceinline__ float dot(const float* a, const float* b, int d) {
+    float sum = 0.0f;
+    for (int j = 0; j < d; ++j) {
+        sum += a[j] * b[j];
+    }
+    return sum;
+}
+
+// NaN over n values, grid-stride: the answer to sizes the kernels cannot hold.
+static __device__ void fill_nan(float* p, size_t n) {
+    const size_t stride = size_t(gridDim.x) * blockDim.x;
+    for (size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
+        p[i] = CUDART_NAN_F;
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(ATTN_MAX_THREADS)
+    attention_fwd_f32(const float* qkv, const float* cos, const float* sin, const int* segments,
+                      float* y, float* lse, int batch, int len, int heads, int kv_heads,
+                      int head_dim, int causal) {
+    __shared__ float q_s[MAX_QROWS * MAX_D];
+    __shared__ float k_s[KEY_TILE * KV_STRIDE];
+    __shared__ float v_s[KEY_TILE * KV_STRIDE];
+    __shared__ float p_s[MAX_QROWS * KEY_TILE];
+    const AttnDims n{batch, len, heads, kv_heads, head_dim};
+    const int d = head_dim;
+    if (d > MAX_D) {
+        fill_nan(y, size_t(batch) * len * heads * d);
+        fill_nan(lse, size_t(batch) * heads * len);
+        return;
+    }
+    const int warp = threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+    float* p_w = p_s + warp * ROWS_PER_WARP * KEY_TILE;  // this warp's rows' probabilities
+    const int rows = ROWS_PER_WARP * (blockDim.x / 32);
+    const int tiles = (len + rows - 1) / rows;
+    const float scale = 1.0f / sqrtf(float(d));
+    const long long items = (long long)batch * heads * tiles;
+    for (long long item = blockIdx.x; item < items; item += gridDim.x) {
+        const int tile = int(item % tiles);
+        const int head = int(item / tiles % heads);
+        const int b = int(item / tiles / heads);
+        const int kv = head / n.group();
+        const int r0 = tile * rows;
+        const int* seg = segments == nullptr ? nullptr : segments + size_t(b) * len;
+        load_tile(q_s, MAX_D, qkv, cos, sin, b, r0, rows, len, n.width(), head * d, d);
+        float o[ROWS_PER_WARP][DIMS_PER_LANE] = {};
+        float m[ROWS_PER_WARP];
+        float l[ROWS_PER_WARP];
+        #pragma unroll
+        for (int i = 0; i < ROWS_PER_WARP; ++i) {
+            m[i] = -CUDART_INF_F;
+            l[i] = 0.0f;
+        }
+        const int key_end = causal ? min(len, r0 + rows) : len;
+        for (int c0 = 0; c0 < key_end; c0 += KEY_TILE) {
+            __syncthreads();  // the query rows are in; every warp is done with the last tile
+            load_tile(k_s, KV_STRIDE, qkv, cos, sin, b, c0, KEY_TILE, len, n.width(),
+                      n.key_col(kv), d);
+            load_tile(v_s, KV_STRIDE, qkv, nullptr, nullptr, b, c0, KEY_TILE, len, n.width(),
+                      n.value_col(kv), d);
+            __syncthreads();
+            // Each lane scores its key against the warp's rows; the probabilities go through
+            // the warp's slice of p_s so every lane can weigh its dimensions of v by them.
+            #pragma unroll
+            for (int i = 0; i < ROWS_PER_WARP; ++i) {
+                const int qi = warp * ROWS_PER_WARP + i;
+                float s = -CUDART_INF_F;
+                if (visible(seg, causal, r0 + qi, c0 + lane, len)) {
+                    s = dot(q_s + qi * MAX_D, k_s + lane * KV_STRIDE, d) * scale;
+                }
+                const float m_new = fmaxf(m[i], attn_warp_max(s));
+                // A row that has seen no key yet (m_new = −inf in every lane) adds nothing.
+                const bool none = m_new == -CUDART_INF_F;
+                const float alpha = none ? 1.0f : expf(m[i] - m_new);
+                const float p = none ? 0.0f : expf(s - m_new);
+                l[i] = l[i] * alpha + attn_warp_sum(p);
+                m[i] = m_new;
+                #pragma unroll
+                for (int u = 0; u < DIMS_PER_LANE; ++u) {
+                    o[i][u] *= alpha;
+                }
+                p_w[i * KEY_TILE + lane] = p;
+            }
+            __syncwarp();
+            for (int c = 0; c < KEY_TILE; ++c) {
+                #pragma unroll
+                for (int u = 0; u < DIMS_PER_LANE; ++u) {
+                    const int j = lane + 32 * u;
+                    if (j < d) {
+                        const float v = v_s[c * KV_STRIDE + j];
+                        #pragma unroll
+                        for (int i = 0; i < ROWS_PER_WARP; ++i) {
+                            o[i][u] += p_w[i * KEY_TILE + c] * v;
+                        }
+                    }
+                }
+            }
+        }
+        #pragma unroll
+        for (int i = 0; i < ROWS_PER_WARP; ++i) {
+            const int r = r0 + warp * ROWS_PER_WARP + i;
+            if (r >= len) {
+                continue;
+            }
+            const float inv = l[i] > 0.0f ? 1.0f / l[i] : 0.0f;
+            float* yr = y + (size_t(b) * len + r) * heads * d + head * d;
+            #pragma unroll
+            for (int u = 0; u < DIMS_PER_LANE; ++u) {
+                const int j = lane + 32 * u;
+                if (j < d) {
+                    yr[j] = o[i][u] * inv;
+                }
+            }
+            if (lane == 0) {
+                lse[(size_t(b) * heads + head) * len + r] =
+                    l[i] > 0.0f ? m[i] + logf(l[i]) : -CUDART_INF_F;
+            }
+        }
+        __syncthreads();  // q_s is loaded again for the next item
+    }
+}
+
+// delta[b][head][r] = Σ_j dy·y over the head's d values: one warp a row, grid-stride.
+extern "C" __global__ void attention_bwd_delta_f32(const float* y, const float* dy, float* delta,
+                                                   int batch, int len, int heads,
+                                                   int head_dim) {
+    const int lane = threadIdx.x % 32;
+    const long long warps = (long long)gridDim.x * (blockDim.x / 32);
+    const long long rows = (long long)batch * heads * len;
+    for (long long w = blockIdx.x * (long long)(blockDim.x / 32) + threadIdx.x / 32; w < rows;
+         w += warps) {
+        const long long r = w % len;
+        const long long head = w / len % heads;
+        const long long b = w / len / heads;
+        const size_t at = size_t((b * len + r) * heads + head) * head_dim;
+        float sum = 0.0f;
+        for (int j = lane; j < head_dim; j += 32) {
+            sum += dy[at + j] * y[at + j];
+        }
+        sum = attn_warp_sum(sum);
+        if (lane == 0) {
+            delta[w] = sum;
+        }
+    }
+}
+
+// dq into the query heads' columns of dqkv: one block per (batch row, head, query tile).
+extern "C" __global__ void __launch_bounds__(ATTN_MAX_THREADS)
+    attention_bwd_dq_f32(const float* qkv, const float* cos, const float* sin,
+                         const int* segments, const float* dy, const float* lse,
+                         const float* delta, float* dqkv, int batch, int len, int heads,
+                         int kv_heads, int head_dim, int causal) {
+    __shared__ float q_s[MAX_QROWS * MAX_D];
+    __shared__ float dy_s[MAX_QROWS * MAX_D];
+    __shared__ float k_s[KEY_TILE * KV_STRIDE];
+    __shared__ float v_s[KEY_TILE * KV_STRIDE];
+    __shared__ float ds_s[MAX_QROWS * KEY_TILE];
+    const AttnDims n{batch, len, heads, kv_heads, head_dim};
+    const int d = head_dim;
+    if (d > MAX_D) {
+        fill_nan(dqkv, size_t(batch) * len * n.width());
+        return;
+    }
+    const int warp = threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+    float* ds_w = ds_s + warp * ROWS_PER_WARP * KEY_TILE;  // this warp's rows' ds
+    const int rows = ROWS_PER_WARP * (blockDim.x / 32);
+    const int tiles = (len + rows - 1) / rows;
+    const float scale = 1.0f / sqrtf(float(d));
+    const long long items = (long long)batch * heads * tiles;
+    for (long long item = blockIdx.x; item < items; item += gridDim.x) {
+        const int tile = int(item % tiles);
+        const int head = int(item / tiles % heads);
+        const int b = int(item / tiles / heads);
+        const int kv = head / n.group();
+        const int r0 = tile * rows;
+        const int* seg = segments == nullptr ? nullptr : segments + size_t(b) * len;
+        load_tile(q_s, MAX_D, qkv, cos, sin, b, r0, rows, len, n.width(), head * d, d);
+        load_tile(dy_s, MAX_D, dy, nullptr, nullptr, b, r0, rows, len, heads * d, head * d, d);
+        float row_lse[ROWS_PER_WARP];
+        float row_delta[ROWS_PER_WARP];
+        float dq[ROWS_PER_WARP][DIMS_PER_LANE] = {};
+        #pragma unroll
+        for (int i = 0; i < ROWS_PER_WARP; ++i) {
+            const int r = r0 + warp * ROWS_PER_WARP + i;
+            const size_t at = (size_t(b) * heads + head) * len + r;
+            row_lse[i] = r < len ? lse[at] : 0.0f;
+            row_delta[i] = r < len ? delta[at] : 0.0f;
+        }
+        const int key_end = causal ? min(len, r0 + rows) : len;
+        for (int c0 = 0; c0 < key_end; c0 += KEY_TILE) {
+            __syncthreads();  // the query rows are in; every warp is done with the last tile
+            load_tile(k_s, KV_STRIDE, qkv, cos, sin, b, c0, KEY_TILE, len, n.width(),
+                      n.key_col(kv), d);
+            load_tile(v_s, KV_STRIDE, qkv, nullptr, nullptr, b, c0, KEY_TILE, len, n.width(),
+                      n.value_col(kv), d);
+            __syncthreads();
+            #pragma unroll
+            for (int i = 0; i < ROWS_PER_WARP; ++i) {
+                const int qi = warp * ROWS_PER_WARP + i;
+                float ds = 0.0f;
+                if (visible(seg, causal, r0 + qi, c0 + lane, len)) {
+                    const float s = dot(q_s + qi * MAX_D, k_s + lane * KV_STRIDE, d) * scale;
+                    const float p = expf(s - row_lse[i]);
+                    const float dp = dot(dy_s + qi * MAX_D, v_s + lane * KV_STRIDE, d);
+                    ds = scale * p * (dp - row_delta[i]);
+                }
+                ds_w[i * KEY_TILE + lane] = ds;
+            }
+            __syncwarp();
+            for (int c = 0; c < KEY_TILE; ++c) {
+                #pragma unroll
+                for (int u = 0; u < DIMS_PER_LANE; ++u) {
+                    const int j = lane + 32 * u;
+                    if (j < d) {
+                        const float k = k_s[c * KV_STRIDE + j];
+                        #pragma unroll
+                        for (int i = 0; i < ROWS_PER_WARP; ++i) {
+                            dq[i][u] += ds_w[i * KEY_TILE + c] * k;
+                        }
+                    }
+                }
+            }
+        }
+        // Each warp turns its own rows back through q_s: RoPE's transpose mixes dimensions
+        // half a head apart, which other lanes hold.
+        #pragma unroll
+        for (int i = 0; i < ROWS_PER_WARP; ++i) {
+            const int qi = warp * ROWS_PER_WARP + i;
+            #pragma unroll
+            for (int u = 0; u < DIMS_PER_LANE; ++u) {
+                const int j = lane + 32 * u;
+                if (j < d) {
+                    q_s[qi * MAX_D + j] = dq[i][u];
+                }
+            }
+        }
+        __syncwarp();
+        for (int i = 0; i < ROWS_PER_WARP; ++i) {
+            const int qi = warp * ROWS_PER_WARP + i;
+            const int r = r0 + qi;
+            if (r >= len) {
+                continue;
+            }
+            const size_t row = size_t(b) * len + r;
+            for (int j = lane; j < d; j += 32) {
+                dqkv[row * n.width() + head * d + j] = unrotate(q_s + qi * MAX_D, cos, sin, row, j, d);
+            }
+        }
+        __syncthreads();  // q_s and dy_s are loaded again for the next item
+    }
+}
+
+// dk and dv into the kv heads' columns of dqkv: one block per (batch row, kv head, key tile of
+// KEYS_PER_WARP keys a warp), summing over the group's query heads and their query tiles in
+// order. Per query tile: every thread computes some (row, key) pairs' p and ds into shared
+// memory, then each warp adds its keys' dv += p·dy and dk += ds·q, a lane per dimension.
+extern "C" __global__ void __launch_bounds__(ATTN_MAX_THREADS)
+    attention_bwd_dkv_f32(const float* qkv, const float* cos, const float* sin,
+                          const int* segments, const float* dy, const float* lse,
+                          const float* delta, float* dqkv, int batch, int len, int heads,
+                          int kv_heads, int head_dim, int causal) {
+    __shared__ float k_s[MAX_KEYS * KV_STRIDE];
+    __shared__ float v_s[MAX_KEYS * KV_STRIDE];
+    __shared__ float q_s[DKV_QROWS * MAX_D];
+    __shared__ float dy_s[DKV_QROWS * MAX_D];
+    __shared__ float p_s[DKV_QROWS * P_STRIDE];
+    __shared__ float ds_s[DKV_QROWS * P_STRIDE];
+    __shared__ float lse_s[DKV_QROWS];
+    __shared__ float delta_s[DKV_QROWS];
+    const AttnDims n{batch, len, heads, kv_heads, head_dim};
+    const int d = head_dim;
+    if (d > MAX_D) {
+        fill_nan(dqkv, size_t(batch) * len * n.width());
+        return;
+    }
+    const int warp = threadIdx.x / 32;
+    const int lane = threadIdx.x % 32;
+    const int keys = KEYS_PER_WARP * (blockDim.x / 32);
+    const int tiles = (len + keys - 1) / keys;
+    const float scale = 1.0f / sqrtf(float(d));
+    const long long items = (long long)batch * kv_heads * tiles;
+    for (long long item = blockIdx.x; item < items; item += gridDim.x) {
+        const int tile = int(item % tiles);
+        const int kv = int(item / tiles % kv_heads);
+        const int b = int(item / tiles / kv_heads);
+        const int c0 = tile * keys;
+        const int* seg = segments == nullptr ? nullptr : segments + size_t(b) * len;
+        load_tile(k_s, KV_STRIDE, qkv, cos, sin, b, c0, keys, len, n.width(), n.key_col(kv), d);
+        load_tile(v_s, KV_STRIDE, qkv, nullptr, nullptr, b, c0, keys, len, n.width(),
+                  n.value_col(kv), d);
+        float dk[KEYS_PER_WARP][DIMS_PER_LANE] = {};
+        float dv[KEYS_PER_WARP][DIMS_PER_LANE] = {};
+        // Causal: no query row before the tile's first key sees it.
+        const int first_row = causal ? c0 / DKV_QROWS * DKV_QROWS : 0;
+        for (int g = 0; g < n.group(); ++g) {
+            const int head = kv * n.group() + g;
+            for (int r0 = first_row; r0 < len; r0 += DKV_QROWS) {
+                __syncthreads();  // the key tile is in; every warp is done with the last rows
+                load_tile(q_s, MAX_D, qkv, cos, sin, b, r0, DKV_QROWS, len, n.width(), head * d,
+                          d);
+                load_tile(dy_s, MAX_D, dy, nullptr, nullptr, b, r0, DKV_QROWS, len, heads * d,
+                          head * d, d);
+                for (int i = threadIdx.x; i < DKV_QROWS; i += blockDim.x) {
+                    const int r = r0 + i;
+                    const size_t at = (size_t(b) * heads + head) * len + r;
+                    lse_s[i] = r < len ? lse[at] : 0.0f;
+                    delta_s[i] = r < len ? delta[at] : 0.0f;
+                }
+                __syncthreads();
+                for (int e = threadIdx.x; e < DKV_QROWS * keys; e += blockDim.x) {
+                    const int i = e / keys;
+                    const int kc = e % keys;
+                    float p = 0.0f;
+                    float ds = 0.0f;
+                    if (visible(seg, causal, r0 + i, c0 + kc, len)) {
+                        const float s = dot(q_s + i * MAX_D, k_s + kc * KV_STRIDE, d) * scale;
+                        p = expf(s - lse_s[i]);
+                        const float dp = dot(dy_s + i * MAX_D, v_s + kc * KV_STRIDE, d);
+                        ds = scale * p * (dp - delta_s[i]);
+                    }
+                    p_s[i * P_STRIDE + kc] = p;
+                    ds_s[i * P_STRIDE + kc] = ds;
+                }
+                __syncthreads();
+                #pragma unroll
+                for (int k = 0; k < KEYS_PER_WARP; ++k) {
+                    const int kc = warp * KEYS_PER_WARP + k;
+                    for (int i = 0; i < DKV_QROWS; ++i) {
+                        const float p = p_s[i * P_STRIDE + kc];
+                        const float ds = ds_s[i * P_STRIDE + kc];
+                        #pragma unroll
+                        for (int u = 0; u < DIMS_PER_LANE; ++u) {
+                            const int j = lane + 32 * u;
+                            if (j < d) {
+                                dv[k][u] += p * dy_s[i * MAX_D + j];
+                                dk[k][u] += ds * q_s[i * MAX_D + j];
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        __syncthreads();  // every thread is done reading k_s
+        #pragma unroll
+        for (int k = 0; k < KEYS_PER_WARP; ++k) {
+            const int kc = warp * KEYS_PER_WARP + k;
+            const int c = c0 + kc;
+            #pragma unroll
+            for (int u = 0; u < DIMS_PER_LANE; ++u) {
+                const int j = lane + 32 * u;
+                if (j < d) {
+                    k_s[kc * KV_STRIDE + j] = dk[k][u];
+                    if (c < len) {
+                        dqkv[(size_t(b) * len + c) * n.width() + n.value_col(kv) + j] = dv[k][u];
+                    }
+                }
+            }
+        }
+        __syncwarp();  // each warp turns its own keys back
+        for (int k = 0; k < KEYS_PER_WARP; ++k) {
+            const int kc = warp * KEYS_PER_WARP + k;
+            const int c = c0 + kc;
+            if (c >= len) {
+                continue;
+            }
+            const size_t row = size_t(b) * len + c;
+            for (int j = lane; j < d; j += 32) {
+                dqkv[row * n.width() + n.key_col(kv) + j] =
+                    unrotate(k_s + kc * KV_STRIDE, cos, sin, row, j, d);
+            }
+        }
+        __syncthreads();  // k_s and v_s are loaded again for the next item
+    }
+}
