@@ -23,6 +23,10 @@ pub const SOURCES: &[KernelSource] = &[
         text: include_str!("../embedding.cu"),
     },
     KernelSource {
+        name: "gated_rms_norm.cu",
+        text: include_str!("../gated_rms_norm.cu"),
+    },
+    KernelSource {
         name: "grad_norm.cu",
         text: include_str!("../grad_norm.cu"),
     },
