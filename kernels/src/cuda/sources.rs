@@ -15,6 +15,10 @@ pub const SOURCES: &[KernelSource] = &[
         text: include_str!("../adamw.cu"),
     },
     KernelSource {
+        name: "causal_conv_silu.cu",
+        text: include_str!("../causal_conv_silu.cu"),
+    },
+    KernelSource {
         name: "cross_entropy.cu",
         text: include_str!("../cross_entropy.cu"),
     },
