@@ -48,6 +48,8 @@ pub mod simd;
 #[cfg(test)]
 mod simt;
 pub mod softmax;
+#[cfg(test)]
+mod ssd;
 pub mod swiglu;
 #[cfg(test)]
 mod testing;

@@ -47,6 +47,10 @@ pub const SOURCES: &[KernelSource] = &[
         text: include_str!("../rope.cu"),
     },
     KernelSource {
+        name: "ssd.cu",
+        text: include_str!("../ssd.cu"),
+    },
+    KernelSource {
         name: "swiglu.cu",
         text: include_str!("../swiglu.cu"),
     },
