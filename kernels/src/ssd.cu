@@ -1,7 +1,7 @@
-// Mamba-2's chunked SSD scan on the GPU (the forward of step 4 without the D·x skip; the CPU
-// version is ssd_chunked in ops/model/src/mamba2.rs, and ssd.rs holds the recurrence it is
-// tested against). Per row b and head h, with Δ = dt, A = a[h] < 0, and B, C read from group
-// g = h / (H/G):
+// Mamba-2's chunked SSD scan on the GPU: step 4 without the D·x skip, forward and (at the end
+// of the file) backward. The CPU version is ssd_chunked in ops/model/src/mamba2.rs; ssd.rs
+// holds the recurrence it is tested against. Per row b and head h, with Δ = dt, A = a[h] < 0,
+// and B, C read from group g = h / (H/G):
 //   S_t = keep_t · exp(Δ_t A) · S_{t−1} + Δ_t x_t ⊗ B_t,   y_t = S_t · C_t,
 // keep_t = 0 where token t starts a run (starts[b·T + t] == t), else 1.
 //
@@ -163,5 +163,143 @@ extern "C" __global__ void ssd_chunk_scan_f32(const float* x, const float* dt, c
             }
             y[d.x_at(b, t, h) + i] = sum;
         }
+    }
+}
+
+// The backward, by the recurrence run in reverse, one block a (row, head); the forward's
+// entering states are its checkpoints, so each chunk's states are recomputed from them, never
+// stored for every token. With dS_t the gradient of the state after token t and
+// γ_t = keep_t · exp(Δ_t A):
+//   dS_t = dy_t ⊗ C_t + γ_{t+1} dS_{t+1}
+//   dx_t = Δ_t dS_t·B_t       dB_t = Δ_t dS_tᵀ·x_t       dC_t = S_tᵀ·dy_t
+//   dγ_t = Σ dS_t ⊙ S_{t−1}   dΔ_t = Σ dS_t ⊙ (x_t ⊗ B_t) + dγ_t γ_t A   dA += dγ_t γ_t Δ_t
+// dB and dC are written per head (db_h, dc_h [B, T, H, N]) and dA per row (da_row [B, H]);
+// ssd_bwd_reduce_f32 sums them over a group's heads and over rows, in order. Each token's sums
+// over p, n or both are products written to `scratch` and added, after a barrier, by one
+// thread each, in index order. scratch holds, per (row, head), (chunk + 5) · P · N floats.
+// Correctness first, like the forward: sequential in time inside a block.
+extern "C" __global__ void ssd_bwd_f32(const float* x, const float* dt, const float* a,
+                                       const float* bm, const float* cm, const int* starts,
+                                       const float* entering, const float* dy, float* scratch,
+                                       float* dx, float* ddt, float* db_h, float* dc_h,
+                                       float* da_row, int batch, int len, int heads, int p,
+                                       int groups, int n, int chunk) {
+    const SsdDims d = ssd_dims(batch, len, heads, p, groups, n, chunk);
+    const int chunks = d.chunks();
+    const int pn = p * n;
+    for (int item = blockIdx.x; item < batch * heads; item += gridDim.x) {
+        const int b = item / heads;
+        const int h = item % heads;
+        const float a_h = a[h];
+        // states[0] = S before the chunk, states[1 + u] = S after its token u.
+        float* states = scratch + size_t(item) * (chunk + 5) * pn;
+        float* ds = states + size_t(chunk + 1) * pn;
+        float* q_dx = ds + pn;  // dS ⊙ B, summed over n
+        float* q_db = q_dx + pn;  // dS ⊙ x, summed over p
+        float* q_dc = q_db + pn;  // S ⊙ dy, summed over p
+        for (int e = threadIdx.x; e < pn; e += blockDim.x) {
+            ds[e] = 0.0f;
+        }
+        float gamma_next = 0.0f;  // γ_{t+1}; nothing follows the last token
+        float da = 0.0f;          // thread 0's running dA
+        for (int ch = chunks - 1; ch >= 0; --ch) {
+            const int first = d.first(ch);
+            for (int e = threadIdx.x; e < pn; e += blockDim.x) {
+                float s = entering[(size_t(item) * chunks + ch) * pn + e];
+                states[e] = s;
+                for (int t = first; t < d.end(ch); ++t) {
+                    const float delta = dt[d.dt_at(b, t, h)];
+                    const float gamma =
+                        starts[size_t(b) * len + t] < t ? expf(delta * a_h) : 0.0f;
+                    s = gamma * s + delta * x[d.x_at(b, t, h) + e / n] * bm[d.bc_at(b, t, h) + e % n];
+                    states[size_t(t - first + 1) * pn + e] = s;
+                }
+            }
+            for (int t = d.end(ch) - 1; t >= first; --t) {
+                const float delta = dt[d.dt_at(b, t, h)];
+                const float gamma = starts[size_t(b) * len + t] < t ? expf(delta * a_h) : 0.0f;
+                const float* s_t = states + size_t(t - first + 1) * pn;
+                const float* s_prev = states + size_t(t - first) * pn;
+                const float* x_t = x + d.x_at(b, t, h);
+                const float* dy_t = dy + d.x_at(b, t, h);
+                const float* b_t = bm + d.bc_at(b, t, h);
+                const float* c_t = cm + d.bc_at(b, t, h);
+                for (int e = threadIdx.x; e < pn; e += blockDim.x) {
+                    const int i = e / n;
+                    const int k = e % n;
+                    ds[e] = gamma_next * ds[e] + dy_t[i] * c_t[k];
+                    q_dx[e] = ds[e] * b_t[k];
+                    q_db[e] = ds[e] * x_t[i];
+                    q_dc[e] = s_t[e] * dy_t[i];
+                }
+                __syncthreads();
+                for (int j = threadIdx.x; j < p + n + 1; j += blockDim.x) {
+                    if (j < p) {
+                        float sum = 0.0f;
+                        for (int k = 0; k < n; ++k) {
+                            sum += q_dx[j * n + k];
+                        }
+                        dx[d.x_at(b, t, h) + j] = delta * sum;
+                    } else if (j < p + n) {
+                        const int k = j - p;
+                        float sum_b = 0.0f;
+                        float sum_c = 0.0f;
+                        for (int i = 0; i < p; ++i) {
+                            sum_b += q_db[i * n + k];
+                            sum_c += q_dc[i * n + k];
+                        }
+                        const size_t at = d.dt_at(b, t, h) * n + k;  // [B, T, H, N]
+                        db_h[at] = delta * sum_b;
+                        dc_h[at] = sum_c;
+                    } else {
+                        float sum_xb = 0.0f;
+                        float sum_gamma = 0.0f;
+                        for (int e = 0; e < pn; ++e) {
+                            sum_xb += q_db[e] * b_t[e % n];
+                            sum_gamma += ds[e] * s_prev[e];
+                        }
+                        ddt[d.dt_at(b, t, h)] = sum_xb + sum_gamma * gamma * a_h;
+                        da += sum_gamma * gamma * delta;
+                    }
+                }
+                __syncthreads();  // the products are written again for the next token
+                gamma_next = gamma;
+            }
+        }
+        // The thread that summed the scalars holds dA (j = p + n, thread (p + n) % blockDim.x).
+        if (threadIdx.x == (p + n) % blockDim.x) {
+            da_row[item] = da;
+        }
+    }
+}
+
+// db[b, t, g, :] = Σ_{h in g} db_h[b, t, h, :] and dc likewise, heads in order; da[h] =
+// Σ_b da_row[b, h], rows in order. Grid-stride over B·T·G·N, then H.
+extern "C" __global__ void ssd_bwd_reduce_f32(const float* db_h, const float* dc_h,
+                                              const float* da_row, float* db, float* dc,
+                                              float* da, int batch, int len, int heads,
+                                              int groups, int n) {
+    const size_t total = size_t(batch) * len * groups * n;
+    const size_t stride = size_t(gridDim.x) * blockDim.x;
+    const int per_group = heads / groups;
+    for (size_t e = size_t(blockIdx.x) * blockDim.x + threadIdx.x; e < total; e += stride) {
+        const int k = int(e % n);
+        const int g = int((e / n) % groups);
+        const size_t token = e / (size_t(n) * groups);
+        float sum_b = 0.0f;
+        float sum_c = 0.0f;
+        for (int h = g * per_group; h < (g + 1) * per_group; ++h) {
+            sum_b += db_h[(token * heads + h) * n + k];
+            sum_c += dc_h[(token * heads + h) * n + k];
+        }
+        db[e] = sum_b;
+        dc[e] = sum_c;
+    }
+    for (size_t h = size_t(blockIdx.x) * blockDim.x + threadIdx.x; h < size_t(heads); h += stride) {
+        float sum = 0.0f;
+        for (int b = 0; b < batch; ++b) {
+            sum += da_row[size_t(b) * heads + h];
+        }
+        da[h] = sum;
     }
 }

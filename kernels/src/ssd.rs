@@ -12,7 +12,8 @@
 //!
 //! Must match: `ssd_plain` within 1e-6 relative to the largest `|y|` (the chunked form
 //! sums in a different order and takes `exp` of cumulative sums, not products of `exp`; the
-//! test shapes reach 3e-7).
+//! test shapes reach 3e-7), and autograd through it within 1e-5 relative to each gradient's
+//! largest magnitude (the test shapes reach 5e-7).
 
 #[cfg(test)]
 mod tests {
@@ -261,7 +262,131 @@ mod tests {
             ];
             launch_1d("ssd_chunk_scan_f32", grid, block, schedule, &scan).unwrap();
         }
-        vec![y]
+        vec![y, entering]
+    }
+
+    /// What ssd.cu's backward computes through the SIMT shim from the forward's entering
+    /// states: dx, ddt, da, db and dc.
+    fn cuda_bwd(
+        [x, dt, a, b, c]: &[Vec<f32>; 5],
+        (starts, entering, dy): (&[i32], &[f32], &[f32]),
+        (d, chunk): (Dims, usize),
+        (grid, block): (u32, u32),
+        schedule: Schedule,
+    ) -> Vec<Vec<f32>> {
+        use crate::simt::{arg, launch_1d};
+        let rows = d.batch * d.heads;
+        let mut scratch = vec![0f32; rows * (chunk + 5) * d.p * d.n];
+        let (mut dx, mut ddt) = (vec![0f32; x.len()], vec![0f32; dt.len()]);
+        let per_head = d.batch * d.len * d.heads * d.n;
+        let (mut db_h, mut dc_h, mut da_row) =
+            (vec![0f32; per_head], vec![0f32; per_head], vec![0f32; rows]);
+        let (mut db, mut dc, mut da) = (
+            vec![0f32; b.len()],
+            vec![0f32; c.len()],
+            vec![0f32; d.heads],
+        );
+        let [batch, len, heads, p, groups, n, l] =
+            [d.batch, d.len, d.heads, d.p, d.groups, d.n, chunk].map(|v| v as i32);
+        let (x, dt, a, b, c) = (x.as_ptr(), dt.as_ptr(), a.as_ptr(), b.as_ptr(), c.as_ptr());
+        let (st, en, dy) = (starts.as_ptr(), entering.as_ptr(), dy.as_ptr());
+        let (sp, dxp, ddtp) = (scratch.as_mut_ptr(), dx.as_mut_ptr(), ddt.as_mut_ptr());
+        let (dbh, dch, dar) = (db_h.as_mut_ptr(), dc_h.as_mut_ptr(), da_row.as_mut_ptr());
+        let (dbp, dcp, dap) = (db.as_mut_ptr(), dc.as_mut_ptr(), da.as_mut_ptr());
+        // SAFETY: as the forward's buffers, plus scratch (chunk + 5)·P·N a (row, head), db_h
+        // and dc_h B·T·H·N, da_row B·H, da H.
+        unsafe {
+            let bwd = [
+                arg(&x),
+                arg(&dt),
+                arg(&a),
+                arg(&b),
+                arg(&c),
+                arg(&st),
+                arg(&en),
+                arg(&dy),
+                arg(&sp),
+                arg(&dxp),
+                arg(&ddtp),
+                arg(&dbh),
+                arg(&dch),
+                arg(&dar),
+                arg(&batch),
+                arg(&len),
+                arg(&heads),
+                arg(&p),
+                arg(&groups),
+                arg(&n),
+                arg(&l),
+            ];
+            launch_1d("ssd_bwd_f32", grid, block, schedule, &bwd).unwrap();
+            let reduce = [
+                arg(&dbh),
+                arg(&dch),
+                arg(&dar),
+                arg(&dbp),
+                arg(&dcp),
+                arg(&dap),
+                arg(&batch),
+                arg(&len),
+                arg(&heads),
+                arg(&groups),
+                arg(&n),
+            ];
+            launch_1d("ssd_bwd_reduce_f32", grid, block, schedule, &reduce).unwrap();
+        }
+        vec![dx, ddt, da, db, dc]
+    }
+
+    /// ssd.cu's backward, through the SIMT shim, against autograd through the recurrence:
+    /// every input's gradient within 1e-5 of its largest magnitude, with packed runs, chunks
+    /// that do not divide the sequence, several heads a group, blocks smaller than P·N (threads
+    /// loop) and larger (threads idle), in both schedules (the same bytes).
+    #[test]
+    fn the_cuda_backward_matches_autograd_through_the_recurrence() {
+        let dims = |batch, len, heads, p, groups, n| Dims {
+            batch,
+            len,
+            heads,
+            p,
+            groups,
+            n,
+        };
+        for (d, cuts, chunk, step) in [
+            (dims(1, 1, 1, 1, 1, 1), vec![], 1, 1.0),
+            (dims(2, 13, 4, 3, 2, 5), vec![3, 4, 8], 4, 1.0),
+            (dims(2, 13, 4, 3, 1, 5), vec![], 5, 1.0),
+            (dims(1, 30, 2, 16, 2, 8), vec![16, 17], 8, 0.3),
+            (dims(2, 20, 2, 4, 2, 6), vec![5, 10], 64, 5.0),
+        ] {
+            let mut rng = Rng::new(d.len as u64 * 5 + d.n as u64);
+            let inputs = inputs(d, &mut rng, step);
+            let vars = inputs.each_ref().map(|t| Var::from_tensor(t).unwrap());
+            let starts = starts(d.batch, d.len, &cuts);
+            let [x, dt, a, b, c] = vars.each_ref().map(|v| v.as_tensor());
+            let y = ssd_plain(x, dt, a, (b, c), &starts).unwrap();
+            let dy = randn(&mut rng, y.dims(), 1.0);
+            let want = plain_grads(&y, &dy, &vars.each_ref());
+            let host = inputs.each_ref().map(values);
+            let starts: Vec<i32> = starts.iter().map(|&s| s as i32).collect();
+            let dyv = values(&dy);
+            let [_, entering] = &cuda(&host, &starts, (d, chunk), (3, 64), Schedule::Forward)[..]
+            else {
+                unreachable!("the forward returns y and the entering states")
+            };
+            for launch in [(1, 32), (3, 64), (1, 256)] {
+                let at = format!("{d:?}, chunk {chunk}, grid × block {launch:?}");
+                let bwd = |s| cuda_bwd(&host, (&starts, entering, &dyv), (d, chunk), launch, s);
+                let got = in_both_schedules(&at, bwd);
+                for ((what, got), want) in
+                    ["dx", "ddt", "da", "db", "dc"].iter().zip(&got).zip(&want)
+                {
+                    let scale = want.iter().fold(1f32, |m, v| m.max(v.abs()));
+                    let gap = largest_gap(got, want) / scale;
+                    assert!(gap < 1e-5, "{at}: {what} is {gap} (relative) from autograd");
+                }
+            }
+        }
     }
 
     /// ssd.cu, executed by the SIMT shim, against the recurrence: y within 1e-6 of the largest

@@ -51,6 +51,8 @@ const REGISTER_CEILINGS: &[(&str, u32)] = &[
     ("rms_norm_fwd_f32", 32),                 // 24 on NVRTC 13.0
     ("rope_bwd_f32", 32),                     // 24 on NVRTC 13.0
     ("rope_fwd_f32", 32),                     // 24 on NVRTC 13.0
+    ("ssd_bwd_f32", 104),                     // 96 on NVRTC 13.0
+    ("ssd_bwd_reduce_f32", 40),               // 32 on NVRTC 13.0
     ("ssd_chunk_cumsum_f32", 40),             // 36 on NVRTC 13.0
     ("ssd_chunk_scan_f32", 64),               // 56 on NVRTC 13.0
     ("ssd_chunk_state_f32", 80),              // 72 on NVRTC 13.0
