@@ -187,4 +187,100 @@ mod tests {
             }
         }
     }
+
+    /// What gated_rms_norm.cu computes through the SIMT shim: out, dy, dz and dw for `grid`
+    /// blocks of `block` threads, in one schedule.
+    fn cuda(
+        (y, z, w, g): (&[f32], &[f32], &[f32], &[f32]),
+        (rows, d, groups): (usize, usize, usize),
+        (grid, block): (u32, u32),
+        schedule: Schedule,
+    ) -> Vec<Vec<f32>> {
+        use crate::simt::{arg, launch_1d};
+        let (mut out, mut rstd) = (vec![0f32; rows * d], vec![0f32; rows * groups]);
+        let (mut dy, mut dz) = (vec![0f32; rows * d], vec![0f32; rows * d]);
+        let (mut partial, mut dw) = (vec![0f32; grid as usize * d], vec![0f32; d]);
+        let (r, n, gr, eps, blocks) = (rows as i32, d as i32, groups as i32, 1e-5f32, grid as i32);
+        let (y, z, w, g) = (y.as_ptr(), z.as_ptr(), w.as_ptr(), g.as_ptr());
+        let (op, rp) = (out.as_mut_ptr(), rstd.as_mut_ptr());
+        let (dyp, dzp) = (dy.as_mut_ptr(), dz.as_mut_ptr());
+        let (pp, dwp) = (partial.as_mut_ptr(), dw.as_mut_ptr());
+        // SAFETY: y, z, out, g, dy and dz hold rows × d values, w and dw d, rstd one a
+        // (row, group), the partials a row of d a block.
+        unsafe {
+            let fwd = [
+                arg(&y),
+                arg(&z),
+                arg(&w),
+                arg(&op),
+                arg(&rp),
+                arg(&r),
+                arg(&n),
+                arg(&gr),
+                arg(&eps),
+            ];
+            launch_1d("gated_rms_norm_fwd_f32", grid, block, schedule, &fwd).unwrap();
+            let bwd = [
+                arg(&y),
+                arg(&z),
+                arg(&w),
+                arg(&rp),
+                arg(&g),
+                arg(&dyp),
+                arg(&dzp),
+                arg(&pp),
+                arg(&r),
+                arg(&n),
+                arg(&gr),
+            ];
+            launch_1d("gated_rms_norm_bwd_f32", grid, block, schedule, &bwd).unwrap();
+            let reduce = [arg(&pp), arg(&dwp), arg(&blocks), arg(&n)];
+            let columns = d.div_ceil(128) as u32;
+            launch_1d("gated_rms_norm_dw_reduce", columns, 128, schedule, &reduce).unwrap();
+        }
+        vec![out, dy, dz, dw]
+    }
+
+    /// gated_rms_norm.cu, executed by the SIMT shim, against the plain ops: values within
+    /// 1e-5, the gradients of y, z and the weight within 1e-4, with one group and several,
+    /// groups smaller than a warp and larger than a block, grids that loop over (row, group)
+    /// items and grids that leave blocks idle, in both schedules (which must give the same
+    /// bytes: dw has no atomics).
+    #[test]
+    fn the_cuda_kernels_match_the_plain_ops() {
+        for (rows, d, groups) in [
+            (1, 1, 1),
+            (3, 7, 1),
+            (5, 12, 4),
+            (7, 1000, 2),
+            (33, 96, 3),
+            (4, 3000, 1),
+        ] {
+            let mut rng = Rng::new(13 * d as u64 + rows as u64 + groups as u64);
+            let y = Var::from_tensor(&randn(&mut rng, &[rows, d], 1.5)).unwrap();
+            let z = Var::from_tensor(&randn(&mut rng, &[rows, d], 1.5)).unwrap();
+            let w = Var::from_tensor(&randn(&mut rng, &[d], 1.0)).unwrap();
+            let g = randn(&mut rng, &[rows, d], 1.0);
+            let plain = gated_rms_norm_plain(&y, &z, &w, groups, 1e-5).unwrap();
+            let mut want = vec![values(&plain)];
+            want.extend(plain_grads(&plain, &g, &[&y, &z, &w]));
+            let inputs = [&y, &z, &w].map(|v| values(v.as_tensor()));
+            let gv = values(&g);
+            let inputs = (&inputs[0][..], &inputs[1][..], &inputs[2][..], &gv[..]);
+            let items = (rows * groups) as u32;
+            for launch in [(1, 32), (3, 64), (items, 256), (items + 3, 128), (2, 1024)] {
+                let at = format!("rows {rows}, D {d}, {groups} groups, grid × block {launch:?}");
+                let got = in_both_schedules(&at, |s| cuda(inputs, (rows, d, groups), launch, s));
+                for (what, got, want, tolerance) in [
+                    ("out", &got[0], &want[0], 1e-5),
+                    ("dy", &got[1], &want[1], 1e-4),
+                    ("dz", &got[2], &want[2], 1e-4),
+                    ("dw", &got[3], &want[3], 1e-4),
+                ] {
+                    let gap = largest_gap(got, want);
+                    assert!(gap < tolerance, "{at}: {what} is {gap} from the plain ops");
+                }
+            }
+        }
+    }
 }

@@ -49,6 +49,8 @@ pub mod rows;
 pub mod simd;
 pub mod simt;
 pub mod softmax;
+#[cfg(test)]
+mod ssd;
 pub mod swiglu;
 #[cfg(test)]
 mod testing;

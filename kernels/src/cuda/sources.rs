@@ -23,12 +23,20 @@ pub const SOURCES: &[KernelSource] = &[
         text: include_str!("../attention/attention.cu"),
     },
     KernelSource {
+        name: "causal_conv_silu.cu",
+        text: include_str!("../causal_conv_silu.cu"),
+    },
+    KernelSource {
         name: "cross_entropy.cu",
         text: include_str!("../cross_entropy.cu"),
     },
     KernelSource {
         name: "embedding.cu",
         text: include_str!("../embedding.cu"),
+    },
+    KernelSource {
+        name: "gated_rms_norm.cu",
+        text: include_str!("../gated_rms_norm.cu"),
     },
     KernelSource {
         name: "grad_norm.cu",
@@ -49,6 +57,10 @@ pub const SOURCES: &[KernelSource] = &[
     KernelSource {
         name: "rope.cu",
         text: include_str!("../rope.cu"),
+    },
+    KernelSource {
+        name: "ssd.cu",
+        text: include_str!("../ssd.cu"),
     },
     KernelSource {
         name: "swiglu.cu",
