@@ -196,12 +196,7 @@ impl<'a> NextToken<'a> {
 impl Objective for NextToken<'_> {
     fn prepare(&mut self, _model: &Model, step: u64) -> Result<usize, RunError> {
         self.micro = self.source.global_batch(step)?;
-        self.normaliser = self
-            .micro
-            .iter()
-            .map(|b| b.loss_mask.iter().map(|m| *m as f64).sum::<f64>())
-            .sum::<f64>()
-            .max(1.0);
+        self.normaliser = global_loss_tokens(&self.micro);
         Ok(self.micro.len())
     }
 
@@ -216,6 +211,17 @@ impl Objective for NextToken<'_> {
             tally: Tally::new(),
         })
     }
+}
+
+/// The loss tokens of a micro-batch: the sum of its loss mask.
+pub fn loss_tokens(batch: &Batch) -> f64 {
+    batch.loss_mask.iter().map(|m| *m as f64).sum()
+}
+
+/// What every micro-batch's summed cross-entropy is divided by: the loss tokens of the whole
+/// global batch (at least 1), so the micro-batches' gradients add up to the global batch's.
+pub fn global_loss_tokens(micro: &[Batch]) -> f64 {
+    micro.iter().map(loss_tokens).sum::<f64>().max(1.0)
 }
 
 /// Per-token log-probabilities `(B, T)` of `labels` under the model: `out[b, t] =

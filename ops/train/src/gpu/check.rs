@@ -145,11 +145,7 @@ pub(crate) fn cpu_gradients(
     source: &mut dyn BatchSource,
 ) -> Result<Vec<Vec<f32>>, RunError> {
     let micro = source.global_batch(0)?;
-    let normaliser: f64 = micro
-        .iter()
-        .map(|b| b.loss_mask.iter().map(|m| *m as f64).sum::<f64>())
-        .sum::<f64>()
-        .max(1.0);
+    let normaliser = crate::global_loss_tokens(&micro);
     let mut sums: Vec<Vec<f32>> = t
         .model
         .params

@@ -25,7 +25,6 @@ use kernels::launch::{Arg, Geometry, Launcher};
 use launches::{Kernels, NN, NT, TN, elementwise_grid, row_grid};
 use model::config::{Activation, BlockKind};
 use model::net::Batch;
-use model::params::to_f32_vec;
 use nemo_dag_op::RunError;
 use std::collections::BTreeMap;
 
@@ -199,23 +198,13 @@ impl<'l, L: Launcher> DeviceStep<'l, L> {
     /// GPU trainer cannot train yet.
     pub fn upload(launcher: &'l L, trainer: &Trainer) -> Result<Self, RunError> {
         let layout = Layout::of(trainer)?;
-        let flat =
-            |parts: &mut dyn Iterator<Item = Vec<f32>>| parts.flatten().collect::<Vec<f32>>();
-        let weights = trainer
-            .model
-            .params
-            .iter()
-            .map(|(_, var)| to_f32_vec(var.as_tensor()))
-            .collect::<candle_core::Result<Vec<_>>>()
-            .map_err(crate::err)?;
-        let weights = launcher
-            .upload_f32(&flat(&mut weights.into_iter()))
-            .map_err(device)?;
+        let weights = trainer.model.params.values().map_err(crate::err)?;
+        let weights = launcher.upload_f32(&weights.concat()).map_err(device)?;
         let m = launcher
-            .upload_f32(&flat(&mut trainer.opt.m.iter().cloned()))
+            .upload_f32(&trainer.opt.m.concat())
             .map_err(device)?;
         let v = launcher
-            .upload_f32(&flat(&mut trainer.opt.v.iter().cloned()))
+            .upload_f32(&trainer.opt.v.concat())
             .map_err(device)?;
         Ok(DeviceStep {
             launcher,
@@ -280,16 +269,12 @@ impl<'l, L: Launcher> DeviceStep<'l, L> {
         source: &mut dyn BatchSource,
     ) -> Result<(f64, f64), RunError> {
         let micro = source.global_batch(trainer.step)?;
-        let normaliser = micro
-            .iter()
-            .map(|b| b.loss_mask.iter().map(|m| *m as f64).sum::<f64>())
-            .sum::<f64>()
-            .max(1.0);
+        let normaliser = crate::global_loss_tokens(&micro);
         self.zero_grads()?;
         let (mut loss_sum, mut tokens) = (0.0, 0.0);
         for batch in &micro {
             loss_sum += self.forward_backward(batch, normaliser)?;
-            tokens += batch.loss_mask.iter().map(|m| *m as f64).sum::<f64>();
+            tokens += crate::loss_tokens(batch);
         }
         let norm = self.clip(trainer.schedule.clip_grad)?;
         trainer.check_norm(norm)?;
