@@ -14,13 +14,17 @@
 //!   why it failed.
 //! - [`Registry`]: the ops a binary offers, and the nearest name to a misspelt one.
 //! - [`Device`]: a stage's `resources.device`, and the [`GpuProbe`] a binary checks it with.
+//! - [`Plan`]: what a stage hands downstream and what it will cost ([`Estimate`]), before it
+//!   runs.
 //! - [`process`]: shell quoting and die-with-parent, for every place that starts a process.
 
 pub mod device;
+pub mod plan;
 pub mod process;
 pub mod registry;
 
 pub use device::{DEVICE_FORMS, Device, GpuProbe};
+pub use plan::{Estimate, Facts, Plan, Upstream};
 pub use registry::{Registry, nearest};
 
 use serde::de::DeserializeOwned;
@@ -234,6 +238,12 @@ pub trait Op: Sync {
     fn check(&self, params: &Self::Params, stage: &StageDecl) -> Result<(), DeclError>;
     /// Produce every output under `ctx.out_dir`.
     fn run(&self, params: &Self::Params, ctx: &mut RunContext) -> Result<Metrics, RunError>;
+    /// What the stage will hand downstream and what it will cost, from its params and its
+    /// upstream's facts; called on checked params. Ops that cost little plan nothing.
+    fn plan(&self, params: &Self::Params, upstream: &Upstream) -> Plan {
+        let _ = (params, upstream);
+        Plan::default()
+    }
 }
 
 /// What a successful [`AnyOp::check`] approved (the op's parsed params), for [`AnyOp::run`].
@@ -252,6 +262,8 @@ pub trait AnyOp: Sync {
     fn check(&self, stage: &StageDecl) -> Result<Checked, DeclError>;
     /// Run with what `check` approved for this same stage.
     fn run(&self, checked: &Checked, ctx: &mut RunContext) -> Result<Metrics, RunError>;
+    /// Plan with what `check` approved for this same stage ([`Op::plan`]).
+    fn plan(&self, checked: &Checked, upstream: &Upstream) -> Plan;
 
     fn name(&self) -> &'static str {
         self.spec().name
@@ -296,6 +308,13 @@ impl<T: Op> AnyOp for T {
             ))
         })?;
         Op::run(self, params, ctx)
+    }
+
+    fn plan(&self, checked: &Checked, upstream: &Upstream) -> Plan {
+        match checked.0.downcast_ref::<T::Params>() {
+            Some(params) => Op::plan(self, params, upstream),
+            None => Plan::default(),
+        }
     }
 }
 
