@@ -39,15 +39,19 @@
 //! Outputs as `sft`: `model` (weights, config, tokenizer) and `checkpoint` (resumable).
 
 use crate::training::{
-    MODEL_OUTPUTS, UPSTREAM_MODEL, check_training, input, model_tokenizer, train_and_publish,
+    MODEL_OUTPUTS, UPSTREAM_MODEL, check_training, input, model_plan, model_tokenizer,
+    planned_model, train_and_publish,
 };
 use nemo_dag_data::chat::{ChatTemplate, Message, RenderFlags, TemplateSource};
 use nemo_dag_data::preference::{PreferenceRow, read_preferences};
-use nemo_dag_op::{DeclError, Metrics, Op, Outputs, Port, RunContext, RunError, Spec, StageDecl};
+use nemo_dag_op::{
+    DeclError, Metrics, Op, Outputs, Plan, Port, RunContext, RunError, Spec, StageDecl, Upstream,
+};
 use serde::Deserialize;
 use serde_json::Value;
 use std::path::Path;
 use train::dpo::{DpoObjective, LossConfig, Pair, Sequence};
+use train::footprint::{Shape, Sized};
 use train::{Schedule, Trainer, checkpoint};
 
 pub struct Dpo;
@@ -137,6 +141,30 @@ impl Op for Dpo {
             ));
         }
         check_training(None, &p.schedule)
+    }
+
+    /// The upstream model, trained on micro-batches of `micro_batch` pairs (twice as many
+    /// rows) beside a frozen copy of itself. Rows are padded to the longest of their
+    /// micro-batch, which the plan cannot know: it takes every row at `max_length`, an upper
+    /// bound.
+    fn plan(&self, p: &Params, upstream: &Upstream) -> Plan {
+        let Some(model) = planned_model(upstream) else {
+            return Plan::default();
+        };
+        let estimate = Sized::new(&model.config, model.vocab).map(|sized| {
+            let shape = Shape {
+                rows: 2 * p.schedule.micro_batch,
+                len: p.max_length.unwrap_or(model.config.max_seq),
+                micro_batches: p
+                    .schedule
+                    .global_batch
+                    .div_ceil(p.schedule.micro_batch.max(1)),
+                steps: p.schedule.steps,
+            };
+            let reference = vec![("reference model".to_string(), sized.weight_bytes())];
+            sized.training_between(2, shape, reference, "dpo, rows at max_length")
+        });
+        model_plan(model, estimate)
     }
 
     fn run(&self, p: &Params, ctx: &mut RunContext) -> Result<Metrics, RunError> {

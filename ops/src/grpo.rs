@@ -46,14 +46,18 @@
 //! `kl` (mean k3 per response token, only when the KL term is on).
 
 use crate::training::{
-    MODEL_OUTPUTS, UPSTREAM_MODEL, check_training, input, model_tokenizer, train_and_publish,
+    MODEL_OUTPUTS, UPSTREAM_MODEL, check_training, input, model_plan, model_tokenizer,
+    planned_model, train_and_publish,
 };
 use model::sampling::Sampling;
 use nemo_dag_data::chat::{ChatTemplate, Message, RenderFlags, TemplateSource};
-use nemo_dag_op::{DeclError, Metrics, Op, Outputs, Port, RunContext, RunError, Spec, StageDecl};
+use nemo_dag_op::{
+    DeclError, Metrics, Op, Outputs, Plan, Port, RunContext, RunError, Spec, StageDecl, Upstream,
+};
 use serde::Deserialize;
 use serde_json::Value;
 use std::path::Path;
+use train::footprint::{Shape, Sized};
 use train::grpo::{self, LossConfig, Prompt, Rollouts};
 use train::{Schedule, Trainer, checkpoint};
 
@@ -234,6 +238,37 @@ impl Op for Grpo {
     fn check(&self, p: &Params, _stage: &StageDecl) -> Result<(), DeclError> {
         p.check()?;
         check_training(None, &p.schedule)
+    }
+
+    /// The upstream model: each step generates `num_prompts_per_step ×
+    /// num_generations_per_prompt` rollouts with the decoding caches, then trains on
+    /// micro-batches of `micro_batch` of them. A rollout is a prompt and up to
+    /// `max_new_tokens`; prompt lengths are not known before the data is read, so the plan
+    /// takes every rollout at the model's `max_seq`, an upper bound.
+    fn plan(&self, p: &Params, upstream: &Upstream) -> Plan {
+        let Some(model) = planned_model(upstream) else {
+            return Plan::default();
+        };
+        let estimate = Sized::new(&model.config, model.vocab).map(|sized| {
+            let len = model.config.max_seq;
+            let rollouts = p.num_prompts_per_step * p.num_generations_per_prompt;
+            let micro = p.schedule.micro_batch.max(1);
+            let shape = Shape {
+                rows: micro,
+                len,
+                micro_batches: rollouts.div_ceil(micro),
+                steps: p.schedule.steps,
+            };
+            let mut extra = vec![(
+                "rollout caches".to_string(),
+                sized.cache_bytes(rollouts, len),
+            )];
+            if p.loss.reference_policy_kl_penalty > 0.0 {
+                extra.push(("reference model".to_string(), sized.weight_bytes()));
+            }
+            sized.training_between(2, shape, extra, "grpo, rollouts at max_seq")
+        });
+        model_plan(model, estimate)
     }
 
     fn run(&self, p: &Params, ctx: &mut RunContext) -> Result<Metrics, RunError> {

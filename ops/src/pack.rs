@@ -35,7 +35,10 @@ use nemo_dag_data::chat::{
 use nemo_dag_data::sft::packing::{self, Algorithm, PackStats, Sequence};
 use nemo_dag_data::sft::parquet as packed_parquet;
 use nemo_dag_data::text::{self, OnBadRow, files_of};
-use nemo_dag_op::{DeclError, Metrics, Op, Outputs, Port, RunContext, RunError, Spec, StageDecl};
+use nemo_dag_op::{
+    DeclError, Facts, Metrics, Op, Outputs, Plan, Port, RunContext, RunError, Spec, StageDecl,
+    Upstream,
+};
 use rayon::prelude::*;
 use serde::Deserialize;
 use serde_json::{Value, json};
@@ -198,6 +201,17 @@ impl Op for Pack {
                 .map_err(|e| DeclError::new(&["params", "chat_template"], e))?;
         }
         Ok(())
+    }
+
+    /// Tells the stages downstream how long a packed row is.
+    fn plan(&self, p: &Params, _: &Upstream) -> Plan {
+        Plan {
+            facts: Facts {
+                sequence: Some(p.pack_size),
+                ..Facts::default()
+            },
+            estimate: None,
+        }
     }
 
     fn run(&self, p: &Params, ctx: &mut RunContext) -> Result<Metrics, RunError> {

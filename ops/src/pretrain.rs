@@ -28,13 +28,17 @@
 //! after a checkpoint continues from it on the next run and ends with the same weights.
 
 use crate::training::{
-    MODEL_OUTPUTS, blend_split, check_training, input, model_vocab, train_and_publish,
+    MODEL_OUTPUTS, blend_split, check_training, input, model_file, model_plan, model_vocab,
+    planned_vocab, train_and_publish,
 };
 use model::config::ModelConfig;
 use model::net::Model;
-use nemo_dag_op::{DeclError, Metrics, Op, Outputs, Port, RunContext, RunError, Spec, StageDecl};
+use nemo_dag_op::{
+    DeclError, Metrics, Op, Outputs, Plan, Port, RunContext, RunError, Spec, StageDecl, Upstream,
+};
 use serde::Deserialize;
 use train::data::pretrain::PretrainData;
+use train::footprint::{Shape, Sized};
 use train::{self, NextToken, Schedule, Trainer};
 
 pub struct Pretrain;
@@ -88,6 +92,28 @@ impl Op for Pretrain {
             ));
         }
         Ok(())
+    }
+
+    /// The model it trains, and its run's footprint: micro-batches of `micro_batch` samples
+    /// of `seq_length` tokens.
+    fn plan(&self, p: &Params, upstream: &Upstream) -> Plan {
+        let vocab = match p.model.vocab {
+            0 => planned_vocab(upstream, "tokenizer"),
+            v => Some(v),
+        };
+        let Some(vocab) = vocab else {
+            return Plan::default();
+        };
+        let estimate = Sized::new(&p.model, vocab).map(|model| {
+            let shape = Shape {
+                rows: p.schedule.micro_batch,
+                len: p.seq_length,
+                micro_batches: p.schedule.global_batch / p.schedule.micro_batch.max(1),
+                steps: p.schedule.steps,
+            };
+            model.training(shape, Vec::new(), "pretrain")
+        });
+        model_plan(model_file(&p.model, vocab), estimate)
     }
 
     fn run(&self, p: &Params, ctx: &mut RunContext) -> Result<Metrics, RunError> {

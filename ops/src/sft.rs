@@ -21,15 +21,18 @@
 //! Rows are visited in a seeded shuffled order, epoch after epoch.
 
 use crate::training::{
-    MODEL_OUTPUTS, UPSTREAM_MODEL, blend_split, check_training, input, model_tokenizer,
-    train_and_publish,
+    MODEL_OUTPUTS, UPSTREAM_MODEL, blend_split, check_training, input, model_plan, model_tokenizer,
+    planned_model, train_and_publish,
 };
 use nemo_dag_data::sft::packing::PackedRow;
 use nemo_dag_data::sft::parquet as packed_parquet;
-use nemo_dag_op::{DeclError, Metrics, Op, Outputs, Port, RunContext, RunError, Spec, StageDecl};
+use nemo_dag_op::{
+    DeclError, Metrics, Op, Outputs, Plan, Port, RunContext, RunError, Spec, StageDecl, Upstream,
+};
 use serde::Deserialize;
 use std::path::Path;
 use train::data::sft::SftData;
+use train::footprint::{Shape, Sized};
 use train::{NextToken, Schedule, Trainer, checkpoint};
 
 pub struct Sft;
@@ -87,6 +90,29 @@ impl Op for Sft {
         }
         // The model's config comes from the upstream model artifact.
         check_training(None, &p.schedule)
+    }
+
+    /// The upstream model, trained further on micro-batches of `micro_batch` packed rows of
+    /// the pack stage's `pack_size` (the model's `max_seq` when that is not known).
+    fn plan(&self, p: &Params, upstream: &Upstream) -> Plan {
+        let Some(model) = planned_model(upstream) else {
+            return Plan::default();
+        };
+        let len = upstream
+            .stages
+            .get("data")
+            .and_then(|f| f.sequence)
+            .unwrap_or(model.config.max_seq);
+        let estimate = Sized::new(&model.config, model.vocab).map(|sized| {
+            let shape = Shape {
+                rows: p.schedule.micro_batch,
+                len,
+                micro_batches: p.schedule.global_batch / p.schedule.micro_batch.max(1),
+                steps: p.schedule.steps,
+            };
+            sized.training(shape, Vec::new(), "sft")
+        });
+        model_plan(model, estimate)
     }
 
     fn run(&self, p: &Params, ctx: &mut RunContext) -> Result<Metrics, RunError> {

@@ -24,7 +24,9 @@
 
 use nemo_dag_data::text::{self, Document, OnBadRow, ReadStats};
 use nemo_dag_data::tokenizer::split_between_words;
-use nemo_dag_op::{DeclError, Metrics, Op, Outputs, RunContext, RunError, Spec, StageDecl};
+use nemo_dag_op::{
+    DeclError, Facts, Metrics, Op, Outputs, Plan, RunContext, RunError, Spec, StageDecl, Upstream,
+};
 use serde::Deserialize;
 use serde_json::Value;
 use tokenizers::models::bpe::{BPE, BpeTrainerBuilder};
@@ -132,6 +134,17 @@ impl Op for TrainTokenizer {
             );
         }
         Ok(())
+    }
+
+    /// Tells the stages downstream the vocabulary they will have (at most `vocab_size`).
+    fn plan(&self, p: &Params, _: &Upstream) -> Plan {
+        Plan {
+            facts: Facts {
+                vocab: Some(p.vocab_size),
+                ..Facts::default()
+            },
+            estimate: None,
+        }
     }
 
     fn run(&self, p: &Params, ctx: &mut RunContext) -> Result<Metrics, RunError> {

@@ -3,11 +3,14 @@
 //! model's tokenizer, reading a `blend.json` split, and training to the end with a checkpoint
 //! to resume from, then publishing the model.
 
+use model::checkpoint::{self, ModelFile};
 use model::config::ModelConfig;
-use nemo_dag_op::{DeclError, Metrics, Port, Progress, RunContext, RunError};
+use nemo_dag_op::{
+    DeclError, Estimate, Facts, Metrics, Plan, Port, Progress, RunContext, RunError, Upstream,
+};
 use serde_json::Value;
 use std::path::{Path, PathBuf};
-use train::{Objective, Schedule, Trainer, checkpoint};
+use train::{Objective, Schedule, Trainer};
 
 /// The input every op after `pretrain` reads: the model it starts from.
 pub(crate) const UPSTREAM_MODEL: Port = Port {
@@ -77,8 +80,8 @@ pub(crate) fn train_and_publish(
     tokens_per_step: impl Fn(u64) -> u64,
 ) -> Result<Metrics, RunError> {
     let ckpt = ctx.out_dir.join("checkpoint");
-    if let Some(dir) = checkpoint::latest(&ckpt) {
-        checkpoint::restore(&mut trainer, &dir)
+    if let Some(dir) = train::checkpoint::latest(&ckpt) {
+        train::checkpoint::restore(&mut trainer, &dir)
             .map_err(|e| RunError::new(format!("cannot resume from {}: {e}", dir.display())))?;
         writeln!(
             ctx.log,
@@ -158,4 +161,47 @@ pub(crate) fn blend_split(
             }
         })
         .collect()
+}
+
+/// The model a stage's `model` input will be, before it exists: what the upstream stage
+/// declares, or the `config.json` of a model directory the manifest names.
+pub(crate) fn planned_model(upstream: &Upstream) -> Option<ModelFile> {
+    if let Some(model) = upstream.stages.get("model").and_then(|f| f.model.clone()) {
+        return serde_json::from_value(model).ok();
+    }
+    let dir = upstream.files.get("model")?;
+    checkpoint::read_model_file(dir).ok()
+}
+
+/// The vocabulary a stage's `tokenizer` input will have: what the upstream stage declares,
+/// or the size of the tokenizer.json the manifest names.
+pub(crate) fn planned_vocab(upstream: &Upstream, input: &str) -> Option<usize> {
+    if let Some(facts) = upstream.stages.get(input) {
+        return facts.vocab;
+    }
+    let file = upstream.files.get(input)?;
+    let tokenizer = tokenizers::Tokenizer::from_file(file).ok()?;
+    Some(tokenizer.get_vocab_size(true))
+}
+
+/// What a training stage hands downstream: its model (the upstream's, trained further) and
+/// the estimate of its run.
+pub(crate) fn model_plan(model: ModelFile, estimate: Option<Estimate>) -> Plan {
+    Plan {
+        facts: Facts {
+            vocab: Some(model.vocab),
+            model: serde_json::to_value(&model).ok(),
+            sequence: None,
+        },
+        estimate,
+    }
+}
+
+/// A model file for a config the stage declares itself.
+pub(crate) fn model_file(config: &ModelConfig, vocab: usize) -> ModelFile {
+    ModelFile {
+        nemo_dag_model: 1,
+        vocab,
+        config: config.clone(),
+    }
 }

@@ -8,6 +8,7 @@
 //! - [`net`]: the whole network (embedding, the pattern's blocks, MTP depths) and its loss.
 //! - [`decode`]: cached decoding, one token per row and step (KV caches, Mamba states).
 //! - [`sampling`]: temperature / top-k / top-p sampling, stop ids and strings, `generate`.
+//! - [`size`]: parameters, FLOPs and training memory from the config alone, before building.
 //! - [`checkpoint`]: model directories (`config.json`, `model.safetensors`) written and read.
 //!
 //! Everything is built from candle-core primitives and the kernels of the `nemo-dag-kernels`
@@ -24,3 +25,4 @@ pub mod moe;
 pub mod net;
 pub mod params;
 pub mod sampling;
+pub mod size;

@@ -26,6 +26,7 @@ pub mod choice;
 pub mod data;
 pub mod dpo;
 pub mod eval;
+pub mod footprint;
 pub mod gpu;
 pub mod grpo;
 pub mod optim;
