@@ -19,8 +19,8 @@ use crate::digest::Digester;
 use crate::executor::local::{self, Outcome};
 use crate::manifest::{LoadArgs, Manifest};
 use crate::stage_log::StageLog;
-use crate::store::{ARTIFACT_SCHEMA, Artifact, InputRecord, OutputRecord, Store};
-use nemo_dag_op::{Device, Progress, Registry, RunContext, StageDecl};
+use crate::store::{ARTIFACT_SCHEMA, Artifact, InputRecord, OutputRecord, ResourceRecord, Store};
+use nemo_dag_op::{Device, Estimate, Progress, Registry, RunContext, StageDecl};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use std::collections::BTreeMap;
@@ -49,6 +49,9 @@ pub struct JobSpec {
     /// The stage's `resources.device`, as written (checked when the manifest loaded).
     #[serde(default)]
     pub device: Option<String>,
+    /// The plan's estimate of what the stage needs ([`crate::estimate`]), when its op made one.
+    #[serde(default)]
+    pub estimate: Option<Estimate>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -245,6 +248,10 @@ pub fn exec(spec: &JobSpec, ops: Registry) -> Result<JobResult> {
         seconds,
         host: crate::store::hostname(),
         engine_version: env!("CARGO_PKG_VERSION").to_string(),
+        resources: Some(ResourceRecord {
+            peak_rss_bytes: peak_rss_bytes(),
+            estimate: spec.estimate.as_ref().map(Estimate::to_json),
+        }),
     };
     let json = serde_json::to_vec_pretty(&artifact).map_err(|e| miette::miette!("{e}"))?;
     crate::store::sync_tree(&tmp).map_err(|e| io_err("cannot sync", &tmp, e))?;
@@ -315,6 +322,19 @@ fn check_output_links(out_dir: &Path) -> std::result::Result<(), String> {
         }
     }
     Ok(())
+}
+
+/// The peak resident memory of this process or of its largest finished child, in bytes.
+fn peak_rss_bytes() -> u64 {
+    let peak = |who| {
+        // SAFETY: getrusage fills the struct it is given; all-zero is a valid rusage.
+        let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+        if unsafe { libc::getrusage(who, &mut usage) } != 0 {
+            return 0;
+        }
+        u64::try_from(usage.ru_maxrss).unwrap_or(0) * 1024 // Linux reports KiB
+    };
+    peak(libc::RUSAGE_SELF).max(peak(libc::RUSAGE_CHILDREN))
 }
 
 /// Total size in bytes of a file, or of the files under a directory.

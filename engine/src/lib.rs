@@ -30,6 +30,7 @@ pub mod diag;
 pub mod digest;
 pub mod doc;
 pub mod duration;
+pub mod estimate;
 pub mod exec;
 pub mod executor;
 pub mod graph;

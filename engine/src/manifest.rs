@@ -90,6 +90,8 @@ pub struct Manifest {
     /// Stage names, every stage after the stages it consumes.
     pub order: Vec<String>,
     locator: Locator,
+    /// Every stage's plan, made on first use ([`Manifest::plans`]).
+    plans: std::sync::OnceLock<BTreeMap<String, nemo_dag_op::Plan>>,
 }
 
 pub struct Stage {
@@ -352,6 +354,16 @@ impl Locator {
 }
 
 impl Manifest {
+    /// Every stage's plan: what it hands downstream and its estimate ([`crate::estimate`]).
+    pub fn plans(&self) -> &BTreeMap<String, nemo_dag_op::Plan> {
+        self.plans.get_or_init(|| crate::estimate::plans(self))
+    }
+
+    /// A stage's estimate of what it needs, when its op makes one.
+    pub fn estimate(&self, stage: &str) -> Option<&nemo_dag_op::Estimate> {
+        self.plans().get(stage).and_then(|p| p.estimate.as_ref())
+    }
+
     /// An error pointing at a node of this manifest.
     pub fn error_at(&self, path: &[&str], message: impl Into<String>) -> InputError {
         let path: KeyPath = path.iter().map(|s| s.to_string()).collect();
@@ -510,6 +522,7 @@ impl Manifest {
             stages: BTreeMap::new(),
             order: Vec::new(),
             locator,
+            plans: std::sync::OnceLock::new(),
         };
         manifest.build_stages(raw.stages, args.ops)?;
         manifest.order = manifest.topological_order()?;

@@ -35,6 +35,9 @@ pub struct RunOptions {
     pub targets: Vec<String>,
     pub force: Vec<String>,
     pub argv: Vec<String>,
+    /// Refuse, before anything runs, a stage whose plan needs more memory than this machine
+    /// has (`run --no-memory-check` turns it off).
+    pub check_memory: bool,
 }
 
 #[derive(Debug, Clone, serde::Serialize)]
@@ -256,6 +259,9 @@ pub fn run(manifest: &Manifest, store: &Store, opts: &RunOptions) -> Result<Vec<
     // Every input is read before anything is written: bad input leaves no trace.
     let mut digester = Digester::load(&store.memo_file());
     plan::check_file_inputs(manifest, &selected, &mut digester)?;
+    if opts.check_memory {
+        check_memory(manifest, store, &selected, &opts.force, &mut digester)?;
+    }
     store.ensure()?;
     let _shared = store.hold_shared()?;
     let runtime = tokio::runtime::Builder::new_current_thread()
@@ -263,6 +269,51 @@ pub fn run(manifest: &Manifest, store: &Store, opts: &RunOptions) -> Result<Vec<
         .build()
         .map_err(|e| miette::miette!("cannot start the scheduler: {e}"))?;
     runtime.block_on(schedule(manifest, store, opts, selected, digester))
+}
+
+/// Refuse the run, before any stage starts, when a stage that would run here has a plan that
+/// needs more memory than this machine has: better a clear error now than an out-of-memory
+/// kill an hour in, after its upstream stages ran.
+fn check_memory(
+    manifest: &Manifest,
+    store: &Store,
+    selected: &BTreeSet<String>,
+    force: &[String],
+    digester: &mut Digester,
+) -> Result<()> {
+    for stage in plan::plan(manifest, store, digester)? {
+        let forced = force.contains(&stage.name);
+        if !selected.contains(&stage.name)
+            || (stage.freshness == plan::Freshness::UpToDate && !forced)
+        {
+            continue;
+        }
+        let Some(estimate) = manifest.estimate(&stage.name) else {
+            continue;
+        };
+        let device = manifest.stages[&stage.name].resources.device.as_deref();
+        let Some((capacity, what)) = crate::estimate::capacity(device) else {
+            continue;
+        };
+        if estimate.peak_bytes() > capacity && estimate.certain_bytes() <= capacity {
+            eprintln!(
+                "nemo-dag: stage `{}` may need up to {} with its rows at their longest, more than this machine has ({what}); it runs, as it needs at least {}",
+                stage.name,
+                nemo_dag_op::plan::bytes(estimate.peak_bytes()),
+                nemo_dag_op::plan::bytes(estimate.certain_bytes())
+            );
+        }
+        if let Some((message, help)) =
+            crate::estimate::does_not_fit(&stage.name, estimate, capacity, &what)
+        {
+            let help = format!("{help}; `run --no-memory-check` runs it anyway");
+            return Err(manifest
+                .error_at(&["stages", &stage.name], message)
+                .help(help)
+                .into());
+        }
+    }
+    Ok(())
 }
 
 /// The first termination signal the run gets, by name.
@@ -591,6 +642,7 @@ pub fn job_spec(
         manifest: manifest.path.display().to_string(),
         force,
         device: stage.resources.device.clone(),
+        estimate: manifest.estimate(name).cloned(),
     }
 }
 
@@ -626,6 +678,8 @@ fn start_job(
     let stderr = child.stderr.take();
     let name = stage_echo.name.clone();
     let clock = Instant::now();
+    let oom_kills_before = crate::estimate::oom_kills();
+    let estimate = spec.estimate.clone();
     tasks.spawn(async move {
         let result = async {
             if let Some(mut stdin) = stdin.take() {
@@ -688,7 +742,12 @@ fn start_job(
                 serde_json::from_str::<JobResult>(report).unwrap_or_else(|_| JobResult {
                     state: "failed".into(),
                     key: None,
-                    error: Some(no_report(status, &last)),
+                    error: Some(no_report(
+                        status,
+                        &last,
+                        oom_kills_before,
+                        estimate.as_ref(),
+                    )),
                     log: None,
                 }),
             )
@@ -710,10 +769,30 @@ fn kill_group(pid: u32) {
 }
 
 /// Why an `exec` ended without its one-line report, with the last lines it wrote.
-fn no_report(status: std::process::ExitStatus, last: &VecDeque<String>) -> String {
+fn no_report(
+    status: std::process::ExitStatus,
+    last: &VecDeque<String>,
+    oom_kills_before: Option<u64>,
+    estimate: Option<&nemo_dag_op::Estimate>,
+) -> String {
     use std::os::unix::process::ExitStatusExt;
+    let planned = match (estimate, crate::estimate::machine_memory()) {
+        (Some(e), Some(ram)) => format!(
+            "; its plan estimated {} and this machine has {}",
+            nemo_dag_op::plan::bytes(e.peak_bytes()),
+            nemo_dag_op::plan::bytes(ram)
+        ),
+        _ => String::new(),
+    };
+    let oom =
+        matches!((oom_kills_before, crate::estimate::oom_kills()), (Some(a), Some(b)) if b > a);
     let how = match status.signal() {
-        Some(libc::SIGKILL) => "was killed by SIGKILL (if nobody killed it, likely the kernel's out-of-memory killer: see `dmesg`)".to_string(),
+        Some(libc::SIGKILL) if oom => format!(
+            "was killed by the kernel's out-of-memory killer (the oom_kill count of this cgroup rose while it ran){planned}"
+        ),
+        Some(libc::SIGKILL) => format!(
+            "was killed by SIGKILL (if nobody killed it, likely the kernel's out-of-memory killer: see `dmesg`){planned}"
+        ),
         Some(_) => format!("was killed by {status}"),
         None => format!("ended with {status} and no report"),
     };

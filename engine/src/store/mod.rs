@@ -73,6 +73,22 @@ pub struct Artifact {
     pub seconds: f64,
     pub host: String,
     pub engine_version: String,
+    /// What the stage used, beside what its plan estimated (absent in artifacts published
+    /// before nemo-dag recorded it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resources: Option<ResourceRecord>,
+}
+
+/// The machine resources a stage used, and the plan's estimate of them.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct ResourceRecord {
+    /// Peak resident memory, in bytes: of the `exec` process that ran the op (in-process
+    /// training) or of its largest child (a `cmd`), whichever is larger.
+    pub peak_rss_bytes: u64,
+    /// The plan's estimate ([`nemo_dag_op::Estimate::to_json`]), when the op made one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub estimate: Option<Value>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]

@@ -31,6 +31,9 @@ pub struct Args {
     /// Print a JSON summary on stdout
     #[arg(long)]
     json: bool,
+    /// Run stages whose estimated memory exceeds this machine's (the plan may overestimate)
+    #[arg(long)]
+    no_memory_check: bool,
     /// Submit to the cluster of this env.toml profile and follow the jobs to the end
     #[arg(
         short = 'r',
@@ -88,6 +91,11 @@ pub fn exec(a: Args, argv: Vec<String>, ops: Registry) -> Result<()> {
                 format!("  ({})", s.reasons.join("; "))
             };
             eprintln!("{:>10}  {}{reasons}", s.state, s.name);
+            if s.state == "would-run"
+                && let Some(e) = manifest.estimate(&s.name)
+            {
+                eprintln!("{:>10}  · plan: {e}", "");
+            }
         }
         if a.json {
             println!("{}", json!({ "stages": stages }));
@@ -105,6 +113,7 @@ pub fn exec(a: Args, argv: Vec<String>, ops: Registry) -> Result<()> {
         targets: a.targets.clone(),
         force: a.force.clone(),
         argv,
+        check_memory: !a.no_memory_check,
     };
     let outcomes = local::run(&manifest, &store, &opts)?;
     summarize(&outcomes);

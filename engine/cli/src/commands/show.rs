@@ -3,6 +3,7 @@
 use super::TargetArgs;
 use nemo_dag_engine::diag::Result;
 use nemo_dag_engine::store::{InputRecord, Store, artifact_json, short};
+use nemo_dag_op::plan::bytes;
 
 pub type Args = TargetArgs;
 
@@ -23,6 +24,18 @@ pub fn exec(a: Args) -> Result<()> {
         artifact.started_at, artifact.host, artifact.seconds, artifact.engine_version
     );
     println!("params   {}", artifact.params);
+    if let Some(r) = &artifact.resources {
+        let planned = r
+            .estimate
+            .as_ref()
+            .and_then(|e| e["peak_bytes"].as_u64())
+            .map(|b| format!(" · planned ≈ {}", bytes(b)))
+            .unwrap_or_default();
+        println!(
+            "memory   peak {} measured{planned}",
+            bytes(r.peak_rss_bytes)
+        );
+    }
     for (name, i) in &artifact.inputs {
         match i {
             InputRecord::File { path, digest } => {

@@ -33,6 +33,9 @@ pub fn exec(a: Args, ops: Registry) -> Result<()> {
                 if let Some(job) = job_of(&p.name, p.freshness) {
                     v["job"] = job.clone();
                 }
+                if let Some(e) = manifest.estimate(&p.name) {
+                    v["estimate"] = e.to_json();
+                }
                 v
             })
             .collect();
@@ -58,6 +61,11 @@ pub fn exec(a: Args, ops: Registry) -> Result<()> {
         );
         for r in &p.reasons {
             println!("{:<width$}    · {r}", "");
+        }
+        if p.freshness != Freshness::UpToDate
+            && let Some(e) = manifest.estimate(&p.name)
+        {
+            println!("{:<width$}    · plan: {e}", "");
         }
         if let Some(because) = jobs
             .get(&p.name)

@@ -11,5 +11,10 @@ pub fn exec(m: ManifestArgs, ops: Registry) -> Result<()> {
         manifest.order.len(),
         manifest.order.join(" → ")
     );
+    for name in &manifest.order {
+        if let Some(e) = manifest.estimate(name) {
+            eprintln!("  {name}: {e}");
+        }
+    }
     Ok(())
 }
