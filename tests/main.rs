@@ -25,6 +25,9 @@ mod train;
 /// The shipped recipes load, and the tiny ones run.
 mod recipes;
 
+/// Plan before running: memory and FLOP estimates, printed, recorded, and refused when too big.
+mod scale;
+
 /// Stage keys of every shipped manifest are what they were.
 mod keys;
 
