@@ -73,6 +73,11 @@ pub fn does_not_fit(
 /// The machine's memory as this process may use it: the physical RAM, or the cgroup's limit
 /// when that is lower (a container, a Slurm job's allocation).
 pub fn machine_memory() -> Option<u64> {
+    static MEMORY: std::sync::OnceLock<Option<u64>> = std::sync::OnceLock::new();
+    *MEMORY.get_or_init(read_machine_memory)
+}
+
+fn read_machine_memory() -> Option<u64> {
     let ram = std::fs::read_to_string("/proc/meminfo")
         .ok()?
         .lines()

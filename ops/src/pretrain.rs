@@ -28,9 +28,10 @@
 //! after a checkpoint continues from it on the next run and ends with the same weights.
 
 use crate::training::{
-    MODEL_OUTPUTS, blend_split, check_training, input, model_file, model_plan, model_vocab,
-    planned_vocab, train_and_publish,
+    MODEL_OUTPUTS, blend_split, check_training, input, model_plan, model_vocab, planned_vocab,
+    train_and_publish,
 };
+use model::checkpoint::ModelFile;
 use model::config::ModelConfig;
 use model::net::Model;
 use nemo_dag_op::{
@@ -113,7 +114,7 @@ impl Op for Pretrain {
             };
             model.training(shape, Vec::new(), "pretrain")
         });
-        model_plan(model_file(&p.model, vocab), estimate)
+        model_plan(ModelFile::new(&p.model, vocab), estimate)
     }
 
     fn run(&self, p: &Params, ctx: &mut RunContext) -> Result<Metrics, RunError> {

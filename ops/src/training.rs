@@ -196,12 +196,3 @@ pub(crate) fn model_plan(model: ModelFile, estimate: Option<Estimate>) -> Plan {
         estimate,
     }
 }
-
-/// A model file for a config the stage declares itself.
-pub(crate) fn model_file(config: &ModelConfig, vocab: usize) -> ModelFile {
-    ModelFile {
-        nemo_dag_model: 1,
-        vocab,
-        config: config.clone(),
-    }
-}

@@ -281,37 +281,43 @@ fn check_memory(
     force: &[String],
     digester: &mut Digester,
 ) -> Result<()> {
-    for stage in plan::plan(manifest, store, digester)? {
-        let forced = force.contains(&stage.name);
-        if !selected.contains(&stage.name)
-            || (stage.freshness == plan::Freshness::UpToDate && !forced)
+    // The estimates first (no I/O): only a stage that may not fit needs its freshness.
+    let mut over = Vec::new();
+    for name in manifest.order.iter().filter(|n| selected.contains(*n)) {
+        let device = manifest.stages[name].resources.device.as_deref();
+        if let (Some(estimate), Some((capacity, what))) =
+            (manifest.estimate(name), crate::estimate::capacity(device))
+            && estimate.peak_bytes() > capacity
         {
-            continue;
+            over.push((name, estimate, capacity, what));
         }
-        let Some(estimate) = manifest.estimate(&stage.name) else {
+    }
+    if over.is_empty() {
+        return Ok(());
+    }
+    let would_run: BTreeSet<String> = plan::plan(manifest, store, digester)?
+        .into_iter()
+        .filter(|p| p.freshness != plan::Freshness::UpToDate || force.contains(&p.name))
+        .map(|p| p.name)
+        .collect();
+    for (name, estimate, capacity, what) in over {
+        if !would_run.contains(name) {
             continue;
-        };
-        let device = manifest.stages[&stage.name].resources.device.as_deref();
-        let Some((capacity, what)) = crate::estimate::capacity(device) else {
-            continue;
-        };
-        if estimate.peak_bytes() > capacity && estimate.certain_bytes() <= capacity {
-            eprintln!(
-                "nemo-dag: stage `{}` may need up to {} with its rows at their longest, more than this machine has ({what}); it runs, as it needs at least {}",
-                stage.name,
-                nemo_dag_op::plan::bytes(estimate.peak_bytes()),
-                nemo_dag_op::plan::bytes(estimate.certain_bytes())
-            );
         }
         if let Some((message, help)) =
-            crate::estimate::does_not_fit(&stage.name, estimate, capacity, &what)
+            crate::estimate::does_not_fit(name, estimate, capacity, &what)
         {
             let help = format!("{help}; `run --no-memory-check` runs it anyway");
             return Err(manifest
-                .error_at(&["stages", &stage.name], message)
+                .error_at(&["stages", name], message)
                 .help(help)
                 .into());
         }
+        eprintln!(
+            "nemo-dag: stage `{name}` may need up to {} with its rows at their longest, more than this machine has ({what}); it runs, as it needs at least {}",
+            nemo_dag_op::plan::bytes(estimate.peak_bytes()),
+            nemo_dag_op::plan::bytes(estimate.certain_bytes())
+        );
     }
     Ok(())
 }

@@ -21,6 +21,17 @@ pub struct ModelFile {
     pub config: ModelConfig,
 }
 
+impl ModelFile {
+    /// The `config.json` of a model of `config` over `vocab` tokens.
+    pub fn new(config: &ModelConfig, vocab: usize) -> ModelFile {
+        ModelFile {
+            nemo_dag_model: 1,
+            vocab,
+            config: config.clone(),
+        }
+    }
+}
+
 fn bad(e: impl std::fmt::Display) -> candle_core::Error {
     candle_core::Error::Msg(e.to_string())
 }
@@ -42,11 +53,7 @@ fn model_tensors(model: &Model) -> candle_core::Result<HashMap<String, Tensor>> 
 /// Write `config.json` and `model.safetensors` into `dir` (created if needed).
 pub fn save_model(model: &Model, dir: &Path) -> candle_core::Result<()> {
     std::fs::create_dir_all(dir)?;
-    let file = ModelFile {
-        nemo_dag_model: 1,
-        vocab: model.vocab,
-        config: model.cfg.clone(),
-    };
+    let file = ModelFile::new(&model.cfg, model.vocab);
     std::fs::write(
         dir.join("config.json"),
         serde_json::to_string_pretty(&file).map_err(bad)? + "\n",
