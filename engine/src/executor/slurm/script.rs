@@ -127,14 +127,7 @@ fn scalar(v: &serde_json::Value) -> String {
 }
 
 fn quote(s: &str) -> String {
-    if !s.is_empty()
-        && s.chars()
-            .all(|c| c.is_ascii_alphanumeric() || "/._-=:,@+".contains(c))
-    {
-        s.to_string()
-    } else {
-        nemo_dag_op::process::shell_quote(s)
-    }
+    nemo_dag_op::process::shell_word(s)
 }
 
 #[cfg(test)]
