@@ -186,6 +186,7 @@ pub fn exec(spec: &JobSpec, ops: Registry) -> Result<JobResult> {
         log: &mut log,
         progress: &mut progress,
         stop_after_step: stop_after_step(),
+        launcher: &[],
     };
     let outcome = op
         .run(&checked, &mut ctx)
