@@ -1,5 +1,6 @@
 //! `resources.launch`: a stage whose command starts once per rank (docs/slurm.md, "Multi-node
-//! stages"). What needs no cluster: the manifest checks and local runs.
+//! stages"). What needs no cluster: the manifest checks, local runs, and the job scripts
+//! `--dry-run` prints. The ranks on a real cluster are in `slurm.rs`.
 
 use crate::common::{Project, snapshot};
 
@@ -211,5 +212,111 @@ stages:
     assert!(
         out.stderr.contains("`torchrun` is not on PATH"),
         "the failure names the launcher: {out}"
+    );
+}
+
+#[test]
+fn the_job_script_of_a_launched_stage_wires_the_rendezvous() {
+    let p = Project::new("launch-script");
+    p.write(".git", "");
+    p.write(
+        "env.toml",
+        "[lab]\nexecutor = \"slurm\"\nnodes = 8\nntasks_per_node = 3\ncpus_per_task = 16\ncontainer_image = \"img.sqsh\"\nmounts = [\"/data:/data\"]\n",
+    );
+    p.write(
+        "m.yaml",
+        r#"
+stages:
+  ranks:
+    op: cmd
+    outputs: {o: o.txt}
+    cmd: "echo $RANK > {outputs.o}"
+    resources: {launch: srun, nodes: 2, ntasks_per_node: 4}
+  torch:
+    op: cmd
+    inputs: {r: "ranks:o"}
+    outputs: {o: o.txt}
+    cmd: "cat {inputs.r} > {outputs.o}"
+    resources: {launch: torchrun, nodes: 2, gpus: 8}
+  once:
+    op: cmd
+    inputs: {r: "torch:o"}
+    outputs: {o: o.txt}
+    cmd: "cat {inputs.r} > {outputs.o}"
+"#,
+    );
+    let out = p.ok(&["run", "m.yaml", "--batch", "lab", "--dry-run"]);
+    let scripts = out.stdout.as_str();
+    let script = |stage: &str| -> Vec<&str> {
+        let start = scripts
+            .find(&format!("# ---- {stage} ----"))
+            .unwrap_or_else(|| panic!("no script for {stage}: {scripts}"));
+        let rest = &scripts[start..];
+        let end = rest[1..].find("# ---- ").map_or(rest.len(), |e| e + 1);
+        rest[..end].lines().collect()
+    };
+    let has = |lines: &[&str], line: &str| {
+        assert!(
+            lines.contains(&line),
+            "want the line\n  {line}\nin\n{}",
+            lines.join("\n")
+        );
+    };
+    let rendezvous = [
+        "MASTER_ADDR=$(scontrol show hostnames \"$SLURM_JOB_NODELIST\" | sed -n 1p)",
+        "MASTER_PORT=$((10000 + SLURM_JOB_ID % 20000))",
+        "export MASTER_ADDR MASTER_PORT",
+    ];
+
+    // srun: a task per rank; the stage's shape wins over the profile's.
+    let srun = script("ranks");
+    has(&srun, "#SBATCH --nodes=2");
+    has(&srun, "#SBATCH --ntasks-per-node=4");
+    for line in rendezvous {
+        has(&srun, line);
+    }
+    let exec = srun
+        .iter()
+        .find(|l| l.contains(" exec --stage ranks "))
+        .unwrap();
+    assert!(
+        !exec.starts_with("srun"),
+        "nemo-dag exec runs once, on the first node, outside the container: {exec}"
+    );
+    assert!(
+        exec.ends_with(
+            " -- srun --nodes=2 --ntasks=8 --ntasks-per-node=4 --cpus-per-task=16 --kill-on-bad-exit=1 --container-image=img.sqsh --container-mounts=/data:/data sh -c 'export RANK=$SLURM_PROCID LOCAL_RANK=$SLURM_LOCALID WORLD_SIZE=$SLURM_NTASKS LOCAL_WORLD_SIZE=4; exec \"$@\"' nemo-dag-rank"
+        ),
+        "{exec}"
+    );
+
+    // torchrun: one per node, ranks per node from `gpus`.
+    let torch = script("torch");
+    has(&torch, "#SBATCH --nodes=2");
+    has(&torch, "#SBATCH --ntasks-per-node=1");
+    has(&torch, "#SBATCH --gpus-per-node=8");
+    for line in rendezvous {
+        has(&torch, line);
+    }
+    let exec = torch
+        .iter()
+        .find(|l| l.contains(" exec --stage torch "))
+        .unwrap();
+    assert!(
+        exec.ends_with(
+            " -- srun --nodes=2 --ntasks=2 --ntasks-per-node=1 --cpus-per-task=16 --kill-on-bad-exit=1 --container-image=img.sqsh --container-mounts=/data:/data sh -c 'exec torchrun --nnodes=2 --nproc-per-node=8 --node-rank=$SLURM_NODEID --master-addr=$MASTER_ADDR --master-port=$MASTER_PORT --no-python \"$@\"' torchrun"
+        ),
+        "{exec}"
+    );
+
+    // A stage without a launch is as before: the profile's shape, exec in the container.
+    let once = script("once");
+    has(&once, "#SBATCH --nodes=8");
+    has(&once, "#SBATCH --ntasks-per-node=3");
+    assert!(!once.iter().any(|l| l.contains("MASTER_")), "{once:?}");
+    assert!(
+        once.iter()
+            .any(|l| l.starts_with("srun --container-image=img.sqsh ") && !l.contains(" -- ")),
+        "{once:?}"
     );
 }

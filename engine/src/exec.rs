@@ -429,6 +429,9 @@ pub enum JobSource {
         stage: String,
         manifest: LoadArgs,
         store: Store,
+        /// What starts a launched stage's ranks in this job (the job script's words after
+        /// `--`, from [`Launch::slurm_command`]); empty for a stage without `launch`.
+        launcher: Vec<String>,
     },
 }
 
@@ -444,10 +447,12 @@ pub fn exec_command(source: Option<JobSource>, ops: Registry) -> i32 {
             stage,
             manifest,
             store,
+            launcher,
         }) => Manifest::load(&manifest)
             .map_err(Failure::from)
             .and_then(|manifest| {
-                let spec = local::spec_for_stage(&manifest, &store, &stage)?;
+                let mut spec = local::spec_for_stage(&manifest, &store, &stage)?;
+                spec.launcher = launcher;
                 recorded = Some((manifest, store, stage));
                 Ok(spec)
             }),
