@@ -37,5 +37,8 @@ mod device;
 /// The crates' arrows point down, and the engine builds without ML code.
 mod layout;
 
+/// `resources.launch`: a stage's command once per rank; the checks, local runs, job scripts.
+mod launch;
+
 /// The Slurm executor against a real single-node cluster (scripts/slurm-up).
 mod slurm;

@@ -412,3 +412,142 @@ stages:
     // The first attempt was killed before publishing; only the second attempt's output exists.
     assert_eq!(o, "attempt 1\ndone\n", "published output: {o:?}");
 }
+
+/// Two ranks of one stage find each other over TCP at `MASTER_ADDR:MASTER_PORT` (plain sockets:
+/// rank 0 listens, rank 1 connects, each sends its rank), then each writes what it heard. With
+/// a `fail` rank, that rank exits 3 at once instead.
+const RENDEZVOUS: &str = r#"
+import os, socket, sys, time
+
+rank = int(os.environ["RANK"])
+world = int(os.environ["WORLD_SIZE"])
+local = int(os.environ["LOCAL_RANK"])
+addr, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+out, fail = sys.argv[1], int(sys.argv[2])
+if rank == fail:
+    sys.exit(3)
+if rank == 0:
+    server = socket.create_server((addr, port))
+    server.settimeout(60)
+    conn, _ = server.accept()
+else:
+    deadline = time.time() + 60
+    while True:
+        try:
+            conn = socket.create_connection((addr, port), timeout=5)
+            break
+        except OSError:
+            if time.time() > deadline:
+                raise
+            time.sleep(0.1)
+conn.settimeout(60)
+conn.sendall(b"%d\n" % rank)
+peer = conn.makefile().readline().strip()
+os.makedirs(out, exist_ok=True)
+with open(os.path.join(out, "rank-%d.txt" % rank), "w") as f:
+    f.write("rank %d of %d (local %d) heard rank %s\n" % (rank, world, local, peer))
+"#;
+
+fn two_ranks(fail: i32) -> String {
+    format!(
+        r#"
+stages:
+  ranks:
+    op: cmd
+    params: {{fail: {fail}}}
+    inputs: {{prog: rendezvous.py}}
+    outputs: {{d: ranks}}
+    cmd: "python3 {{inputs.prog}} {{outputs.d}} {{params.fail}}"
+    resources: {{launch: srun, nodes: 1, ntasks_per_node: 2}}
+  after:
+    op: cmd
+    inputs: {{d: "ranks:d"}}
+    outputs: {{o: o.txt}}
+    cmd: "cat {{inputs.d}}/rank-0.txt {{inputs.d}}/rank-1.txt > {{outputs.o}}"
+"#
+    )
+}
+
+#[test]
+fn two_ranks_rendezvous_over_tcp_and_their_stage_publishes_once() {
+    if !cluster_up("slurm_two_ranks") {
+        return;
+    }
+    let p = project("ranks");
+    p.write("rendezvous.py", RENDEZVOUS);
+    p.write("r.yaml", &two_ranks(-1));
+    let out = p.run(&["run", "r.yaml", "--run", "lab", "--json"]);
+    assert!(out.code == 0, "{}", out);
+    let v: Value = out.json();
+    let s = stages(&v);
+    assert!(s.iter().all(|(_, state, _)| state == "executed"), "{v}");
+    // The dependent read both ranks' files from the one published output.
+    let show = p.json(&["show", "after", "--manifest", "r.yaml", "--json"]);
+    let o = std::fs::read_to_string(show["outputs"]["o"]["path"].as_str().unwrap()).unwrap();
+    assert_eq!(
+        o,
+        "rank 0 of 2 (local 0) heard rank 1\nrank 1 of 2 (local 1) heard rank 0\n"
+    );
+    // One artifact for the stage, written by one `nemo-dag exec`, holding both ranks.
+    let show = p.json(&["show", "ranks", "--manifest", "r.yaml", "--json"]);
+    let dir = Path::new(show["outputs"]["d"]["path"].as_str().unwrap());
+    let mut files: Vec<String> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    files.sort();
+    assert_eq!(files, ["rank-0.txt", "rank-1.txt"]);
+}
+
+#[test]
+fn a_failing_rank_fails_its_stage_and_cancels_the_dependents() {
+    if !cluster_up("slurm_failing_rank") {
+        return;
+    }
+    let p = project("rank-fails");
+    p.write("rendezvous.py", RENDEZVOUS);
+    p.write("r.yaml", &two_ranks(1));
+    let start = Instant::now();
+    let out = p.run(&["run", "r.yaml", "--run", "lab", "--json"]);
+    assert_eq!(out.code, 1, "{}", out);
+    // Rank 0 waits for rank 1 in accept(); the stage must not wait out its 60 s timeout.
+    assert!(
+        start.elapsed() < Duration::from_secs(45),
+        "rank 0 outlived the failed rank 1 by {:?}",
+        start.elapsed()
+    );
+    let v: Value = out.json();
+    let s = stages(&v);
+    let state = |n: &str| s.iter().find(|(name, _, _)| name == n).unwrap().1.clone();
+    assert_eq!(state("ranks"), "failed", "{v}");
+    assert_eq!(state("after"), "skipped", "{v}");
+    let status = p.json(&["status", "r.yaml", "--json"]);
+    let of = |n: &str| {
+        status["stages"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|x| x["name"] == n)
+            .unwrap()
+            .clone()
+    };
+    assert_eq!(of("ranks")["state"], "stale", "nothing published: {status}");
+    assert_eq!(of("ranks")["job"]["state"], "FAILED", "{status}");
+    assert_eq!(of("after")["job"]["state"], "CANCELLED", "{status}");
+    let ranks = v["stages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|x| x["name"] == "ranks")
+        .unwrap();
+    let error = ranks["error"].as_str().unwrap_or("");
+    assert!(
+        error.contains("under `srun`") && error.contains("which rank"),
+        "the error says a rank failed and where to look: {v}"
+    );
+    let log = std::fs::read_to_string(ranks["log"].as_str().unwrap()).unwrap();
+    assert!(
+        log.contains("task 1: Exited with exit code 3"),
+        "srun names the failed rank: {log}"
+    );
+}

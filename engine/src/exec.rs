@@ -17,6 +17,7 @@ use crate::diag::InputError;
 use crate::diag::{Failure, Result, io_err};
 use crate::digest::Digester;
 use crate::executor::local::{self, Outcome};
+use crate::launch::Launch;
 use crate::manifest::{LoadArgs, Manifest};
 use crate::stage_log::StageLog;
 use crate::store::{ARTIFACT_SCHEMA, Artifact, InputRecord, OutputRecord, ResourceRecord, Store};
@@ -52,6 +53,13 @@ pub struct JobSpec {
     /// The plan's estimate of what the stage needs ([`crate::estimate`]), when its op made one.
     #[serde(default)]
     pub estimate: Option<Estimate>,
+    /// The ranks the stage's `resources.launch` asks for, if any.
+    #[serde(default)]
+    pub launch: Option<Launch>,
+    /// What starts them, as the executor found it for where the stage runs: the argv the op's
+    /// command follows (`srun …` in a Slurm job, `torchrun --standalone …` here).
+    #[serde(default)]
+    pub launcher: Vec<String>,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -115,6 +123,56 @@ fn check_device(spec: &JobSpec, ops: Registry) -> Result<()> {
     }
 }
 
+/// A launched stage has a launcher that this machine can start, and an unlaunched one has
+/// none: the job script and the manifest agree (a job submitted before the manifest changed
+/// may not), and a missing `torchrun` fails the stage before its attempt exists.
+fn check_launcher(spec: &JobSpec) -> Result<()> {
+    match (&spec.launch, spec.launcher.first()) {
+        (None, None) => Ok(()),
+        (Some(launch), None) => Err(stage_error(
+            spec,
+            &format!(
+                "asks for {}, but nothing here starts its ranks",
+                launch.describe()
+            ),
+            Some(
+                "launch: srun and torchrun on several nodes run under a Slurm profile (`nemo-dag run MANIFEST --run PROFILE`); a job submitted before the stage had `launch` must be submitted again",
+            ),
+        )),
+        (None, Some(program)) => Err(stage_error(
+            spec,
+            &format!(
+                "has no resources.launch, but this job starts it under `{program}`: the manifest changed after the job was submitted"
+            ),
+            Some("submit the stage again"),
+        )),
+        (Some(_), Some(program)) if !on_path(program) => Err(stage_error(
+            spec,
+            &format!("is started by `{program}`, but `{program}` is not on PATH"),
+            Some(if program == "torchrun" {
+                "launch: torchrun needs PyTorch's `torchrun` where the stage runs (`pip install torch`, in the environment nemo-dag runs in)"
+            } else {
+                "launch: srun runs inside a Slurm job, on a node with Slurm's client commands"
+            }),
+        )),
+        (Some(_), Some(_)) => Ok(()),
+    }
+}
+
+/// Whether `program` names an executable file, directly (with a `/`) or in a `PATH` directory.
+fn on_path(program: &str) -> bool {
+    use std::os::unix::fs::PermissionsExt;
+    let executable = |path: &Path| {
+        path.metadata()
+            .is_ok_and(|m| m.is_file() && m.permissions().mode() & 0o111 != 0)
+    };
+    if program.contains('/') {
+        return executable(Path::new(program));
+    }
+    std::env::var_os("PATH")
+        .is_some_and(|path| std::env::split_paths(&path).any(|dir| executable(&dir.join(program))))
+}
+
 fn stage_error(spec: &JobSpec, message: &str, help: Option<&str>) -> Failure {
     let help = help.map(|h| format!("\n  help: {h}")).unwrap_or_default();
     Failure::Other(miette::miette!("stage `{}` {message}{help}", spec.stage))
@@ -163,8 +221,9 @@ pub fn exec(spec: &JobSpec, ops: Registry) -> Result<JobResult> {
         ))
     })?;
 
-    // Before the attempt exists: a stage that cannot have its device writes nothing.
+    // Before the attempt exists: a stage that cannot have its device or launcher writes nothing.
     check_device(spec, ops)?;
+    check_launcher(spec)?;
     let attempt = store.start_attempt(&spec.key, op.resumable())?;
     let tmp = attempt.dir;
     let out_dir = tmp.join("out");
@@ -189,6 +248,7 @@ pub fn exec(spec: &JobSpec, ops: Registry) -> Result<JobResult> {
         log: &mut log,
         progress: &mut progress,
         stop_after_step: stop_after_step(),
+        launcher: &spec.launcher,
     };
     let outcome = op
         .run(&checked, &mut ctx)
@@ -389,6 +449,9 @@ pub enum JobSource {
         stage: String,
         manifest: LoadArgs,
         store: Store,
+        /// What starts a launched stage's ranks in this job (the job script's words after
+        /// `--`, from [`Launch::slurm_command`]); empty for a stage without `launch`.
+        launcher: Vec<String>,
     },
 }
 
@@ -404,10 +467,12 @@ pub fn exec_command(source: Option<JobSource>, ops: Registry) -> i32 {
             stage,
             manifest,
             store,
+            launcher,
         }) => Manifest::load(&manifest)
             .map_err(Failure::from)
             .and_then(|manifest| {
-                let spec = local::spec_for_stage(&manifest, &store, &stage)?;
+                let mut spec = local::spec_for_stage(&manifest, &store, &stage)?;
+                spec.launcher = launcher;
                 recorded = Some((manifest, store, stage));
                 Ok(spec)
             }),

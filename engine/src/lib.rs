@@ -11,6 +11,7 @@
 //! - [`plan`]: each stage's freshness against the store (with reasons).
 //! - [`store`]: the on-disk artifact store: atomic publish, per-key locks, attempts, run
 //!   records, verified reads, gc.
+//! - [`launch`]: `resources.launch`, a stage's command once per rank, and the rendezvous.
 //! - [`exec`]: builds one stage and publishes it (the one code path every executor runs), with
 //!   its capped [`stage_log`].
 //! - [`executor`]: what runs the stale stages: [`executor::local`] (a tokio scheduler of
@@ -35,6 +36,7 @@ pub mod exec;
 pub mod executor;
 pub mod graph;
 pub mod key;
+pub mod launch;
 pub mod manifest;
 pub mod plan;
 pub mod stage_log;

@@ -147,6 +147,11 @@ pub struct Resources {
     pub mem: Option<Value>,
     pub time: Option<Value>,
     pub nodes: Option<u32>,
+    /// Ranks per node of a launched stage (torchrun's `--nproc-per-node`); needs `launch`.
+    pub ntasks_per_node: Option<u32>,
+    /// What starts the command once per rank: `none` (the default), `torchrun` or `srun`
+    /// ([`crate::launch`]).
+    pub launch: Option<String>,
     pub device: Option<String>,
     /// Let the cluster requeue the job after a node failure or preemption.
     pub requeue: Option<bool>,
@@ -173,6 +178,11 @@ impl Resources {
     /// The memory `mem` asks for, in bytes, if any (`Some(0)`: Slurm's "all of a node's").
     pub fn mem_bytes(&self) -> Option<u64> {
         self.mem.as_ref().and_then(|m| parse_mem(m).ok())
+    }
+
+    /// The ranks `launch` starts, if any. Checked when the manifest loads.
+    pub fn launch(&self) -> Option<crate::launch::Launch> {
+        crate::launch::Launch::of(self)
     }
 
     /// The first field that is not a sensible request, and why.
@@ -582,6 +592,15 @@ impl Manifest {
                     false,
                     format!("stage `{name}`: resources.{field}: {why}"),
                 )
+            })?;
+            crate::launch::check(&r.resources, op.name()).map_err(|(field, why, help)| {
+                self.locator
+                    .error(
+                        &loc(&["resources", field]),
+                        false,
+                        format!("stage `{name}`: resources.{field}: {why}"),
+                    )
+                    .help(help)
             })?;
             if !r.params.is_object() {
                 return Err(self.locator.error(

@@ -21,12 +21,12 @@
 //! anywhere but in a word is a declaration error. Inside `$(…)` the shell parses the words
 //! afresh, so a placeholder that is a word there is a word (also within "…").
 
-use nemo_dag_op::process::{die_with_parent, shell_quote};
+use nemo_dag_op::process::{die_with_parent, shell_quote, shell_word};
 use nemo_dag_op::{DeclError, Metrics, Op, Outputs, RunContext, RunError, Spec, StageDecl};
 use serde_json::Value;
 use std::io::Read;
 use std::os::unix::process::CommandExt;
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 
 pub struct Cmd;
 
@@ -84,10 +84,19 @@ impl Op for Cmd {
             }
         }
         writeln!(ctx.log, "$ {line}")?;
+        if !ctx.launcher.is_empty() {
+            let launcher: Vec<String> = ctx.launcher.iter().map(|a| shell_word(a)).collect();
+            writeln!(
+                ctx.log,
+                "nemo-dag: once per rank, by: {}",
+                launcher.join(" ")
+            )?;
+        }
 
         // One pipe for stdout and stderr keeps their lines in the order the program wrote them.
         let (mut reader, writer) = std::io::pipe()?;
-        let mut command = Command::new("sh");
+        // Under a launcher (`resources.launch`), `sh -c LINE` runs once per rank.
+        let mut command = ctx.command("sh");
         command
             .arg("-c")
             .arg(&line)
@@ -102,9 +111,12 @@ impl Op for Cmd {
         unsafe {
             command.pre_exec(die_with_parent);
         }
-        let mut child = command
-            .spawn()
-            .map_err(|e| RunError::new(format!("cannot start `sh`: {e}")))?;
+        let mut child = command.spawn().map_err(|e| {
+            RunError::new(format!(
+                "cannot start `{}`: {e}",
+                command.get_program().to_string_lossy()
+            ))
+        })?;
         drop(command); // closes our copies of the pipe's write end
         let mut buf = [0u8; 8192];
         loop {
@@ -121,7 +133,15 @@ impl Op for Cmd {
                 Some(code) => format!("exited with status {code}"),
                 None => "was killed by a signal".to_string(),
             };
-            return Err(RunError::new(format!("the command {how}")));
+            return Err(match ctx.launcher.first() {
+                None => RunError::new(format!("the command {how}")),
+                Some(launcher) => RunError::new(format!(
+                    "the command {how} under `{launcher}`: a rank failed or could not start, and the others were ended with it"
+                ))
+                .with_help(
+                    "the log says which rank failed first (srun: `task N: Exited with exit code …`)",
+                ),
+            });
         }
         let missing: Vec<String> = ctx
             .stage
@@ -748,6 +768,7 @@ mod tests {
     use super::*;
     use nemo_dag_op::AnyOp;
     use std::collections::BTreeMap;
+    use std::process::Command;
 
     #[test]
     fn placeholders_are_found_and_other_braces_kept() {

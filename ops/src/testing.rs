@@ -35,6 +35,7 @@ pub fn run_op(
         log: &mut log,
         progress: &mut |_| {},
         stop_after_step: None,
+        launcher: &[],
     };
     let r = op.run(&checked, &mut ctx);
     (r, String::from_utf8(log).unwrap())

@@ -90,7 +90,9 @@ pub fn dry_run(
 ) -> Result<Vec<WouldRun>> {
     let selected = select(manifest, targets)?;
     check_names(manifest, force, "--force")?;
-    let plans = plan::plan(manifest, store, &mut Digester::load(&store.memo_file()))?;
+    let mut digester = Digester::load(&store.memo_file());
+    check_launches(manifest, store, &selected, force, &mut digester)?;
+    let plans = plan::plan(manifest, store, &mut digester)?;
     Ok(plans
         .into_iter()
         .filter(|p| selected.contains(&p.name))
@@ -109,6 +111,50 @@ pub fn dry_run(
             }
         })
         .collect())
+}
+
+/// A stage this machine cannot launch (`launch: srun`, or `torchrun` on several nodes) stops
+/// a local run before anything runs, unless it is up to date and only its artifact is used.
+/// The plan is computed only when such a stage is selected.
+fn check_launches(
+    manifest: &Manifest,
+    store: &Store,
+    selected: &BTreeSet<String>,
+    force: &[String],
+    digester: &mut Digester,
+) -> Result<()> {
+    let needs_slurm: HashMap<&str, String> = selected
+        .iter()
+        .filter_map(|name| {
+            let launch = manifest.stages[name].resources.launch()?;
+            let why = launch.local_command().err()?;
+            Some((name.as_str(), why))
+        })
+        .collect();
+    if needs_slurm.is_empty() {
+        return Ok(());
+    }
+    let plans = plan::plan(manifest, store, digester)?;
+    let first = plans.iter().find(|p| {
+        needs_slurm.contains_key(p.name.as_str())
+            && (p.freshness != plan::Freshness::UpToDate || force.contains(&p.name))
+    });
+    match first {
+        None => Ok(()),
+        Some(p) => Err(manifest
+            .error_at(
+                &["stages", &p.name, "resources", "launch"],
+                format!(
+                    "stage `{}`: {}, so it needs a Slurm profile",
+                    p.name, needs_slurm[p.name.as_str()]
+                ),
+            )
+            .help(format!(
+                "run it on a cluster: `nemo-dag run {} --run PROFILE` (or `--batch PROFILE`), with a profile whose executor is \"slurm\" in env.toml (docs/slurm.md)",
+                manifest.path.display()
+            ))
+            .into()),
+    }
 }
 
 pub fn check_names(manifest: &Manifest, names: &[String], flag: &str) -> Result<(), InputError> {
@@ -259,6 +305,7 @@ pub fn run(manifest: &Manifest, store: &Store, opts: &RunOptions) -> Result<Vec<
     // Every input is read before anything is written: bad input leaves no trace.
     let mut digester = Digester::load(&store.memo_file());
     plan::check_file_inputs(manifest, &selected, &mut digester)?;
+    check_launches(manifest, store, &selected, &opts.force, &mut digester)?;
     if opts.check_memory {
         check_memory(manifest, store, &selected, &opts.force, &mut digester)?;
     }
@@ -443,7 +490,12 @@ async fn schedule(
                 break;
             }
             ready.remove(&(pos, name));
-            let spec = job_spec(manifest, store, name, &resolved, forced);
+            let mut spec = job_spec(manifest, store, name, &resolved, forced);
+            // (A launch this machine cannot start was refused before the run began; should one
+            // get here, `exec` fails the stage for want of a launcher.)
+            if let Some(launch) = &spec.launch {
+                spec.launcher = launch.local_command().unwrap_or_default();
+            }
             reporter.stage_line(name, &format!("started {}", short(&resolved.key)));
             let echo = StageEcho {
                 multi: reporter.multi.clone(),
@@ -649,6 +701,8 @@ pub fn job_spec(
         force,
         device: stage.resources.device.clone(),
         estimate: manifest.estimate(name).cloned(),
+        launch: stage.resources.launch(),
+        launcher: Vec::new(),
     }
 }
 

@@ -140,6 +140,25 @@ pub struct RunContext<'a> {
     /// End a resumable stage after this step's checkpoint, failing it as a preemption would
     /// (drills and tests of resume: `NEMO_DAG_STOP_AFTER_STEP`, read by the engine).
     pub stop_after_step: Option<u64>,
+    /// The argv that starts a program once per rank (`srun …`, `torchrun …`), the program's
+    /// own argv following it; empty: the program runs once, here. Set by the engine from the
+    /// stage's `resources.launch`; an op starts its work through [`RunContext::command`].
+    pub launcher: &'a [String],
+}
+
+impl RunContext<'_> {
+    /// A command that runs `program` once per rank under the stage's launcher, or once when
+    /// the stage has none. Arguments added to it go to `program`.
+    pub fn command(&self, program: impl AsRef<std::ffi::OsStr>) -> std::process::Command {
+        match self.launcher.split_first() {
+            Some((launcher, args)) => {
+                let mut command = std::process::Command::new(launcher);
+                command.args(args).arg(program);
+                command
+            }
+            None => std::process::Command::new(program),
+        }
+    }
 }
 
 /// How far a stage has come: `done` of `total` steps, and a one-line summary of the latest
@@ -413,8 +432,44 @@ mod tests {
             log: &mut log,
             progress: &mut |_| {},
             stop_after_step: None,
+            launcher: &[],
         };
         op.run(checked, &mut ctx)
+    }
+
+    #[test]
+    fn a_command_runs_under_the_stage_launcher() {
+        let (inputs, outputs, params) = (BTreeMap::new(), BTreeMap::new(), json!({}));
+        let mut log = Vec::new();
+        let launcher = ["srun".to_string(), "--ntasks=2".to_string()];
+        let mut ctx = RunContext {
+            stage: StageDecl {
+                name: "s",
+                params: &params,
+                inputs: vec![],
+                outputs: &outputs,
+                cmd: None,
+            },
+            inputs: &inputs,
+            out_dir: Path::new("."),
+            log: &mut log,
+            progress: &mut |_| {},
+            stop_after_step: None,
+            launcher: &launcher,
+        };
+        let argv = |c: &std::process::Command| -> Vec<String> {
+            std::iter::once(c.get_program())
+                .chain(c.get_args())
+                .map(|a| a.to_string_lossy().into_owned())
+                .collect()
+        };
+        let mut launched = ctx.command("sh");
+        launched.args(["-c", "true"]);
+        assert_eq!(argv(&launched), ["srun", "--ntasks=2", "sh", "-c", "true"]);
+        ctx.launcher = &[];
+        let mut once = ctx.command("sh");
+        once.args(["-c", "true"]);
+        assert_eq!(argv(&once), ["sh", "-c", "true"]);
     }
 
     #[test]

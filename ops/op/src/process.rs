@@ -15,6 +15,20 @@ pub fn shell_quote(value: &str) -> String {
     quoted
 }
 
+/// A string as one POSIX shell word, quoted only when it must be: `--nodes=2` stays as it is,
+/// `a b` becomes `'a b'`. For command lines people read (job scripts, logs).
+pub fn shell_word(value: &str) -> String {
+    let plain = !value.is_empty()
+        && value
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || "/._-=:,@+".contains(c));
+    if plain {
+        value.to_string()
+    } else {
+        shell_quote(value)
+    }
+}
+
 /// For `pre_exec`: the child gets SIGKILL when the thread that spawned it exits, so a killed
 /// driver never leaves its stage commands running.
 pub fn die_with_parent() -> std::io::Result<()> {
@@ -46,5 +60,15 @@ mod tests {
             .output()
             .unwrap();
         assert_eq!(out.stdout, b"a'b $(x) \"c\"\n");
+    }
+
+    #[test]
+    fn a_word_is_quoted_only_when_it_must_be() {
+        assert_eq!(shell_word("--nodes=2"), "--nodes=2");
+        assert_eq!(shell_word("/a:/b,/c@d+e"), "/a:/b,/c@d+e");
+        assert_eq!(shell_word(""), "''");
+        assert_eq!(shell_word("a b"), "'a b'");
+        assert_eq!(shell_word("$RANK"), "'$RANK'");
+        assert_eq!(shell_word("~"), "'~'");
     }
 }

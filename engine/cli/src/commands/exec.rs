@@ -22,6 +22,10 @@ pub struct Args {
     variant: Option<String>,
     #[arg(long, value_name = "DIR")]
     store: Option<PathBuf>,
+    /// With --stage: what starts a launched stage's ranks (`srun …`), the stage's command
+    /// following it; the job script writes it
+    #[arg(last = true, value_name = "LAUNCHER")]
+    launcher: Vec<String>,
 }
 
 pub fn exec(a: Args, ops: Registry) -> i32 {
@@ -39,6 +43,7 @@ pub fn exec(a: Args, ops: Registry) -> i32 {
                 stage,
                 manifest,
                 store,
+                launcher: a.launcher,
             })
         }
         _ => None,

@@ -1,8 +1,13 @@
 //! The `sbatch` script of one stage: its `#SBATCH` lines (the stage's resources over the
 //! profile's), its `afterok` dependencies, the profile's environment, and the one command it
 //! runs, `nemo-dag exec --stage`, under `srun` (in a container when the profile names one).
+//!
+//! A launched stage (`resources.launch`, [`crate::launch`]) is shaped by its launch, wires the
+//! rendezvous, and runs `nemo-dag exec` once on the first node, outside any container; the
+//! words after `--` start its command once per rank, in the container.
 
 use super::SubmitOptions;
+use crate::launch::Step;
 use crate::manifest::Manifest;
 use crate::store::Store;
 use std::path::Path;
@@ -35,6 +40,7 @@ pub(super) fn job_script(
     let profile = opts.profile;
     let stage = &manifest.stages[name];
     let r = &stage.resources;
+    let launch = r.launch();
     let stem = manifest
         .path
         .file_stem()
@@ -52,11 +58,13 @@ pub(super) fn job_script(
     sb("partition", partition.cloned());
     sb("account", profile.account.clone());
     // The manifest owns the shape of a stage; the profile fills in what the stage leaves open.
-    sb("nodes", r.nodes.or(profile.nodes).map(|n| n.to_string()));
-    sb(
-        "ntasks-per-node",
-        profile.ntasks_per_node.map(|n| n.to_string()),
-    );
+    // A launched stage's shape is its launch's, whole.
+    let (nodes, tasks_per_node) = match &launch {
+        Some(launch) => (Some(launch.nodes), Some(launch.tasks_per_node())),
+        None => (r.nodes.or(profile.nodes), profile.ntasks_per_node),
+    };
+    sb("nodes", nodes.map(|n| n.to_string()));
+    sb("ntasks-per-node", tasks_per_node.map(|n| n.to_string()));
     sb(
         "gpus-per-node",
         r.gpus
@@ -64,10 +72,8 @@ pub(super) fn job_script(
             .filter(|g| *g > 0)
             .map(|n| n.to_string()),
     );
-    sb(
-        "cpus-per-task",
-        r.cpus.or(profile.cpus_per_task).map(|n| n.to_string()),
-    );
+    let cpus_per_task = r.cpus.or(profile.cpus_per_task);
+    sb("cpus-per-task", cpus_per_task.map(|n| n.to_string()));
     sb("time", r.time.as_ref().map(scalar).or(profile.time.clone()));
     sb("mem", r.mem.as_ref().map(scalar).or(profile.mem.clone()));
     if profile.exclusive == Some(true) {
@@ -102,9 +108,19 @@ pub(super) fn job_script(
     }
     argv.push(manifest.path.display().to_string());
     argv.extend(manifest.overrides.iter().cloned());
+    if let Some(launch) = &launch {
+        s.push_str(&launch.rendezvous_lines());
+        let step = Step {
+            cpus_per_task,
+            container_image: profile.container_image.as_deref(),
+            mounts: &profile.mounts,
+        };
+        argv.push("--".into());
+        argv.extend(launch.slurm_command(&step));
+    }
     let command: Vec<String> = argv.iter().map(|a| quote(a)).collect();
     match &profile.container_image {
-        Some(image) => {
+        Some(image) if launch.is_none() => {
             let mut srun = format!("srun --container-image={}", quote(image));
             if !profile.mounts.is_empty() {
                 srun.push_str(&format!(
@@ -114,7 +130,7 @@ pub(super) fn job_script(
             }
             s.push_str(&format!("{srun} {}\n", command.join(" ")));
         }
-        None => s.push_str(&format!("exec {}\n", command.join(" "))),
+        _ => s.push_str(&format!("exec {}\n", command.join(" "))),
     }
     s
 }
@@ -127,14 +143,7 @@ fn scalar(v: &serde_json::Value) -> String {
 }
 
 fn quote(s: &str) -> String {
-    if !s.is_empty()
-        && s.chars()
-            .all(|c| c.is_ascii_alphanumeric() || "/._-=:,@+".contains(c))
-    {
-        s.to_string()
-    } else {
-        nemo_dag_op::process::shell_quote(s)
-    }
+    nemo_dag_op::process::shell_word(s)
 }
 
 #[cfg(test)]
@@ -221,6 +230,79 @@ mod tests {
         assert!(
             s.trim_end().ends_with("r.yaml stages.train.params.lr=0.5"),
             "overrides travel to the job: {s}"
+        );
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[test]
+    fn a_launched_stage_runs_exec_once_and_its_command_once_per_rank() {
+        let (m, dir) = manifest(
+            "stages:\n  train:\n    op: cmd\n    params: {lr: 0.1}\n    outputs: {o: o}\n    cmd: \"echo {params.lr} > {outputs.o}\"\n    resources: {launch: srun, nodes: 2, gpus: 4, cpus: 8}\n",
+        );
+        let profile = Profile {
+            name: "c".into(),
+            executor: crate::executor::profile::Executor::Slurm,
+            nodes: Some(16),
+            ntasks_per_node: Some(1),
+            env_vars: [("HF_HOME".to_string(), "/hf".to_string())].into(),
+            startup_commands: vec!["module load cuda".into()],
+            container_image: Some("img.sqsh".into()),
+            ..Default::default()
+        };
+        let opts = SubmitOptions {
+            profile: &profile,
+            mode: Mode::Batch,
+            dry_run: true,
+            targets: &[],
+            force: &[],
+        };
+        let store = Store::new(dir.join(".nemo-dag"));
+        let s = job_script(
+            &m,
+            &store,
+            &opts,
+            None,
+            Path::new("/opt/nemo-dag"),
+            "train",
+            Path::new("/logs/train.log"),
+        );
+        let lines: Vec<&str> = s.lines().collect();
+        let at = |line: &str| {
+            lines
+                .iter()
+                .position(|l| *l == line)
+                .unwrap_or_else(|| panic!("no line {line:?} in\n{s}"))
+        };
+        // The launch's shape, not the profile's: a task per rank (one per GPU), 8 CPUs each.
+        at("#SBATCH --nodes=2");
+        at("#SBATCH --ntasks-per-node=4");
+        at("#SBATCH --gpus-per-node=4");
+        at("#SBATCH --cpus-per-task=8");
+        // The rendezvous after the profile's environment and startup, before exec.
+        let startup = at("module load cuda");
+        let addr = at("MASTER_ADDR=$(scontrol show hostnames \"$SLURM_JOB_NODELIST\" | sed -n 1p)");
+        let port = at("MASTER_PORT=$((10000 + SLURM_JOB_ID % 20000))");
+        let export = at("export MASTER_ADDR MASTER_PORT");
+        assert!(startup < addr && addr < port && port < export, "{s}");
+        assert_eq!(
+            lines[addr - 1],
+            "# 8 ranks (2 nodes × 4) started by srun; nemo-dag exec publishes once, after every rank exits 0"
+        );
+        // exec, once, on the first node and outside the container; the ranks in it.
+        let exec = lines[export + 1];
+        assert_eq!(export + 2, lines.len(), "exec is the last line: {s}");
+        let (exec_part, launcher) = exec.split_once(" -- ").unwrap();
+        assert!(
+            exec_part.starts_with("exec /opt/nemo-dag exec --stage train --store "),
+            "{exec}"
+        );
+        assert!(
+            exec_part.ends_with("r.yaml stages.train.params.lr=0.5"),
+            "{exec}"
+        );
+        assert_eq!(
+            launcher,
+            "srun --nodes=2 --ntasks=8 --ntasks-per-node=4 --cpus-per-task=8 --kill-on-bad-exit=1 --container-image=img.sqsh sh -c 'export RANK=$SLURM_PROCID LOCAL_RANK=$SLURM_LOCALID WORLD_SIZE=$SLURM_NTASKS LOCAL_WORLD_SIZE=4; exec \"$@\"' nemo-dag-rank"
         );
         std::fs::remove_dir_all(dir).unwrap();
     }
