@@ -25,14 +25,11 @@
 //! fails the stage.
 
 use crate::manifest::Resources;
+use nemo_dag_op::AnyOp;
 use serde::{Deserialize, Serialize};
 
 /// What `resources.launch` takes, in the order the help lists them.
 pub const LAUNCHERS: [&str; 3] = ["none", "torchrun", "srun"];
-
-/// The ops that start their command under a launcher (through `RunContext::command`). Any
-/// other op refuses `launch` when the manifest loads, instead of quietly running once.
-pub const LAUNCHED_OPS: [&str; 1] = ["cmd"];
 
 /// The most ranks a stage may ask for on one node.
 pub const MAX_RANKS_PER_NODE: u32 = 1_024;
@@ -209,7 +206,13 @@ impl Launch {
 
 /// What the manifest loader says of a stage's `launch`, `nodes` and `ntasks_per_node`:
 /// `Err((field, message, help))`.
-pub fn check(resources: &Resources, op: &str) -> Result<(), (&'static str, String, String)> {
+/// `op` is the stage's op and `launched` the ops that run under a launcher
+/// ([`nemo_dag_op::Spec::launched`]), for the help.
+pub fn check(
+    resources: &Resources,
+    op: &dyn AnyOp,
+    launched: &[&str],
+) -> Result<(), (&'static str, String, String)> {
     let launcher = match resources.launch.as_deref() {
         Some(written) => {
             Launcher::parse(written).map_err(|(message, help)| ("launch", message, help))?
@@ -237,13 +240,17 @@ pub fn check(resources: &Resources, op: &str) -> Result<(), (&'static str, Strin
             ));
         }
     }
-    if launcher.is_some() && !LAUNCHED_OPS.contains(&op) {
+    if launcher.is_some() && !op.spec().launched {
         return Err((
             "launch",
-            format!("op `{op}` does not run under a launcher"),
+            format!("op `{}` does not run under a launcher", op.name()),
             format!(
                 "`launch` applies to {} stages; remove it here",
-                LAUNCHED_OPS.map(|o| format!("`{o}`")).join(", ")
+                launched
+                    .iter()
+                    .map(|o| format!("`{o}`"))
+                    .collect::<Vec<_>>()
+                    .join(", ")
             ),
         ));
     }

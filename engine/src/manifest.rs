@@ -593,7 +593,12 @@ impl Manifest {
                     format!("stage `{name}`: resources.{field}: {why}"),
                 )
             })?;
-            crate::launch::check(&r.resources, op.name()).map_err(|(field, why, help)| {
+            let launched: Vec<&str> = ops
+                .iter()
+                .filter(|o| o.spec().launched)
+                .map(|o| o.name())
+                .collect();
+            crate::launch::check(&r.resources, op, &launched).map_err(|(field, why, help)| {
                 self.locator
                     .error(
                         &loc(&["resources", field]),

@@ -16,6 +16,7 @@ static SPEC: Spec = Spec {
     other_inputs: Some("any"),
     outputs: Outputs::Declared,
     resumable: false,
+    launched: false,
 };
 
 impl Op for DeclaredOutputs {

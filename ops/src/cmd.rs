@@ -21,12 +21,9 @@
 //! anywhere but in a word is a declaration error. Inside `$(…)` the shell parses the words
 //! afresh, so a placeholder that is a word there is a word (also within "…").
 
-use nemo_dag_op::process::{die_with_parent, shell_quote, shell_word};
+use nemo_dag_op::process::{run_logged, shell_quote, shell_word};
 use nemo_dag_op::{DeclError, Metrics, Op, Outputs, RunContext, RunError, Spec, StageDecl};
 use serde_json::Value;
-use std::io::Read;
-use std::os::unix::process::CommandExt;
-use std::process::Stdio;
 
 pub struct Cmd;
 
@@ -38,6 +35,7 @@ static SPEC: Spec = Spec {
     other_inputs: Some("any input, as `{inputs.NAME}` in the command"),
     outputs: Outputs::Declared,
     resumable: false,
+    launched: true,
 };
 
 impl Op for Cmd {
@@ -93,8 +91,6 @@ impl Op for Cmd {
             )?;
         }
 
-        // One pipe for stdout and stderr keeps their lines in the order the program wrote them.
-        let (mut reader, writer) = std::io::pipe()?;
         // Under a launcher (`resources.launch`), `sh -c LINE` runs once per rank.
         let mut command = ctx.command("sh");
         command
@@ -102,32 +98,8 @@ impl Op for Cmd {
             .arg(&line)
             .current_dir(ctx.out_dir)
             .env("NEMO_DAG_STAGE", ctx.stage.name)
-            .env("NEMO_DAG_OUT", ctx.out_dir)
-            .stdin(Stdio::null())
-            .stdout(writer.try_clone()?)
-            .stderr(writer);
-        // If the process driving this stage dies, the command dies with it.
-        // SAFETY: die_with_parent only calls prctl, which is async-signal-safe.
-        unsafe {
-            command.pre_exec(die_with_parent);
-        }
-        let mut child = command.spawn().map_err(|e| {
-            RunError::new(format!(
-                "cannot start `{}`: {e}",
-                command.get_program().to_string_lossy()
-            ))
-        })?;
-        drop(command); // closes our copies of the pipe's write end
-        let mut buf = [0u8; 8192];
-        loop {
-            let n = reader.read(&mut buf)?;
-            if n == 0 {
-                break;
-            }
-            ctx.log.write_all(&buf[..n])?;
-            ctx.log.flush()?;
-        }
-        let status = child.wait()?;
+            .env("NEMO_DAG_OUT", ctx.out_dir);
+        let status = run_logged(&mut command, ctx.log, &mut |_| {})?;
         if !status.success() {
             let how = match status.code() {
                 Some(code) => format!("exited with status {code}"),
@@ -1029,9 +1001,9 @@ mod tests {
                     .arg(sh)
                     .args(&lines)
                     .current_dir(&dir)
-                    .stdin(Stdio::null())
-                    .stdout(Stdio::null())
-                    .stderr(Stdio::null())
+                    .stdin(std::process::Stdio::null())
+                    .stdout(std::process::Stdio::null())
+                    .stderr(std::process::Stdio::null())
                     .status();
                 runs += 1;
                 assert!(

@@ -104,6 +104,7 @@ static SPEC: Spec = Spec {
     other_inputs: None,
     outputs: Outputs::Fixed(MODEL_OUTPUTS),
     resumable: true,
+    launched: false,
 };
 
 impl Op for Dpo {

@@ -202,6 +202,7 @@ static SPEC: Spec = Spec {
     other_inputs: None,
     outputs: Outputs::Fixed(&[("results", "results")]),
     resumable: false,
+    launched: false,
 };
 
 impl Op for Eval {

@@ -53,6 +53,7 @@ static SPEC: Spec = Spec {
     other_inputs: None,
     outputs: Outputs::Fixed(&[("hf", "hf")]),
     resumable: false,
+    launched: false,
 };
 
 impl Op for Export {

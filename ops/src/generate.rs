@@ -72,6 +72,7 @@ static SPEC: Spec = Spec {
         ("choices", "choices.jsonl"),
     ]),
     resumable: false,
+    launched: false,
 };
 
 impl Op for Generate {

@@ -226,6 +226,7 @@ static SPEC: Spec = Spec {
     other_inputs: None,
     outputs: Outputs::Fixed(MODEL_OUTPUTS),
     resumable: true,
+    launched: false,
 };
 
 impl Op for Grpo {

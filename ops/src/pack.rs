@@ -154,6 +154,7 @@ static SPEC: Spec = Spec {
     other_inputs: Some("the chat datasets to pack"),
     outputs: Outputs::Fixed(&[("data", "data")]),
     resumable: false,
+    launched: false,
 };
 
 impl Op for Pack {

@@ -72,6 +72,7 @@ static SPEC: Spec = Spec {
     other_inputs: None,
     outputs: Outputs::Fixed(MODEL_OUTPUTS),
     resumable: true,
+    launched: false,
 };
 
 impl Op for Pretrain {

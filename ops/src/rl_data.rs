@@ -95,6 +95,7 @@ static SPEC: Spec = Spec {
     other_inputs: Some("the prompt datasets"),
     outputs: Outputs::Fixed(&[("data", "data")]),
     resumable: false,
+    launched: false,
 };
 
 impl Op for RlData {

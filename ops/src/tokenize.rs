@@ -211,6 +211,7 @@ static SPEC: Spec = Spec {
     other_inputs: Some("the text datasets to tokenize"),
     outputs: Outputs::Fixed(&[("data", "data")]),
     resumable: false,
+    launched: false,
 };
 
 impl Op for Tokenize {

@@ -101,6 +101,7 @@ static SPEC: Spec = Spec {
     other_inputs: Some("the text files or folders to train on"),
     outputs: Outputs::Fixed(&[("tokenizer", "tokenizer.json")]),
     resumable: false,
+    launched: false,
 };
 
 impl Op for TrainTokenizer {

@@ -221,6 +221,10 @@ pub struct Spec {
     /// Whether the op can continue from what an interrupted attempt left in its output
     /// directory (training checkpoints). Others start from an empty directory every time.
     pub resumable: bool,
+    /// Whether the op starts its work through [`RunContext::command`], once per rank of the
+    /// stage's `resources.launch`. Any other op refuses `launch` when the manifest loads,
+    /// instead of quietly running once.
+    pub launched: bool,
 }
 
 /// One named input of an op.
@@ -259,6 +263,12 @@ pub trait Op: Sync {
     fn run(&self, params: &Self::Params, ctx: &mut RunContext) -> Result<Metrics, RunError>;
     /// What the stage will hand downstream and what it will cost, from its params and its
     /// upstream's facts; called on checked params. Ops that cost little plan nothing.
+    /// The container image the stage's ranks run in, when the op names one. It comes from the
+    /// params, so it is part of the stage's key: the image is the software that ran. A launch
+    /// under Slurm starts the ranks in it instead of the profile's image.
+    fn image(&self, _params: &Self::Params) -> Option<String> {
+        None
+    }
     fn plan(&self, params: &Self::Params, upstream: &Upstream) -> Plan {
         let _ = (params, upstream);
         Plan::default()
@@ -283,6 +293,8 @@ pub trait AnyOp: Sync {
     fn run(&self, checked: &Checked, ctx: &mut RunContext) -> Result<Metrics, RunError>;
     /// Plan with what `check` approved for this same stage ([`Op::plan`]).
     fn plan(&self, checked: &Checked, upstream: &Upstream) -> Plan;
+    /// The container image the stage names through its params ([`Op::image`]).
+    fn image(&self, checked: &Checked) -> Option<String>;
 
     fn name(&self) -> &'static str {
         self.spec().name
@@ -335,6 +347,10 @@ impl<T: Op> AnyOp for T {
             None => Plan::default(),
         }
     }
+
+    fn image(&self, checked: &Checked) -> Option<String> {
+        Op::image(self, checked.0.downcast_ref::<T::Params>()?)
+    }
 }
 
 /// Parse an op's `params` into its typed struct; an unknown or mistyped field becomes a
@@ -381,6 +397,7 @@ mod tests {
         other_inputs: None,
         outputs: Outputs::Fixed(&[("out", "out.txt")]),
         resumable: false,
+        launched: false,
     };
 
     impl Op for Echo {

@@ -45,9 +45,84 @@ pub fn term_with_parent() -> std::io::Result<()> {
     Ok(())
 }
 
+/// Run `command` to its end with stdout and stderr in one pipe (so their lines keep the order
+/// the program wrote them), every byte copied to `log` as it comes and every whole line handed
+/// to `on_line` (progress parsing). The command dies with the thread that started it. `Err`
+/// only when it cannot start or its output cannot be read; its exit status is the caller's.
+pub fn run_logged(
+    command: &mut std::process::Command,
+    log: &mut dyn std::io::Write,
+    on_line: &mut dyn FnMut(&str),
+) -> Result<std::process::ExitStatus, crate::RunError> {
+    use std::io::Read;
+    use std::os::unix::process::CommandExt;
+    let (mut reader, writer) = std::io::pipe()?;
+    command
+        .stdin(std::process::Stdio::null())
+        .stdout(writer.try_clone()?)
+        .stderr(writer);
+    // SAFETY: die_with_parent only calls prctl, which is async-signal-safe.
+    unsafe {
+        command.pre_exec(die_with_parent);
+    }
+    let mut child = command.spawn().map_err(|e| {
+        crate::RunError::new(format!(
+            "cannot start `{}`: {e}",
+            command.get_program().to_string_lossy()
+        ))
+    })?;
+    // Our copies of the pipe's write end live in `command`: replace them, or the read below
+    // never sees the end of the output.
+    command.stdout(std::process::Stdio::null());
+    command.stderr(std::process::Stdio::null());
+    let mut buf = [0u8; 8192];
+    let mut line = Vec::new();
+    loop {
+        let n = reader.read(&mut buf)?;
+        if n == 0 {
+            break;
+        }
+        log.write_all(&buf[..n])?;
+        log.flush()?;
+        for &b in &buf[..n] {
+            if b == b'\n' {
+                on_line(&String::from_utf8_lossy(&line));
+                line.clear();
+            } else {
+                line.push(b);
+            }
+        }
+    }
+    if !line.is_empty() {
+        on_line(&String::from_utf8_lossy(&line));
+    }
+    Ok(child.wait()?)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_logged_run_keeps_the_output_in_order_and_hands_over_every_line() {
+        let mut command = std::process::Command::new("sh");
+        command
+            .arg("-c")
+            .arg("echo one; echo two >&2; printf three; exit 3");
+        let mut log = Vec::new();
+        let mut lines = Vec::new();
+        let status = run_logged(&mut command, &mut log, &mut |l| lines.push(l.to_string()))
+            .expect("sh starts");
+        assert_eq!(status.code(), Some(3));
+        assert_eq!(String::from_utf8_lossy(&log), "one\ntwo\nthree");
+        assert_eq!(lines, ["one", "two", "three"]);
+        let missing = run_logged(
+            &mut std::process::Command::new("/no/such/program"),
+            &mut log,
+            &mut |_| {},
+        );
+        assert!(missing.is_err_and(|e| e.message.contains("cannot start `/no/such/program`")));
+    }
 
     #[test]
     fn a_quoted_word_survives_the_shell() {
