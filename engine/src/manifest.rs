@@ -913,6 +913,25 @@ fn not_utf8(name: String, e: std::string::FromUtf8Error) -> InputError {
         .help("save the manifest as UTF-8 text")
 }
 
+/// The variants `-c NAME` finds beside a manifest (`<dir>/<stem>/NAME.{yaml,yml,toml}`), sorted.
+pub fn variants(manifest: &Path) -> Vec<String> {
+    let dir = manifest.parent().unwrap_or(Path::new("."));
+    let stem = manifest.file_stem().and_then(|s| s.to_str()).unwrap_or("");
+    let mut available: Vec<String> = std::fs::read_dir(dir.join(stem))
+        .into_iter()
+        .flatten()
+        .flatten()
+        .filter_map(|e| {
+            let p = e.path();
+            Format::from_path(&p)?;
+            Some(p.file_stem()?.to_str()?.to_string())
+        })
+        .collect();
+    available.sort();
+    available.dedup();
+    available
+}
+
 /// `-c NAME`: `<dir>/<stem>/NAME.{yaml,yml,toml}`; a value with `/` or a suffix is a path.
 fn find_variant(manifest: &Path, variant: &str) -> Result<PathBuf, InputError> {
     let looks_like_path = variant.contains('/') || Format::from_path(Path::new(variant)).is_some();
@@ -935,17 +954,7 @@ fn find_variant(manifest: &Path, variant: &str) -> Result<PathBuf, InputError> {
     if let Some(found) = tried.iter().find(|p| p.is_file()) {
         return Ok(found.clone());
     }
-    let mut available: Vec<String> = std::fs::read_dir(dir.join(stem))
-        .into_iter()
-        .flatten()
-        .flatten()
-        .filter_map(|e| {
-            let p = e.path();
-            Format::from_path(&p)?;
-            Some(p.file_stem()?.to_str()?.to_string())
-        })
-        .collect();
-    available.sort();
+    let available = variants(manifest);
     let tried: Vec<String> = tried.iter().map(|p| p.display().to_string()).collect();
     Err(InputError::new(format!(
         "no variant `{variant}`: tried {}",

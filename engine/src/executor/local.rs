@@ -113,6 +113,17 @@ pub fn dry_run(
         .collect())
 }
 
+/// `; or a variant of the manifest sized for one machine: -c tiny`, when it has variants and
+/// none is chosen.
+fn smaller_variant(manifest: &Manifest) -> String {
+    let variants = crate::manifest::variants(&manifest.path);
+    if manifest.variant.is_some() || variants.is_empty() {
+        return String::new();
+    }
+    let shown: Vec<String> = variants.iter().map(|v| format!("`-c {v}`")).collect();
+    format!("; or a variant of the manifest: {}", shown.join(", "))
+}
+
 /// A stage this machine cannot launch (`launch: srun`, or `torchrun` on several nodes) stops
 /// a local run before anything runs, unless it is up to date and only its artifact is used.
 /// The plan is computed only when such a stage is selected.
@@ -150,8 +161,9 @@ fn check_launches(
                 ),
             )
             .help(format!(
-                "run it on a cluster: `nemo-dag run {} --run PROFILE` (or `--batch PROFILE`), with a profile whose executor is \"slurm\" in env.toml (docs/slurm.md)",
-                manifest.path.display()
+                "run it on a cluster: `nemo-dag run {} --batch PROFILE` (or `--run PROFILE`), with a profile whose executor is \"slurm\" in env.toml (docs/slurm.md){}",
+                manifest.path.display(),
+                smaller_variant(manifest)
             ))
             .into()),
     }

@@ -110,9 +110,16 @@ pub(super) fn job_script(
     argv.extend(manifest.overrides.iter().cloned());
     if let Some(launch) = &launch {
         s.push_str(&launch.rendezvous_lines());
+        // The ranks run in the image the stage names (an op's `image` param, in its key),
+        // else in the profile's.
+        let image = stage
+            .op
+            .check(&stage.decl())
+            .ok()
+            .and_then(|checked| stage.op.image(&checked));
         let step = Step {
             cpus_per_task,
-            container_image: profile.container_image.as_deref(),
+            container_image: image.as_deref().or(profile.container_image.as_deref()),
             mounts: &profile.mounts,
         };
         argv.push("--".into());
