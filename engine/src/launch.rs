@@ -77,6 +77,8 @@ pub struct Launch {
 #[derive(Debug, Clone, Copy, Default)]
 pub struct Step<'a> {
     pub cpus_per_task: Option<u32>,
+    /// `srun --mpi=` (the profile's `mpi`).
+    pub mpi: Option<&'a str>,
     pub container_image: Option<&'a str>,
     pub mounts: &'a [String],
 }
@@ -141,15 +143,18 @@ impl Launch {
     /// argv follows it): one `srun` step over the whole shape, in the profile's container.
     pub fn slurm_command(&self, step: &Step) -> Vec<String> {
         let tasks_per_node = self.tasks_per_node();
-        let mut argv = vec![
-            "srun".to_string(),
+        let mut argv = vec!["srun".to_string()];
+        if let Some(mpi) = step.mpi {
+            argv.push(format!("--mpi={mpi}"));
+        }
+        argv.extend([
             format!("--nodes={}", self.nodes),
             format!(
                 "--ntasks={}",
                 u64::from(self.nodes) * u64::from(tasks_per_node)
             ),
             format!("--ntasks-per-node={tasks_per_node}"),
-        ];
+        ]);
         // A step does not inherit the job's --cpus-per-task (srun(1), since Slurm 22.05).
         if let Some(cpus) = step.cpus_per_task {
             argv.push(format!("--cpus-per-task={cpus}"));
@@ -339,6 +344,7 @@ mod tests {
         let mounts = ["/a:/a".to_string(), "/b:/b".to_string()];
         let step = Step {
             cpus_per_task: Some(32),
+            mpi: Some("pmix"),
             container_image: Some("nemo.sqsh"),
             mounts: &mounts,
         };
@@ -346,6 +352,7 @@ mod tests {
             launch(Launcher::Torchrun, 4, 8).slurm_command(&step),
             [
                 "srun",
+                "--mpi=pmix",
                 "--nodes=4",
                 "--ntasks=4",
                 "--ntasks-per-node=1",

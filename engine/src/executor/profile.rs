@@ -66,6 +66,9 @@ pub struct Profile {
     pub mounts: Vec<String>,
     #[serde(alias = "container")]
     pub container_image: Option<String>,
+    /// The PMI a launched stage's `srun` step uses (`srun --mpi=`; `pmix` for Megatron-Bridge
+    /// under pyxis, as its Slurm examples run it).
+    pub mpi: Option<String>,
     #[serde(default)]
     pub startup_commands: Vec<String>,
     #[serde(default)]

@@ -119,6 +119,7 @@ pub(super) fn job_script(
             .and_then(|checked| stage.op.image(&checked));
         let step = Step {
             cpus_per_task,
+            mpi: profile.mpi.as_deref(),
             container_image: image.as_deref().or(profile.container_image.as_deref()),
             mounts: &profile.mounts,
         };
