@@ -25,6 +25,9 @@ mod train;
 /// The shipped recipes load, and the tiny ones run.
 mod recipes;
 
+/// Megatron-Bridge as a backend, against a stand-in that checks its arguments.
+pub(crate) mod megatron;
+
 /// Plan before running: memory and FLOP estimates, printed, recorded, and refused when too big.
 mod scale;
 

@@ -17,6 +17,8 @@
 //! - [`grpo`]: reinforcement learning (GRPO) on prompts with verifiable answers.
 //! - [`export`]: a dense model as a Hugging Face Llama checkpoint.
 //! - [`eval`]: perplexity, multiple-choice log-likelihood and verifiable generation accuracy.
+//! - [`megatron`]: `megatron_pretrain` and `megatron_sft`, the same stages at real scale, run by
+//!   NVIDIA Megatron-Bridge on a Slurm cluster.
 //!
 //! Each file is an op's params, its spec, its checks and the wiring of its `run` (`training.rs`
 //! holds what the training ops share); the formats live in
@@ -30,6 +32,7 @@ pub mod export;
 pub mod generate;
 pub mod gpu_check;
 pub mod grpo;
+pub mod megatron;
 pub mod pack;
 pub mod pretrain;
 pub mod rl_data;
@@ -59,6 +62,8 @@ pub fn registry() -> Registry {
         &grpo::Grpo,
         &export::Export,
         &eval::Eval,
+        &megatron::MegatronPretrain,
+        &megatron::MegatronSft,
     ];
     Registry::new(OPS).with_gpu_probe(probe_gpu)
 }

@@ -40,3 +40,11 @@ pub fn run_op(
     let r = op.run(&checked, &mut ctx);
     (r, String::from_utf8(log).unwrap())
 }
+
+/// A fresh, empty scratch directory for one test (`name` keeps tests apart).
+pub fn scratch(name: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("nemo-dag-ops-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).expect("temp dir");
+    dir
+}

@@ -269,6 +269,17 @@ pub trait Op: Sync {
     fn image(&self, _params: &Self::Params) -> Option<String> {
         None
     }
+    /// For `run --dry-run`: the script a run of the stage will write and run, with what does
+    /// not exist yet (its inputs, its attempt directory) named, when the op has one to show.
+    /// `launcher` is the argv that will start it once per rank ([`RunContext::launcher`]).
+    fn preview(
+        &self,
+        _params: &Self::Params,
+        _stage: &StageDecl,
+        _launcher: &[String],
+    ) -> Option<String> {
+        None
+    }
     fn plan(&self, params: &Self::Params, upstream: &Upstream) -> Plan {
         let _ = (params, upstream);
         Plan::default()
@@ -295,6 +306,8 @@ pub trait AnyOp: Sync {
     fn plan(&self, checked: &Checked, upstream: &Upstream) -> Plan;
     /// The container image the stage names through its params ([`Op::image`]).
     fn image(&self, checked: &Checked) -> Option<String>;
+    /// What a run of the stage will execute ([`Op::preview`]).
+    fn preview(&self, checked: &Checked, stage: &StageDecl, launcher: &[String]) -> Option<String>;
 
     fn name(&self) -> &'static str {
         self.spec().name
@@ -350,6 +363,15 @@ impl<T: Op> AnyOp for T {
 
     fn image(&self, checked: &Checked) -> Option<String> {
         Op::image(self, checked.0.downcast_ref::<T::Params>()?)
+    }
+
+    fn preview(&self, checked: &Checked, stage: &StageDecl, launcher: &[String]) -> Option<String> {
+        Op::preview(
+            self,
+            checked.0.downcast_ref::<T::Params>()?,
+            stage,
+            launcher,
+        )
     }
 }
 

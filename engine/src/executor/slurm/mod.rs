@@ -173,6 +173,13 @@ pub fn submit(manifest: &Manifest, store: &Store, opts: &SubmitOptions) -> Resul
                     &dependency_line(&after_placeholder(&p.after_stages))
                 )
             );
+            if let Some(preview) = script::preview(manifest, opts, &p.stage) {
+                println!(
+                    "# ---- {}: what nemo-dag exec runs in it (inputs and the attempt directory named; resolved when it runs) ----",
+                    p.stage
+                );
+                println!("{}", preview.trim_end());
+            }
         }
         for (stage, id) in &reused {
             println!("# ---- {stage}: already queued as job {id}; not resubmitted ----");

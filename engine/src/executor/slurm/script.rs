@@ -110,21 +110,8 @@ pub(super) fn job_script(
     argv.extend(manifest.overrides.iter().cloned());
     if let Some(launch) = &launch {
         s.push_str(&launch.rendezvous_lines());
-        // The ranks run in the image the stage names (an op's `image` param, in its key),
-        // else in the profile's.
-        let image = stage
-            .op
-            .check(&stage.decl())
-            .ok()
-            .and_then(|checked| stage.op.image(&checked));
-        let step = Step {
-            cpus_per_task,
-            mpi: profile.mpi.as_deref(),
-            container_image: image.as_deref().or(profile.container_image.as_deref()),
-            mounts: &profile.mounts,
-        };
         argv.push("--".into());
-        argv.extend(launch.slurm_command(&step));
+        argv.extend(launcher(manifest, opts, name));
     }
     let command: Vec<String> = argv.iter().map(|a| quote(a)).collect();
     match &profile.container_image {
@@ -141,6 +128,37 @@ pub(super) fn job_script(
         _ => s.push_str(&format!("exec {}\n", command.join(" "))),
     }
     s
+}
+
+/// The argv that starts a launched stage's ranks inside its job (empty without a launch): one
+/// `srun` step over the stage's shape, in the image its op names, else the profile's.
+pub(super) fn launcher(manifest: &Manifest, opts: &SubmitOptions, name: &str) -> Vec<String> {
+    let profile = opts.profile;
+    let stage = &manifest.stages[name];
+    let Some(launch) = stage.resources.launch() else {
+        return Vec::new();
+    };
+    let image = stage
+        .op
+        .check(&stage.decl())
+        .ok()
+        .and_then(|checked| stage.op.image(&checked));
+    let step = Step {
+        cpus_per_task: stage.resources.cpus.or(profile.cpus_per_task),
+        mpi: profile.mpi.as_deref(),
+        container_image: image.as_deref().or(profile.container_image.as_deref()),
+        mounts: &profile.mounts,
+    };
+    launch.slurm_command(&step)
+}
+
+/// What a stage's op will run in its job ([`nemo_dag_op::Op::preview`]), for `--dry-run`.
+pub(super) fn preview(manifest: &Manifest, opts: &SubmitOptions, name: &str) -> Option<String> {
+    let stage = &manifest.stages[name];
+    let checked = stage.op.check(&stage.decl()).ok()?;
+    stage
+        .op
+        .preview(&checked, &stage.decl(), &launcher(manifest, opts, name))
 }
 
 fn scalar(v: &serde_json::Value) -> String {

@@ -1,0 +1,458 @@
+//! `megatron_pretrain` and `megatron_sft` (docs/scale.md): the wiring between nemo-dag's
+//! artifacts and Megatron-Bridge's `run_recipe.py`, proven against a stand-in for it
+//! (`tests/py/fake_run_recipe.py`) that checks every argument it gets (the keys against
+//! Megatron-Bridge 0.6's own config tree, the data files, the tokenizer, the checkpoint
+//! directory a resume finds) and writes checkpoints the way Megatron-Bridge does, or dies
+//! half-way through one when told to.
+
+use crate::common::{Out, Project, listing, repo};
+use serde_json::Value;
+use std::path::{Path, PathBuf};
+
+/// A project with the tiny data stages, a pretrain and an SFT through the stand-in.
+pub(crate) fn project(name: &str) -> Project {
+    let p = Project::new(name);
+    let mb = p.path("mb/scripts/training");
+    std::fs::create_dir_all(&mb).unwrap();
+    std::os::unix::fs::symlink(
+        repo().join("tests/py/fake_run_recipe.py"),
+        mb.join("run_recipe.py"),
+    )
+    .unwrap();
+    let manifest = r#"
+vars: {steps: 10}
+stages:
+  problems:
+    op: generate
+    params: {kind: arithmetic, count: 300, seed: 7, max_operand: 20}
+  tokenizer:
+    op: train_tokenizer
+    inputs: {corpus: "problems:pretrain"}
+    params: {vocab_size: 300}
+  pretrain_data:
+    op: tokenize
+    inputs: {tokenizer: "tokenizer:tokenizer", arithmetic: "problems:pretrain"}
+    params: {num_shards: 4, valid_shards: 1, test_shards: 1, add_eos: true}
+  pretrain:
+    op: megatron_pretrain
+    inputs: {data: "pretrain_data:data", tokenizer: "tokenizer:tokenizer"}
+    params:
+      recipe: nemotron_3_nano_pretrain_config
+      mb_root: "MB_ROOT"
+      python: python3
+      seq_length: 64
+      steps: {{ steps }}
+      global_batch: 8
+      micro_batch: 2
+      save_interval: 4
+      lr: 3e-3
+      parallel: {tp: 1, ep: 1}
+      overrides: {model.num_layers: 4, model.hybrid_layer_pattern: "M*M-"}
+  sft_data:
+    op: pack
+    inputs: {tokenizer: "tokenizer:tokenizer", arithmetic: "problems:chat"}
+    params: {chat_template: nano3, pack_size: 256, num_shards: 2}
+  sft:
+    op: megatron_sft
+    inputs: {model: "pretrain:checkpoint", data: "sft_data:data", tokenizer: "tokenizer:tokenizer"}
+    params:
+      recipe: nemotron_3_nano_sft_config
+      mb_root: "MB_ROOT"
+      python: python3
+      seq_length: 256
+      steps: 6
+      global_batch: 4
+      micro_batch: 1
+      save_interval: 3
+"#
+    .replace("MB_ROOT", &p.path("mb").display().to_string());
+    p.write("m.yaml", &manifest);
+    p
+}
+
+/// Run with the stand-in's knobs; every launch appends its argv to `argv.jsonl`.
+pub(crate) fn run(p: &Project, args: &[&str], env: &[(&str, &str)]) -> Out {
+    let mut c = p.command(args);
+    c.env("FAKE_MB_ARGV_LOG", p.path("argv.jsonl"));
+    for (k, v) in env {
+        c.env(k, v);
+    }
+    crate::common::output(c)
+}
+
+/// The launches so far, oldest first.
+pub(crate) fn launches(p: &Project) -> Vec<Value> {
+    std::fs::read_to_string(p.path("argv.jsonl"))
+        .unwrap_or_default()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
+}
+
+/// The value of `key=` in a launch's argv.
+fn arg<'a>(launch: &'a Value, key: &str) -> Option<&'a str> {
+    launch["argv"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(Value::as_str)
+        .find_map(|w| w.strip_prefix(key)?.strip_prefix('='))
+}
+
+pub(crate) fn output(p: &Project, stage: &str, out: &str) -> PathBuf {
+    let v = p.json(&["show", stage, "--manifest", "m.yaml", "--json"]);
+    PathBuf::from(v["outputs"][out]["path"].as_str().unwrap())
+}
+
+pub(crate) fn names(dir: &Path) -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+        .collect();
+    names.sort();
+    names
+}
+
+#[test]
+fn pretrain_and_sft_run_megatron_bridge_on_our_artifacts_and_publish_the_final_iteration() {
+    let p = project("mb-run");
+    let out = run(&p, &["run", "m.yaml"], &[]);
+    assert_eq!(out.code, 0, "{out}");
+
+    let data = output(&p, "pretrain_data", "data");
+    let launches = launches(&p);
+    assert_eq!(launches.len(), 2, "one launch per stage: {launches:?}");
+    let (pretrain, sft) = (&launches[0], &launches[1]);
+    let argv = pretrain["argv"].as_array().unwrap();
+    assert_eq!(
+        argv[..4],
+        [
+            "--recipe",
+            "nemotron_3_nano_pretrain_config",
+            "--mode",
+            "pretrain"
+        ]
+    );
+
+    // The tokenize artifact's blend.json, as Megatron per-split blends of absolute prefixes.
+    let blend: Value =
+        serde_json::from_str(&std::fs::read_to_string(data.join("blend.json")).unwrap()).unwrap();
+    let split = |name: &str| -> String {
+        let list = blend[name].as_array().unwrap();
+        let prefixes: Vec<String> = list
+            .chunks(2)
+            .map(|pair| format!("'{}'", data.join(pair[1].as_str().unwrap()).display()))
+            .collect();
+        let weights: Vec<String> = list
+            .chunks(2)
+            .map(|pair| {
+                let w: f64 = pair[0].as_str().unwrap().parse().unwrap();
+                format!("{w:.1}")
+            })
+            .collect();
+        format!("[[{}],[{}]]", prefixes.join(","), weights.join(","))
+    };
+    assert_eq!(
+        arg(pretrain, "dataset.blend_per_split").unwrap(),
+        format!("[{},{},{}]", split("train"), split("valid"), split("test"))
+    );
+    assert_eq!(arg(pretrain, "dataset.split"), Some("null"));
+    assert_eq!(arg(pretrain, "train.train_iters"), Some("10"));
+    assert_eq!(arg(pretrain, "optimizer.lr"), Some("0.003"));
+    assert_eq!(arg(pretrain, "model.num_layers"), Some("4"));
+    assert_eq!(arg(pretrain, "model.hybrid_layer_pattern"), Some("'M*M-'"));
+    assert_eq!(
+        arg(pretrain, "checkpoint.exit_on_missing_checkpoint"),
+        Some("false")
+    );
+    assert_eq!(arg(pretrain, "checkpoint.ckpt_step"), None);
+
+    // Published: the final iteration alone with trackers naming it, and the run's record.
+    let ckpt = output(&p, "pretrain", "checkpoint");
+    assert_eq!(
+        names(&ckpt),
+        [
+            "iter_0000010",
+            "latest_checkpointed_iteration.txt",
+            "latest_train_state.pt"
+        ]
+    );
+    assert_eq!(
+        std::fs::read_to_string(ckpt.join("latest_checkpointed_iteration.txt")).unwrap(),
+        "10"
+    );
+    let run_dir = output(&p, "pretrain", "run");
+    let script = std::fs::read_to_string(run_dir.join("launch.sh")).unwrap();
+    assert!(
+        script.contains("--recipe nemotron_3_nano_pretrain_config --mode pretrain"),
+        "{script}"
+    );
+    for name in [
+        "config.yaml",
+        "tokenizer/tokenizer.json",
+        "tokenizer/tokenizer_config.json",
+    ] {
+        assert!(
+            run_dir.join(name).is_file(),
+            "run/{name}: {:?}",
+            listing(&run_dir)
+        );
+    }
+    assert!(
+        !run_dir.join("data_cache").exists(),
+        "scratch is not published"
+    );
+    let show = p.json(&["show", "pretrain", "--manifest", "m.yaml", "--json"]);
+    assert_eq!(show["metrics"]["final_iteration"], 10, "{show}");
+    assert_eq!(show["metrics"]["lm_loss"], "0.909091", "{show}");
+
+    // SFT: the pack artifact's Parquet as it is, and pretrain's final iteration as its start.
+    let pack = output(&p, "sft_data", "data");
+    assert_eq!(
+        arg(sft, "checkpoint.pretrained_checkpoint").unwrap(),
+        format!("'{}'", ckpt.join("iter_0000010").display())
+    );
+    assert_eq!(
+        arg(sft, "dataset.offline_packing_specs.packed_train_data_path").unwrap(),
+        format!("'{}'", pack.join("splits/train").display())
+    );
+    assert_eq!(
+        arg(sft, "dataset.offline_packing_specs.packed_sequence_size"),
+        Some("256")
+    );
+    assert_eq!(arg(sft, "dataset.seq_length"), Some("256"));
+
+    // Everything is cached now; nothing launches again.
+    let again = run(&p, &["run", "m.yaml"], &[]);
+    assert_eq!(again.code, 0, "{again}");
+    // The pack artifact SFT read in place is as it was published.
+    p.ok(&["verify", "sft_data", "--manifest", "m.yaml"]);
+    assert_eq!(self::launches(&p).len(), 2);
+}
+
+#[test]
+fn a_kill_mid_save_resumes_from_the_last_whole_iteration_of_this_attempt() {
+    let p = project("mb-resume");
+    // Something left by an older run where the recipes save by default: never read.
+    p.write(
+        "nemo_experiments/default/checkpoints/latest_checkpointed_iteration.txt",
+        "999",
+    );
+    let killed = run(
+        &p,
+        &["run", "m.yaml", "--target", "pretrain"],
+        &[("FAKE_MB_DIE_AT", "8")],
+    );
+    assert_eq!(killed.code, 1, "{killed}");
+    assert!(
+        killed
+            .stderr
+            .contains("Megatron-Bridge exited with status 137")
+            && killed
+                .stderr
+                .contains("the next run resumes from iteration 4"),
+        "{killed}"
+    );
+
+    let out = run(&p, &["run", "m.yaml", "--target", "pretrain"], &[]);
+    assert_eq!(out.code, 0, "{out}");
+    let launches = launches(&p);
+    let resumed = launches.last().unwrap();
+    assert_eq!(arg(resumed, "checkpoint.ckpt_step"), Some("4"), "{resumed}");
+    assert_eq!(
+        arg(resumed, "checkpoint.exit_on_missing_checkpoint"),
+        Some("true")
+    );
+    // The half-written iteration 8 was gone, and the trackers said 4, before it started.
+    assert_eq!(resumed["trackers_at_start"], "4", "{resumed}");
+    let at_start: Vec<&str> = resumed["ckpt_at_start"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(Value::as_str)
+        .collect();
+    assert!(
+        at_start.contains(&"iter_0000004") && !at_start.contains(&"iter_0000008"),
+        "{at_start:?}"
+    );
+    // Its own attempt directory, not the stale default one.
+    let save = arg(resumed, "checkpoint.save").unwrap();
+    assert!(
+        save.contains("/.nemo-dag/") && save.ends_with("/out/checkpoint'"),
+        "{save}"
+    );
+    assert_eq!(arg(resumed, "checkpoint.load"), Some(save));
+    assert_eq!(
+        names(&output(&p, "pretrain", "checkpoint")),
+        [
+            "iter_0000010",
+            "latest_checkpointed_iteration.txt",
+            "latest_train_state.pt"
+        ]
+    );
+}
+
+#[test]
+fn an_exit_0_short_of_the_last_step_is_a_failure_the_next_run_resumes() {
+    for (env, stopped_at) in [
+        (("FAKE_MB_SIGTERM_AT", "8"), "8"),
+        (("NEMO_DAG_STOP_AFTER_STEP", "4"), "4"),
+    ] {
+        let p2 = project("mb-short");
+        let out = run(&p2, &["run", "m.yaml", "--target", "pretrain"], &[env]);
+        assert_eq!(out.code, 1, "{out}");
+        assert!(
+            out.stderr.contains(&format!(
+                "exited 0 but stopped at iteration {stopped_at} of 10"
+            )),
+            "{out}"
+        );
+        assert!(
+            p2.artifact_dirs()
+                .iter()
+                .all(|d| !d.join("out/checkpoint").exists())
+        );
+        let last = launches(&p2).pop().unwrap();
+        if env.0 == "NEMO_DAG_STOP_AFTER_STEP" {
+            assert_eq!(arg(&last, "train.exit_interval"), Some("4"));
+        }
+        let out = run(&p2, &["run", "m.yaml", "--target", "pretrain"], &[]);
+        assert_eq!(out.code, 0, "{out}");
+        assert_eq!(
+            arg(launches(&p2).last().unwrap(), "checkpoint.ckpt_step"),
+            Some(stopped_at)
+        );
+    }
+}
+
+#[test]
+fn the_declaration_is_checked_before_anything_runs() {
+    for (params, needles) in [
+        (
+            r#"overrides: {"+model.nope": 1}"#,
+            &["stage `pretrain`: `+model.nope`", "`+` override", "m.yaml"][..],
+        ),
+        (
+            r#"overrides: {checkpoint.save: /elsewhere}"#,
+            &["checkpoint.save", "set by nemo-dag"][..],
+        ),
+        (
+            r#"overrides: {train.train_iters: 5}"#,
+            &["set params.steps"][..],
+        ),
+        (
+            r#"recipe: "a b""#,
+            &["`a b` is not a recipe name", "m.yaml"][..],
+        ),
+        (
+            r#"global_batch: 7"#,
+            &["not a multiple of micro_batch 2"][..],
+        ),
+        (r#"mb_root: opt/mb"#, &["`opt/mb`", "absolute"][..]),
+    ] {
+        let p = project("mb-decl");
+        let text = std::fs::read_to_string(p.path("m.yaml")).unwrap();
+        let key = params.split(':').next().unwrap().trim_matches('"');
+        // Replace the param if the stage has it, else add it.
+        let line = format!("      {params}\n");
+        let text = match text.find(&format!("      {key}:")) {
+            Some(at) => {
+                let end = at + text[at..].find('\n').unwrap() + 1;
+                format!("{}{line}{}", &text[..at], &text[end..])
+            }
+            None => text.replacen(
+                "      python: python3\n",
+                &format!("      python: python3\n{line}"),
+                1,
+            ),
+        };
+        p.write("m.yaml", &text);
+        let out = p.run(&["run", "m.yaml"]);
+        assert_eq!(out.code, 2, "{params}: {out}");
+        for n in needles {
+            assert!(
+                out.stderr.contains(n),
+                "{params}: stderr should say {n:?}\n{out}"
+            );
+        }
+        assert!(!p.store().exists(), "{params}: nothing written");
+    }
+}
+
+#[test]
+fn an_image_is_honoured_or_the_stage_refuses_to_run_outside_it() {
+    let p = project("mb-image");
+    let text = std::fs::read_to_string(p.path("m.yaml")).unwrap().replacen(
+        "      python: python3\n",
+        "      python: python3\n      image: nvcr.io/nvidia/nemo:25.11\n",
+        1,
+    );
+    p.write("m.yaml", &text);
+    let out = run(&p, &["run", "m.yaml", "--target", "pretrain"], &[]);
+    assert_eq!(out.code, 1, "{out}");
+    assert!(
+        out.stderr
+            .contains("names image `nvcr.io/nvidia/nemo:25.11`")
+            && out.stderr.contains("launch: srun"),
+        "{out}"
+    );
+    assert!(launches(&p).is_empty(), "nothing was launched");
+}
+
+#[test]
+fn sft_refuses_a_model_that_is_not_a_megatron_checkpoint() {
+    let p = project("mb-wrong-model");
+    let text = std::fs::read_to_string(p.path("m.yaml")).unwrap().replace(
+        "{model: \"pretrain:checkpoint\"",
+        "{model: \"pretrain:run\"",
+    );
+    p.write("m.yaml", &text);
+    let out = run(&p, &["run", "m.yaml"], &[]);
+    assert_eq!(out.code, 1, "{out}");
+    assert!(
+        out.stderr.contains("input `model`") && out.stderr.contains("not a Megatron checkpoint"),
+        "{out}"
+    );
+}
+
+/// Opt-in: the overrides a run renders, applied by Megatron-Bridge 0.6's own config loader
+/// (`process_config_with_overrides`, then the dataset config's `finalize`/`validate`), with
+/// `NEMO_DAG_MB_PYTHON` a Python 3.12 that has megatron-bridge 0.6 (docs/scale.md).
+#[test]
+fn megatron_bridges_own_config_loader_accepts_the_rendered_overrides() {
+    let Some(python) = std::env::var_os("NEMO_DAG_MB_PYTHON") else {
+        eprintln!(
+            "skipping megatron_config_loader: megatron-bridge >= 0.4 needs Python 3.12 and imports transformer_engine, which PyPI ships only as a CUDA source build; set NEMO_DAG_MB_PYTHON to a Python 3.12 with megatron-bridge 0.6 (docs/scale.md)"
+        );
+        return;
+    };
+    let p = project("mb-loader");
+    let out = run(&p, &["run", "m.yaml"], &[]);
+    assert_eq!(out.code, 0, "{out}");
+    let launches = launches(&p);
+    assert_eq!(launches.len(), 2);
+    for launch in &launches {
+        let argv: Vec<&str> = launch["argv"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter_map(Value::as_str)
+            .collect();
+        let (recipe, mode) = (argv[1], argv[3]);
+        let file = p.write(&format!("{mode}.overrides"), &(argv[4..].join("\n") + "\n"));
+        let check = std::process::Command::new(&python)
+            .arg(repo().join("tests/py/mb_config_check.py"))
+            .args([recipe, mode])
+            .arg(&file)
+            .env("HF_HUB_OFFLINE", "1")
+            .output()
+            .unwrap();
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&check.stdout),
+            String::from_utf8_lossy(&check.stderr)
+        );
+        assert_eq!(check.status.code(), Some(0), "{recipe} {mode}:\n{text}");
+        assert!(text.contains("ok"), "{text}");
+    }
+}
