@@ -29,7 +29,7 @@ mod recipes;
 pub(crate) mod megatron;
 
 /// Plan before running: memory and FLOP estimates, printed, recorded, and refused when too big.
-mod scale;
+pub(crate) mod scale;
 
 /// Stage keys of every shipped manifest are what they were.
 mod keys;

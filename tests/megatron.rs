@@ -415,6 +415,123 @@ fn sft_refuses_a_model_that_is_not_a_megatron_checkpoint() {
     );
 }
 
+#[test]
+fn the_default_variants_dry_run_shows_the_documented_launch_and_every_override() {
+    // Megatron-Bridge's Slurm examples (examples/models/nemotron/nemotron_3/*/slurm_*.sh):
+    // `srun --mpi=pmix --container-image=… --container-mounts=…`, one task per GPU, then
+    // `python /opt/Megatron-Bridge/scripts/training/run_recipe.py --recipe … --mode …` and
+    // `key=value` overrides.
+    let keys: std::collections::BTreeSet<String> =
+        std::fs::read_to_string(repo().join("tests/fixtures/megatron-bridge-0.6-keys.txt"))
+            .unwrap()
+            .lines()
+            .filter(|l| !l.starts_with('#') && !l.trim().is_empty())
+            .map(str::to_string)
+            .collect();
+    let p = crate::scale::recipes();
+    p.write(
+        "manifests/env.toml",
+        "[gpu]\nexecutor = \"slurm\"\npartition = \"batch\"\nmpi = \"pmix\"\nmounts = [\"/lustre:/lustre\"]\n",
+    );
+    p.write("manifests/.git", "");
+    for (manifest, image, stages) in [
+        (
+            "nano3",
+            "nvcr.io/nvidia/nemo:25.11.nemotron_3_nano",
+            [
+                ("pretrain", 4, "nemotron_3_nano_pretrain_config"),
+                ("sft", 1, "nemotron_3_nano_sft_config"),
+            ],
+        ),
+        (
+            "super3",
+            "nvcr.io/nvidia/nemo:26.02.nemotron_3_super",
+            [
+                ("pretrain", 8, "nemotron_3_super_pretrain_config"),
+                ("sft", 2, "nemotron_3_super_sft_config"),
+            ],
+        ),
+    ] {
+        let path = format!("manifests/{manifest}.yaml");
+        let out = p.ok(&["run", &path, "--batch", "gpu", "--dry-run"]);
+        assert!(
+            !p.path("manifests/.nemo-dag").exists(),
+            "a dry run writes nothing"
+        );
+        for (stage, nodes, recipe) in stages {
+            let head = format!(
+                "# ---- {stage}: what nemo-dag exec runs in it (inputs and the attempt directory named; resolved when it runs) ----"
+            );
+            let script = out
+                .stdout
+                .split(&head)
+                .nth(1)
+                .unwrap_or_else(|| panic!("{manifest} {stage}: no launch.sh preview\n{out}"))
+                .split("\n# ---- ")
+                .next()
+                .unwrap();
+            let srun = format!(
+                "exec srun --mpi=pmix --nodes={nodes} --ntasks={} --ntasks-per-node=8 --kill-on-bad-exit=1 --container-image={image} --container-mounts=/lustre:/lustre ",
+                nodes * 8
+            );
+            assert!(
+                script.contains(&srun),
+                "{manifest} {stage}: {srun}\n{script}"
+            );
+            assert!(
+                script.contains(
+                    "nemo-dag-rank python /opt/Megatron-Bridge/scripts/training/run_recipe.py \\\n"
+                ),
+                "{script}"
+            );
+            let mode = if stage == "sft" { "sft" } else { "pretrain" };
+            assert!(
+                script.contains(&format!("\n  --recipe {recipe} --mode {mode} \\\n")),
+                "{script}"
+            );
+            // Every override: one `key=value` line, a key Megatron-Bridge 0.6's config has.
+            let overrides: Vec<&str> = script
+                .lines()
+                .skip_while(|l| !l.starts_with("  --recipe"))
+                .skip(1)
+                .map(|l| l.trim().trim_end_matches(" \\").trim_matches('"'))
+                .collect();
+            assert!(overrides.len() > 25, "{script}");
+            for word in &overrides {
+                let key = word.split('=').next().unwrap();
+                assert!(
+                    keys.contains(key),
+                    "{manifest} {stage}: `{key}` is not a Megatron-Bridge 0.6 key"
+                );
+            }
+            for needed in [
+                "checkpoint.save='<out>/checkpoint'",
+                "checkpoint.load='<out>/checkpoint'",
+                "checkpoint.async_save=false",
+                "train.exit_signal_handler=true",
+                "tokenizer.tokenizer_model='<out>/run/tokenizer'",
+            ] {
+                assert!(
+                    overrides.contains(&needed),
+                    "{manifest} {stage}: {needed}\n{script}"
+                );
+            }
+            if mode == "pretrain" {
+                assert!(overrides.contains(&"dataset.split=null"), "{script}");
+                assert!(overrides.contains(&"dataset.path_to_cache='<out>/run/data_cache'"));
+            } else {
+                assert!(
+                    overrides
+                        .contains(&"checkpoint.pretrained_checkpoint='<input model>/iter_<final>'")
+                );
+                assert!(
+                    overrides.contains(&"dataset.offline_packing_specs.packed_sequence_size=8192")
+                );
+            }
+        }
+    }
+}
+
 /// Opt-in: the overrides a run renders, applied by Megatron-Bridge 0.6's own config loader
 /// (`process_config_with_overrides`, then the dataset config's `finalize`/`validate`), with
 /// `NEMO_DAG_MB_PYTHON` a Python 3.12 that has megatron-bridge 0.6 (docs/scale.md).

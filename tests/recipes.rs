@@ -12,8 +12,13 @@ fn manifests_dir() -> PathBuf {
 }
 
 fn load(file: &str, variant: Option<&str>) -> Manifest {
+    load_with(file, variant, &[])
+}
+
+fn load_with(file: &str, variant: Option<&str>, overrides: &[&str]) -> Manifest {
     Manifest::load(&LoadArgs {
         variant: variant.map(str::to_string),
+        overrides: overrides.iter().map(|o| o.to_string()).collect(),
         ..LoadArgs::new(manifests_dir().join(file), nemo_dag_ops::registry())
     })
     .unwrap_or_else(|e| panic!("{file} -c {variant:?}: {e:?}"))
@@ -50,7 +55,8 @@ fn every_shipped_recipe_and_variant_validates() {
 
 #[test]
 fn the_toml_twin_of_nano3_is_the_same_recipe() {
-    for variant in [None, Some("tiny")] {
+    // The default: data, then Megatron-Bridge's pretrain and SFT; tiny: the whole native DAG.
+    for (variant, stages) in [(None, 6), (Some("tiny"), 14)] {
         let yaml = load("nano3.yaml", variant);
         let toml = load("nano3.toml", variant);
         assert_eq!(
@@ -65,15 +71,62 @@ fn the_toml_twin_of_nano3_is_the_same_recipe() {
             assert_eq!(y.inputs, t.inputs, "{name} inputs -c {variant:?}");
             assert_eq!(y.outputs, t.outputs, "{name} outputs -c {variant:?}");
         }
-        assert_eq!(yaml.order.len(), 14);
+        assert_eq!(yaml.order.len(), stages, "-c {variant:?}");
     }
 }
 
 #[test]
-fn the_default_variants_hold_the_real_architectures() {
+fn the_default_variants_train_with_megatron_bridge_on_a_cluster() {
+    // Megatron-Bridge's own recipes, as its Slurm examples run them: nano3 on 4 × 8 GPUs
+    // (EP 8), super3 on 8 × 8 (PP 2, EP 32); SFT reads pretrain's checkpoint.
+    for (file, recipe, nodes, sft_recipe) in [
+        (
+            "nano3.yaml",
+            "nemotron_3_nano_pretrain_config",
+            4,
+            "nemotron_3_nano_sft_config",
+        ),
+        (
+            "super3.yaml",
+            "nemotron_3_super_pretrain_config",
+            8,
+            "nemotron_3_super_sft_config",
+        ),
+    ] {
+        let m = load(file, None);
+        let pretrain = &m.stages["pretrain"];
+        assert_eq!(pretrain.op.name(), "megatron_pretrain", "{file}");
+        assert_eq!(pretrain.params["recipe"], recipe, "{file}");
+        assert!(
+            pretrain.params["image"]
+                .as_str()
+                .unwrap()
+                .starts_with("nvcr.io/nvidia/nemo:")
+        );
+        assert_eq!(pretrain.resources.launch.as_deref(), Some("srun"), "{file}");
+        assert_eq!(
+            (pretrain.resources.nodes, pretrain.resources.gpus),
+            (Some(nodes), Some(8))
+        );
+        let sft = &m.stages["sft"];
+        assert_eq!(sft.op.name(), "megatron_sft", "{file}");
+        assert_eq!(sft.params["recipe"], sft_recipe, "{file}");
+        assert_eq!(
+            sft.params["seq_length"],
+            m.stages["sft_data"].params["pack_size"]
+        );
+        assert!(matches!(
+            &sft.inputs["model"],
+            nemo_dag_engine::manifest::Input::Stage { stage, output } if stage == "pretrain" && output == "checkpoint"
+        ));
+    }
+}
+
+#[test]
+fn the_native_real_scale_variants_hold_the_real_architectures() {
     // Megatron-Bridge's Nano3: 52 layers (23 Mamba-2, 23 MoE, 6 attention), hidden 2688,
     // 128 experts top-6; Super3 is 88 layers, hidden 4096, 512 experts top-22, 2 MTP depths.
-    let nano3 = load("nano3.yaml", None);
+    let nano3 = load_with("nano3.yaml", None, &["vars.backend=native"]);
     let model = &nano3.stages["pretrain"].params["model"];
     let pattern = model["pattern"].as_str().unwrap();
     let count = |c| pattern.chars().filter(|x| *x == c).count();
@@ -89,7 +142,7 @@ fn the_default_variants_hold_the_real_architectures() {
         ),
         (Some(128), Some(6))
     );
-    let super3 = load("super3.yaml", None);
+    let super3 = load_with("super3.yaml", None, &["vars.backend=native"]);
     let model = &super3.stages["pretrain"].params["model"];
     let pattern = model["pattern"].as_str().unwrap();
     let main = pattern.split('/').next().unwrap();

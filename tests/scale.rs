@@ -7,7 +7,7 @@ use serde_json::Value;
 use std::process::Command;
 
 /// A project holding a copy of the shipped manifests (recipes and their data).
-fn recipes() -> Project {
+pub(crate) fn recipes() -> Project {
     let p = Project::new("scale");
     let status = Command::new("cp")
         .arg("-r")
@@ -20,9 +20,29 @@ fn recipes() -> Project {
 }
 
 #[test]
-fn the_real_scale_super3_is_refused_before_anything_runs() {
+fn the_real_scale_super3_asks_for_a_cluster_before_anything_runs() {
     let p = recipes();
+    // The default: Megatron-Bridge stages that start their ranks with srun.
     let out = p.run(&["run", "manifests/super3.yaml"]);
+    assert_eq!(out.code, 2, "{out}");
+    for needle in [
+        "stage `pretrain`: launch: srun starts its ranks as tasks of a Slurm job",
+        "needs a Slurm profile",
+        "--batch PROFILE",
+        "-c tiny",
+    ] {
+        assert!(out.stderr.contains(needle), "missing {needle:?}\n{out}");
+    }
+    assert!(
+        !p.path("manifests/.nemo-dag").exists(),
+        "the refused run wrote a store"
+    );
+}
+
+#[test]
+fn the_real_scale_super3_on_the_native_ops_is_refused_by_its_memory_plan() {
+    let p = recipes();
+    let out = p.run(&["run", "manifests/super3.yaml", "vars.backend=native"]);
     assert_eq!(out.code, 2, "{out}");
     for needle in [
         "stage `pretrain` needs an estimated",

@@ -551,3 +551,50 @@ fn a_failing_rank_fails_its_stage_and_cancels_the_dependents() {
         "srun names the failed rank: {log}"
     );
 }
+
+#[test]
+fn a_megatron_stage_runs_once_per_rank_under_srun_and_publishes_once() {
+    if !cluster_up("slurm_megatron_ranks") {
+        return;
+    }
+    use crate::megatron;
+    let p = megatron::project("slurm-mb");
+    p.write(
+        "env.toml",
+        "[lab]\nexecutor = \"slurm\"\ntime = \"00:05:00\"\n",
+    );
+    p.write(".git", "");
+    let text = std::fs::read_to_string(p.path("m.yaml")).unwrap().replacen(
+        "    op: megatron_pretrain\n",
+        "    op: megatron_pretrain\n    resources: {launch: srun, ntasks_per_node: 2}\n",
+        1,
+    );
+    p.write("m.yaml", &text);
+    let out = megatron::run(
+        &p,
+        &["run", "m.yaml", "--target", "pretrain", "--run", "lab"],
+        &[],
+    );
+    assert_eq!(out.code, 0, "{out}");
+    // run_recipe.py started once per rank, each told its rank; rank 0 saved.
+    let mut ranks: Vec<u64> = megatron::launches(&p)
+        .iter()
+        .map(|l| l["rank"].as_u64().unwrap())
+        .collect();
+    ranks.sort();
+    assert_eq!(ranks, [0, 1]);
+    let script =
+        std::fs::read_to_string(megatron::output(&p, "pretrain", "run").join("launch.sh")).unwrap();
+    assert!(
+        script.contains("exec srun --nodes=1 --ntasks=2"),
+        "{script}"
+    );
+    assert_eq!(
+        megatron::names(&megatron::output(&p, "pretrain", "checkpoint")),
+        [
+            "iter_0000010",
+            "latest_checkpointed_iteration.txt",
+            "latest_train_state.pt"
+        ]
+    );
+}
