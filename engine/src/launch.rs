@@ -249,14 +249,17 @@ pub fn check(
         return Err((
             "launch",
             format!("op `{}` does not run under a launcher", op.name()),
-            format!(
-                "`launch` applies to {} stages; remove it here",
-                launched
-                    .iter()
-                    .map(|o| format!("`{o}`"))
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            ),
+            match launched {
+                [] => "no op of this nemo-dag runs under a launcher; remove it here".to_string(),
+                _ => format!(
+                    "`launch` applies to {} stages; remove it here",
+                    launched
+                        .iter()
+                        .map(|o| format!("`{o}`"))
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ),
+            },
         ));
     }
     Ok(())

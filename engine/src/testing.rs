@@ -16,7 +16,7 @@ static SPEC: Spec = Spec {
     other_inputs: Some("any"),
     outputs: Outputs::Declared,
     resumable: false,
-    launched: false,
+    launched: true,
 };
 
 impl Op for DeclaredOutputs {
