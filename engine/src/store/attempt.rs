@@ -112,9 +112,43 @@ pub fn still_running(dir: &Path) -> bool {
     if m.host != super::hostname() || m.pgid <= 1 {
         return false;
     }
+    if let Some(live) = live_members(m.pgid) {
+        return live;
+    }
     // SAFETY: signal 0 only checks that the group exists and may be signalled.
     let alive = unsafe { libc::kill(-m.pgid, 0) } == 0;
     alive || std::io::Error::last_os_error().raw_os_error() == Some(libc::EPERM)
+}
+
+/// Whether process group `pgid` has a member that is not a zombie, from `/proc` (`None` where
+/// there is no `/proc` to read). A zombie counts for `kill(-pgid, 0)` but can write nothing, and
+/// in a container whose PID 1 does not reap orphans (no `--init`) one can linger for ever: a
+/// `srun` helper orphaned by a finished job did, and kept the job's attempt from ever resuming.
+fn live_members(pgid: i32) -> Option<bool> {
+    let entries = std::fs::read_dir("/proc").ok()?;
+    for entry in entries.flatten() {
+        let name = entry.file_name();
+        if !name
+            .to_str()
+            .is_some_and(|n| n.bytes().all(|b| b.is_ascii_digit()))
+        {
+            continue;
+        }
+        let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else {
+            continue; // gone since the listing
+        };
+        // `pid (comm) state ppid pgrp …`; comm may hold spaces and parentheses.
+        let Some((_, rest)) = stat.rsplit_once(')') else {
+            continue;
+        };
+        let mut fields = rest.split_whitespace();
+        let state = fields.next();
+        let group = fields.nth(1).and_then(|g| g.parse::<i32>().ok());
+        if group == Some(pgid) && state != Some("Z") && state != Some("X") {
+            return Some(true);
+        }
+    }
+    Some(false)
 }
 
 /// The key an entry of `tmp/` belongs to.
@@ -133,6 +167,41 @@ mod tests {
         let store = Store::new(root);
         store.ensure().unwrap();
         store
+    }
+
+    #[test]
+    fn a_group_whose_only_member_is_a_zombie_is_gone() {
+        use std::os::unix::process::CommandExt;
+        let mut zombie = std::process::Command::new("true")
+            .process_group(0)
+            .spawn()
+            .unwrap();
+        let mut live = std::process::Command::new("sleep")
+            .arg("5")
+            .process_group(0)
+            .spawn()
+            .unwrap();
+        // `true` exits at once; not waited for, it stays a zombie of this process.
+        let pgid = zombie.id() as i32;
+        let zombie_seen = (0..100).any(|_| {
+            std::thread::sleep(std::time::Duration::from_millis(20));
+            std::fs::read_to_string(format!("/proc/{pgid}/stat")).is_ok_and(|s| {
+                s.rsplit_once(')')
+                    .is_some_and(|(_, r)| r.trim_start().starts_with('Z'))
+            })
+        });
+        assert!(zombie_seen);
+        // SAFETY: signal 0 to a group this test made.
+        assert_eq!(
+            unsafe { libc::kill(-pgid, 0) },
+            0,
+            "kill(2) still counts a zombie"
+        );
+        assert_eq!(live_members(pgid), Some(false));
+        assert_eq!(live_members(live.id() as i32), Some(true));
+        live.kill().unwrap();
+        live.wait().unwrap();
+        zombie.wait().unwrap();
     }
 
     #[test]
