@@ -87,7 +87,8 @@ pub(crate) fn load_tokenizer(
     Ok((tokenizer, path))
 }
 
-/// A blend weight as Python's `str(float)` prints it (`1.0`, `0.5`), as `blend.json` holds it.
+/// A number as Python's `str(float)` prints it (`1.0`, `0.5`): a blend weight as `blend.json`
+/// holds it, a float Hydra reads as one.
 pub(crate) fn format_weight(w: f64) -> String {
     if w.fract() == 0.0 {
         format!("{w:.1}")

@@ -44,12 +44,13 @@
 pub mod checkpoint;
 pub mod overrides;
 
+use crate::format_weight as float;
 use crate::training::{blend_split, input};
 use nemo_dag_op::process::{run_logged, shell_quote, shell_word};
 use nemo_dag_op::{
     DeclError, Metrics, Op, Outputs, Port, Progress, RunContext, RunError, Spec, StageDecl,
 };
-use overrides::{Override, float, list, quoted};
+use overrides::{Override, list, quoted};
 use serde::Deserialize;
 use serde_json::{Value, json};
 use std::collections::BTreeMap;
@@ -375,49 +376,42 @@ fn run(mode: Mode, p: &Params, ctx: &mut RunContext) -> Result<Metrics, RunError
         &script,
         launch_script(mode, p, ctx.stage.name, ctx.launcher, &words),
     )?;
-    match resumed {
-        Some(n) => writeln!(
-            ctx.log,
-            "nemo-dag: resuming Megatron-Bridge from iteration {n} of {}",
-            p.steps
-        )?,
-        None => writeln!(
-            ctx.log,
-            "nemo-dag: starting Megatron-Bridge ({} steps)",
-            p.steps
-        )?,
-    }
-    writeln!(ctx.log, "nemo-dag: {}", script.display())?;
-
-    let mut command = std::process::Command::new("bash");
-    command
-        .arg(&script)
-        .current_dir(&run_dir)
-        .env("NEMO_DAG_STAGE", ctx.stage.name)
-        .env("NEMO_DAG_OUT", &out);
-    let mut loss = None;
-    let steps = p.steps;
-    let progress = &mut *ctx.progress;
-    let status = run_logged(&mut command, ctx.log, &mut |line| {
-        if let Some((done, line_loss)) = iteration_line(line) {
-            let message = line_loss.as_ref().map(|l| format!("lm loss {l}"));
-            if line_loss.is_some() {
-                loss = line_loss;
-            }
-            progress(Progress {
-                done,
-                total: steps,
-                message: message.unwrap_or_default(),
-            });
+    // An attempt that saved its last step and was then stopped before it was published (a kill
+    // during the publish, a crash in teardown) has nothing left to train: launching again
+    // would only have Megatron-Bridge save that iteration once more, over itself.
+    let (status, loss) = match resumed {
+        Some(n) if n == p.steps => {
+            writeln!(
+                ctx.log,
+                "nemo-dag: iteration {n} of {n} is saved already; publishing it without a launch"
+            )?;
+            (None, None)
         }
-    })?;
+        _ => {
+            match resumed {
+                Some(n) => writeln!(
+                    ctx.log,
+                    "nemo-dag: resuming Megatron-Bridge from iteration {n} of {}",
+                    p.steps
+                )?,
+                None => writeln!(
+                    ctx.log,
+                    "nemo-dag: starting Megatron-Bridge ({} steps)",
+                    p.steps
+                )?,
+            }
+            writeln!(ctx.log, "nemo-dag: {}", script.display())?;
+            let (status, loss) = launch(ctx, &script, &out, p.steps)?;
+            (Some(status), loss)
+        }
+    };
 
     let newest = checkpoint::newest_complete(&ckpt)?;
     let resume = match newest {
         Some(n) => format!("the next run resumes from iteration {n}"),
         None => "no complete checkpoint was written: the next run starts over".into(),
     };
-    if !status.success() {
+    if let Some(status) = status.filter(|s| !s.success()) {
         let how = match status.code() {
             Some(code) => format!("exited with status {code}"),
             None => "was killed by a signal".into(),
@@ -444,8 +438,43 @@ fn run(mode: Mode, p: &Params, ctx: &mut RunContext) -> Result<Metrics, RunError
     metrics.insert("image".into(), json!(p.image));
     metrics.insert("final_iteration".into(), json!(p.steps));
     metrics.insert("resumed_from_iteration".into(), json!(resumed));
-    metrics.insert("lm_loss".into(), json!(loss));
+    metrics.insert(
+        "lm_loss".into(),
+        json!(loss.and_then(|l| l.parse::<f64>().ok())),
+    );
     Ok(metrics)
+}
+
+/// Run `launch.sh`, its output into the stage's log and Megatron's iteration lines into
+/// progress; its exit status and the last `lm loss` it printed.
+fn launch(
+    ctx: &mut RunContext,
+    script: &Path,
+    out: &Path,
+    steps: u64,
+) -> Result<(std::process::ExitStatus, Option<String>), RunError> {
+    let mut command = std::process::Command::new("bash");
+    command
+        .arg(script)
+        .current_dir(out.join("run"))
+        .env("NEMO_DAG_STAGE", ctx.stage.name)
+        .env("NEMO_DAG_OUT", out);
+    let mut loss = None;
+    let progress = &mut *ctx.progress;
+    let status = run_logged(&mut command, ctx.log, &mut |line| {
+        if let Some((done, line_loss)) = iteration_line(line) {
+            let message = line_loss.as_ref().map(|l| format!("lm loss {l}"));
+            if line_loss.is_some() {
+                loss = line_loss;
+            }
+            progress(Progress {
+                done,
+                total: steps,
+                message: message.unwrap_or_default(),
+            });
+        }
+    })?;
+    Ok((status, loss))
 }
 
 /// `params.image` names the software, so the ranks must start in it: under Slurm the engine's
@@ -719,7 +748,14 @@ fn stage_tokenizer(ctx: &RunContext, run_dir: &Path, p: &Params) -> Result<(), R
     }
     let dir = run_dir.join("tokenizer");
     std::fs::create_dir_all(&dir)?;
-    std::fs::copy(path, dir.join("tokenizer.json"))?;
+    // Replace, never overwrite: a resumed attempt holds the copy already, read-only like the
+    // published file it was copied from.
+    let staged = dir.join("tokenizer.json");
+    match std::fs::remove_file(&staged) {
+        Err(e) if e.kind() != std::io::ErrorKind::NotFound => return Err(e.into()),
+        _ => {}
+    }
+    std::fs::copy(path, &staged)?;
     let config = json!({
         "tokenizer_class": "PreTrainedTokenizerFast",
         "eos_token": p.eos_token,

@@ -68,6 +68,24 @@ pub const SET_BY_THE_OP: &[(&str, &str)] = &[
     ("checkpoint.ckpt_step", "the op (resume)"),
     ("checkpoint.exit_on_missing_checkpoint", "the op (resume)"),
     ("checkpoint.async_save", "the op (a synchronous save)"),
+    (
+        "checkpoint.finetune",
+        "the op (a fresh start loads `model` as a fine-tune)",
+    ),
+    (
+        "train.train_samples",
+        "params.steps (the run is counted in iterations)",
+    ),
+    (
+        "model.seq_length",
+        "params.seq_length (run_recipe.py syncs it)",
+    ),
+    ("dataset.sequence_length", "params.seq_length"),
+    (
+        "dataset.mock",
+        "the `data` input (never mock data under a real key)",
+    ),
+    ("dataset.data_path", "the `data` input"),
     ("checkpoint.ckpt_format", "the op (torch_dist)"),
     ("dataset.blend", "the `data` input"),
     ("dataset.blend_per_split", "the `data` input"),
@@ -164,15 +182,6 @@ pub fn quoted(s: &str) -> Result<String, String> {
     Ok(format!("'{s}'"))
 }
 
-/// A number as Python's `str(float)` writes it (`1.0`, `0.0016`): Hydra reads it as a float.
-pub fn float(x: f64) -> String {
-    if x.fract() == 0.0 && x.abs() < 1e16 {
-        format!("{x:.1}")
-    } else {
-        format!("{x}")
-    }
-}
-
 /// A Hydra list of already-rendered items: `[a,b]`.
 pub fn list(items: impl IntoIterator<Item = String>) -> String {
     format!("[{}]", items.into_iter().collect::<Vec<_>>().join(","))
@@ -221,8 +230,6 @@ mod tests {
         assert_eq!(scalar(&json!(8)).unwrap(), "8");
         assert_eq!(scalar(&json!(1.5e-5)).unwrap(), "0.000015");
         assert_eq!(scalar(&json!("1e-3")).unwrap(), "'1e-3'");
-        assert_eq!(float(1.0), "1.0");
-        assert_eq!(float(0.0016), "0.0016");
         assert_eq!(list(["'a'".to_string(), "'b'".to_string()]), "['a','b']");
         assert!(quoted("a\nb").is_err());
         assert!(quoted("a\\b").is_err());
