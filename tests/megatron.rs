@@ -204,7 +204,7 @@ fn pretrain_and_sft_run_megatron_bridge_on_our_artifacts_and_publish_the_final_i
     );
     let show = p.json(&["show", "pretrain", "--manifest", "m.yaml", "--json"]);
     assert_eq!(show["metrics"]["final_iteration"], 10, "{show}");
-    assert_eq!(show["metrics"]["lm_loss"], "0.909091", "{show}");
+    assert_eq!(show["metrics"]["lm_loss"], 0.909091, "{show}");
 
     // SFT: the pack artifact's Parquet as it is, and pretrain's final iteration as its start.
     let pack = output(&p, "sft_data", "data");
@@ -572,4 +572,95 @@ fn megatron_bridges_own_config_loader_accepts_the_rendered_overrides() {
         assert_eq!(check.status.code(), Some(0), "{recipe} {mode}:\n{text}");
         assert!(text.contains("ok"), "{text}");
     }
+}
+
+/// Slurm's warning before a time limit or a preemption is a SIGTERM to the job's `nemo-dag
+/// exec`: it passes the signal on and gives Megatron-Bridge time to save the iteration it is
+/// in, so the next run resumes from there rather than from the last periodic save.
+#[test]
+fn a_sigterm_lets_megatron_bridge_save_before_the_stage_stops() {
+    use std::io::BufRead;
+    use std::os::unix::process::CommandExt;
+    let p = project("mb-term");
+    let data = run(&p, &["run", "m.yaml", "--target", "pretrain_data"], &[]);
+    assert_eq!(data.code, 0, "{data}");
+    let store = p.store();
+    let mut exec = p.command(&[
+        "exec",
+        "--stage",
+        "pretrain",
+        "--store",
+        store.to_str().unwrap(),
+        "m.yaml",
+        "vars.steps=40",
+    ]);
+    exec.env("FAKE_MB_ARGV_LOG", p.path("argv.jsonl"))
+        .env("FAKE_MB_SECONDS_PER_ITER", "0.1")
+        .env("NEMO_DAG_TERM_GRACE", "20")
+        .stderr(std::process::Stdio::piped())
+        .process_group(0); // as a Slurm batch step or the local executor starts it
+    let mut child = exec.spawn().unwrap();
+    let stderr = std::io::BufReader::new(child.stderr.take().unwrap());
+    let mut lines = Vec::new();
+    for line in stderr.lines() {
+        let line = line.unwrap();
+        let at_6 = line.starts_with("nemo-dag:progress 6/40");
+        lines.push(line);
+        if at_6 {
+            // SAFETY: signalling the child we started.
+            unsafe { libc::kill(child.id() as i32, libc::SIGTERM) };
+            break;
+        }
+    }
+    let status = child.wait().unwrap();
+    assert_eq!(status.code(), Some(1), "{lines:?}");
+
+    // The save on SIGTERM was between the periodic ones (4, 8): the rerun resumes from it.
+    let out = run(
+        &p,
+        &["run", "m.yaml", "vars.steps=40", "--target", "pretrain"],
+        &[],
+    );
+    assert_eq!(out.code, 0, "{out}");
+    let resumed = launches(&p).pop().unwrap();
+    let step: u64 = arg(&resumed, "checkpoint.ckpt_step")
+        .unwrap_or_else(|| panic!("no resume: {resumed}"))
+        .parse()
+        .unwrap();
+    assert!(
+        (6..8).contains(&step),
+        "resumed from {step}, not the SIGTERM save: {resumed}"
+    );
+}
+
+#[test]
+fn a_run_that_saved_its_last_step_but_was_not_published_publishes_without_a_launch() {
+    let p = project("mb-saved-last");
+    let crashed = run(
+        &p,
+        &["run", "m.yaml", "--target", "pretrain"],
+        &[("FAKE_MB_FAIL_AT_EXIT", "1")],
+    );
+    assert_eq!(crashed.code, 1, "{crashed}");
+    assert!(
+        crashed
+            .stderr
+            .contains("the next run resumes from iteration 10"),
+        "{crashed}"
+    );
+    let out = run(&p, &["run", "m.yaml", "--target", "pretrain"], &[]);
+    assert_eq!(out.code, 0, "{out}");
+    assert!(
+        out.stderr.contains("iteration 10 of 10 is saved already"),
+        "{out}"
+    );
+    assert_eq!(launches(&p).len(), 1, "Megatron-Bridge was launched again");
+    assert_eq!(
+        names(&output(&p, "pretrain", "checkpoint")),
+        [
+            "iter_0000010",
+            "latest_checkpointed_iteration.txt",
+            "latest_train_state.pt"
+        ]
+    );
 }

@@ -598,3 +598,89 @@ fn a_megatron_stage_runs_once_per_rank_under_srun_and_publishes_once() {
         ]
     );
 }
+
+#[test]
+fn a_sigterm_to_the_ranks_saves_the_iteration_in_progress_and_the_next_run_resumes_from_it() {
+    if !cluster_up("slurm_megatron_sigterm") {
+        return;
+    }
+    use crate::megatron;
+    let p = megatron::project("slurm-mb-term");
+    p.write(
+        "env.toml",
+        "[lab]\nexecutor = \"slurm\"\ntime = \"00:05:00\"\n",
+    );
+    p.write(".git", "");
+    let text = std::fs::read_to_string(p.path("m.yaml")).unwrap().replacen(
+        "    op: megatron_pretrain\n",
+        "    op: megatron_pretrain\n    resources: {launch: srun, ntasks_per_node: 2}\n",
+        1,
+    );
+    p.write("m.yaml", &text);
+    let args = ["run", "m.yaml", "vars.steps=40", "--target", "pretrain"];
+    let pace = [("FAKE_MB_SECONDS_PER_ITER", "0.3")];
+    let out = megatron::run(&p, &[&args[..], &["--batch", "lab"]].concat(), &pace);
+    assert_eq!(out.code, 0, "{out}");
+    // Once iteration 4 is saved, Slurm signals the job's steps (the ranks, not the batch
+    // shell), as `--signal=TERM@600` does before a time limit.
+    let saved = p.store().join("tmp");
+    let at_4 = || !crate::common::find_named(&saved, "iter_0000004").is_empty();
+    assert!(
+        crate::common::wait_for(Duration::from_secs(120), at_4),
+        "iteration 4 was never saved"
+    );
+    let jobs = Command::new("squeue")
+        .args(["-h", "-o", "%i", "--name=m.pretrain"])
+        .output()
+        .unwrap();
+    let job = String::from_utf8_lossy(&jobs.stdout).trim().to_string();
+    assert!(!job.is_empty(), "no job for pretrain");
+    let cancel = Command::new("scancel")
+        .args(["--signal=TERM", &job])
+        .status()
+        .unwrap();
+    assert!(cancel.success());
+    assert!(
+        crate::common::wait_for(Duration::from_secs(60), || {
+            let q = Command::new("squeue")
+                .args(["-h", "-j", &job])
+                .output()
+                .unwrap();
+            String::from_utf8_lossy(&q.stdout).trim().is_empty()
+        }),
+        "job {job} did not end"
+    );
+    let status = p.json(&["status", "m.yaml", "vars.steps=40", "--json"]);
+    assert_eq!(
+        crate::common::stage(&status, "pretrain")["state"],
+        "stale",
+        "{status}"
+    );
+
+    let out = megatron::run(&p, &[&args[..], &["--run", "lab"]].concat(), &[]);
+    assert_eq!(out.code, 0, "{out}");
+    let all = megatron::launches(&p);
+    let summary: Vec<String> = all
+        .iter()
+        .map(|l| {
+            format!(
+                "rank {} at start {} {}",
+                l["rank"], l["trackers_at_start"], l["ckpt_at_start"]
+            )
+        })
+        .collect();
+    let resumed = all.iter().rev().find(|l| l["rank"] == 0).unwrap();
+    let step: u64 = resumed["argv"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(Value::as_str)
+        .find_map(|w| w.strip_prefix("checkpoint.ckpt_step="))
+        .unwrap_or_else(|| panic!("no resume: {summary:#?}\n{out}"))
+        .parse()
+        .unwrap();
+    assert!(
+        (5..8).contains(&step),
+        "resumed from {step}, not the save on SIGTERM: {summary:#?}"
+    );
+}

@@ -250,8 +250,10 @@ pub fn exec(spec: &JobSpec, ops: Registry) -> Result<JobResult> {
         stop_after_step: stop_after_step(),
         launcher: &spec.launcher,
     };
-    let outcome = op
-        .run(&checked, &mut ctx)
+    allow_a_save(op, &spec.launcher);
+    let ran = op.run(&checked, &mut ctx);
+    end_grace();
+    let outcome = ran
         .map_err(|e| e.to_string())
         .and_then(|metrics| check_output_links(&out_dir).map(|()| metrics));
     let seconds = clock.elapsed().as_secs_f64();
@@ -419,25 +421,90 @@ fn stop_after_step() -> Option<u64> {
         .and_then(|v| v.parse().ok())
 }
 
-/// When `exec` leads its own process group (the local executor starts it so), a SIGTERM,
-/// SIGHUP or SIGINT — which is also what it gets when the run that started it dies
-/// ([`nemo_dag_op::process::term_with_parent`]) — kills the whole group: the stage's commands
-/// and anything they forked die with it, instead of writing on into an abandoned attempt.
+/// When `exec` leads its own process group (the local executor starts it so, and so does a
+/// Slurm batch step), a SIGTERM, SIGHUP or SIGINT — which is also what it gets when the run that
+/// started it dies ([`nemo_dag_op::process::term_with_parent`]) — kills the whole group: the
+/// stage's commands and anything they forked die with it, instead of writing on into an
+/// abandoned attempt.
+///
+/// A stage that can save on the way out gets a grace period instead ([`allow_a_save`]).
 fn take_the_group_down_on_termination() {
-    extern "C" fn kill_group(_: libc::c_int) {
-        // SAFETY: kill is async-signal-safe; 0 is our own process group, ourselves included.
-        unsafe { libc::kill(0, libc::SIGKILL) };
-    }
     // SAFETY: getpgrp and getpid have no preconditions.
     let leader = unsafe { libc::getpgrp() == libc::getpid() };
     if !leader {
         return;
     }
-    let handler: extern "C" fn(libc::c_int) = kill_group;
+    let handler: extern "C" fn(libc::c_int) = on_termination;
     for signal in [libc::SIGTERM, libc::SIGHUP, libc::SIGINT] {
-        // SAFETY: installing a handler that only calls an async-signal-safe function.
+        // SAFETY: installing a handler that only calls async-signal-safe functions.
         unsafe { libc::signal(signal, handler as libc::sighandler_t) };
     }
+}
+
+/// Seconds a terminated stage's processes get to save before they are killed; 0: none.
+static TERM_GRACE: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+
+/// Whether the grace period starts by passing SIGTERM on to the stage's processes. Not to
+/// `srun`: it answers a SIGTERM of its own by killing its tasks ("forcing job termination"),
+/// and under Slurm the ranks hear from Slurm itself (`--signal`, a preemption, `scancel`).
+static PASS_TERM_ON: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+
+/// The default of `NEMO_DAG_TERM_GRACE`: time for a distributed checkpoint of a large model.
+const DEFAULT_TERM_GRACE: u32 = 300;
+
+extern "C" fn kill_group(_: libc::c_int) {
+    // SAFETY: kill is async-signal-safe; 0 is our own process group, ourselves included.
+    unsafe { libc::kill(0, libc::SIGKILL) };
+}
+
+extern "C" fn on_termination(_: libc::c_int) {
+    let grace = TERM_GRACE.load(std::sync::atomic::Ordering::Relaxed);
+    if grace == 0 {
+        kill_group(0);
+        return;
+    }
+    // SAFETY: signal (sigaction), kill and alarm are async-signal-safe. Ignore further
+    // termination signals (and the one we may pass on), hand SIGTERM to the stage's processes
+    // where that is how they hear of it, and kill the group when the grace period is over.
+    unsafe {
+        for signal in [libc::SIGTERM, libc::SIGHUP, libc::SIGINT] {
+            libc::signal(signal, libc::SIG_IGN);
+        }
+        if PASS_TERM_ON.load(std::sync::atomic::Ordering::Relaxed) {
+            libc::kill(0, libc::SIGTERM);
+        }
+        let alarm: extern "C" fn(libc::c_int) = kill_group;
+        libc::signal(libc::SIGALRM, alarm as libc::sighandler_t);
+        libc::alarm(grace);
+    }
+}
+
+/// A resumable op whose work runs in child processes (a launched one: Megatron-Bridge saves a
+/// checkpoint on SIGTERM, then exits) gets `NEMO_DAG_TERM_GRACE` seconds (default 300) between
+/// a SIGTERM to this process and SIGKILL, so a preemption or a time limit costs nothing since
+/// the last save. An op that trains inside this process has nothing to hand the signal to, and
+/// keeps the immediate kill.
+fn allow_a_save(op: &dyn nemo_dag_op::AnyOp, launcher: &[String]) {
+    if !(op.spec().resumable && op.spec().launched) {
+        return;
+    }
+    PASS_TERM_ON.store(
+        launcher.first().is_none_or(|l| l != "srun"),
+        std::sync::atomic::Ordering::Relaxed,
+    );
+    let grace = std::env::var("NEMO_DAG_TERM_GRACE")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(DEFAULT_TERM_GRACE);
+    TERM_GRACE.store(grace, std::sync::atomic::Ordering::Relaxed);
+}
+
+/// After the op returns: no grace period is running any more, and a late termination signal
+/// kills at once again.
+fn end_grace() {
+    TERM_GRACE.store(0, std::sync::atomic::Ordering::Relaxed);
+    // SAFETY: alarm(0) cancels a pending alarm; it has no preconditions.
+    unsafe { libc::alarm(0) };
 }
 
 /// Where `nemo-dag exec` finds its job.

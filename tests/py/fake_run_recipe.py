@@ -48,13 +48,20 @@ Knobs (environment):
     FAKE_MB_DIE_AT=s        at iteration s: shards and tracker written, no train_state.pt or
                             run_config.yaml; print `killed`, exit 137 (a kill mid-save)
     FAKE_MB_SIGTERM_AT=s    at iteration s: save, exit 0 (MB's exit_signal_handler)
+    FAKE_MB_SECONDS_PER_ITER=x  sleep x seconds each iteration
+    FAKE_MB_FAIL_AT_EXIT=1  save the last iteration as usual, then exit 1 (a crash in teardown)
+
+A real SIGTERM is handled as Megatron-Bridge's train.exit_signal_handler does: the iteration in
+progress ends, is saved, and the program exits 0.
 """
 
 import json
 import os
+import signal
 import re
 import shutil
 import sys
+import time
 from pathlib import Path
 
 HERE = Path(os.path.realpath(__file__)).parent  # <repo>/tests/py
@@ -487,8 +494,19 @@ def train(ov, out, k, recipe, mode, argv):
         cache = ov.path("dataset.path_to_cache")
         cache.mkdir(parents=True, exist_ok=True)
         (cache / "fake_GPTDataset_indices.npy").write_bytes(b"")
+    pace = float(os.environ.get("FAKE_MB_SECONDS_PER_ITER") or 0)
+    # Megatron-Bridge's train.exit_signal_handler: SIGTERM saves at the end of the iteration
+    # in progress, then exits 0.
+    terminated = []
+    signal.signal(signal.SIGTERM, lambda *_: terminated.append(True))
     for i in range((k or 0) + 1, t + 1):
         print(f"iteration {i}/{t} | lm loss: {round(10.0 / (i + 1), 6)}", flush=True)
+        time.sleep(pace)
+        if terminated:
+            save(ckpt, i, argv)
+            prune(ckpt, keep)
+            print(f"exiting program after receiving SIGTERM at iteration {i}", flush=True)
+            return 0
         if i == die_at:
             save(ckpt, i, argv, complete=False)
             print("killed", flush=True)
@@ -503,6 +521,9 @@ def train(ov, out, k, recipe, mode, argv):
         if stop:
             print(f"exiting program at iteration {i}", flush=True)
             return 0
+    if os.environ.get("FAKE_MB_FAIL_AT_EXIT") == "1":
+        print("crashed in teardown", flush=True)
+        return 1
     return 0
 
 

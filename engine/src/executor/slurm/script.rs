@@ -82,6 +82,12 @@ pub(super) fn job_script(
     if r.requeue == Some(true) {
         s.push_str("#SBATCH --requeue\n");
     }
+    // The ranks of a stage that saves on SIGTERM hear of the time limit ten minutes ahead,
+    // time to save and stop rather than be killed after Slurm's KillWait. Not `B:`: the batch
+    // shell is `nemo-dag exec`, whose `srun` would kill the ranks on a SIGTERM of its own.
+    if stage.op.spec().resumable && stage.op.spec().launched {
+        s.push_str("#SBATCH --signal=TERM@600\n");
+    }
     s.push_str("@AFTER@");
     s.push_str("set -eo pipefail\n");
     for (k, v) in &profile.env_vars {
