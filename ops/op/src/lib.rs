@@ -261,8 +261,6 @@ pub trait Op: Sync {
     fn check(&self, params: &Self::Params, stage: &StageDecl) -> Result<(), DeclError>;
     /// Produce every output under `ctx.out_dir`.
     fn run(&self, params: &Self::Params, ctx: &mut RunContext) -> Result<Metrics, RunError>;
-    /// What the stage will hand downstream and what it will cost, from its params and its
-    /// upstream's facts; called on checked params. Ops that cost little plan nothing.
     /// The container image the stage's ranks run in, when the op names one. It comes from the
     /// params, so it is part of the stage's key: the image is the software that ran. A launch
     /// under Slurm starts the ranks in it instead of the profile's image.
@@ -280,6 +278,8 @@ pub trait Op: Sync {
     ) -> Option<String> {
         None
     }
+    /// What the stage will hand downstream and what it will cost, from its params and its
+    /// upstream's facts; called on checked params. Ops that cost little plan nothing.
     fn plan(&self, params: &Self::Params, upstream: &Upstream) -> Plan {
         let _ = (params, upstream);
         Plan::default()

@@ -46,8 +46,8 @@ pub fn complete(iter: &Path) -> bool {
         && iter.join("metadata.json").is_file()
 }
 
-/// Every `iter_*` directory: (iteration, complete), in iteration order.
-pub fn scan(dir: &Path) -> io::Result<Vec<(u64, bool)>> {
+/// Every `iter_*` directory: (iteration, complete, path), in iteration order.
+pub fn scan(dir: &Path) -> io::Result<Vec<(u64, bool, PathBuf)>> {
     let mut found = Vec::new();
     let entries = match std::fs::read_dir(dir) {
         Ok(entries) => entries,
@@ -57,7 +57,7 @@ pub fn scan(dir: &Path) -> io::Result<Vec<(u64, bool)>> {
     for entry in entries {
         let entry = entry?;
         if let Some(n) = entry.file_name().to_str().and_then(parse_iteration) {
-            found.push((n, complete(&entry.path())));
+            found.push((n, complete(&entry.path()), entry.path()));
         }
     }
     found.sort_unstable();
@@ -68,8 +68,8 @@ pub fn scan(dir: &Path) -> io::Result<Vec<(u64, bool)>> {
 pub fn newest_complete(dir: &Path) -> io::Result<Option<u64>> {
     Ok(scan(dir)?
         .into_iter()
-        .filter(|(_, ok)| *ok)
-        .map(|(n, _)| n)
+        .filter(|(_, ok, _)| *ok)
+        .map(|(n, _, _)| n)
         .next_back())
 }
 
@@ -79,14 +79,14 @@ pub fn newest_complete(dir: &Path) -> io::Result<Option<u64>> {
 pub fn prepare(dir: &Path) -> io::Result<Option<u64>> {
     std::fs::create_dir_all(dir)?;
     let newest = newest_complete(dir)?;
-    for (n, ok) in scan(dir)? {
+    for (n, ok, path) in scan(dir)? {
         if !ok || Some(n) > newest {
-            std::fs::remove_dir_all(dir.join(iteration_dir(n)))?;
+            std::fs::remove_dir_all(path)?;
         }
     }
     for entry in std::fs::read_dir(dir)? {
         let path = entry?.path();
-        if path.extension().is_some_and(|e| e == "tmp") {
+        if path.extension().is_some_and(|e| e == "tmp") && path.is_file() {
             std::fs::remove_file(&path)?;
         }
     }
@@ -106,9 +106,9 @@ pub fn prepare(dir: &Path) -> io::Result<Option<u64>> {
 
 /// After a finished run: the final iteration `n` alone, with trackers that name it.
 pub fn keep_only(dir: &Path, n: u64) -> io::Result<()> {
-    for (m, _) in scan(dir)? {
+    for (m, _, path) in scan(dir)? {
         if m != n {
-            std::fs::remove_dir_all(dir.join(iteration_dir(m)))?;
+            std::fs::remove_dir_all(path)?;
         }
     }
     write_trackers(dir, n)
@@ -190,6 +190,7 @@ mod tests {
         std::fs::create_dir_all(&ckpt).unwrap();
         save(&ckpt, 4, true);
         save(&ckpt, 8, false); // killed between the shards and train_state.pt
+        std::fs::create_dir_all(ckpt.join("iter_00000009")).unwrap(); // a name MB never writes
         std::fs::write(ckpt.join("x.tmp"), b"").unwrap();
         assert_eq!(std::fs::read_to_string(ckpt.join(TRACKER)).unwrap(), "8");
 

@@ -171,11 +171,12 @@ pub fn scalar(value: &Value) -> Result<String, String> {
 }
 
 /// A string as a Hydra quoted value, `'…'`. Hydra's escapes are not worth the risk: a `'`, a
-/// backslash or a control character is refused.
+/// backslash, `${` or a control character is refused.
 pub fn quoted(s: &str) -> Result<String, String> {
-    if s.contains(['\'', '\\']) || s.chars().any(char::is_control) {
+    // `${…}` is interpolated by OmegaConf even inside quotes.
+    if s.contains(['\'', '\\']) || s.contains("${") || s.chars().any(char::is_control) {
         return Err(format!(
-            "`{}` holds a quote, a backslash or a control character, which nemo-dag does not pass to Hydra",
+            "`{}` holds a quote, a backslash, `${{` or a control character, which nemo-dag does not pass to Hydra",
             s.escape_debug()
         ));
     }
@@ -233,5 +234,6 @@ mod tests {
         assert_eq!(list(["'a'".to_string(), "'b'".to_string()]), "['a','b']");
         assert!(quoted("a\nb").is_err());
         assert!(quoted("a\\b").is_err());
+        assert!(quoted("/x/${oc.env:HOME}").is_err());
     }
 }
