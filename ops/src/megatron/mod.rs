@@ -35,8 +35,9 @@
 //!   complete iteration ([`checkpoint::prepare`]) and the run told to load exactly that one.
 //! - **Publish.** Only when Megatron-Bridge exits 0 *and* the newest complete iteration is the
 //!   last step: a SIGTERM save or `train.exit_interval` also exit 0. The artifact holds that
-//!   iteration alone with its trackers (`checkpoint/`), and `run/` (`launch.sh`, exactly what
-//!   ran; Megatron-Bridge's resolved `config.yaml`; the tokenizer; TensorBoard events).
+//!   iteration alone with its trackers (`checkpoint/`), and `run/` (`launch.sh`, the script of
+//!   the last launch; Megatron-Bridge's resolved `config.yaml`; the tokenizer; TensorBoard
+//!   events).
 //!
 //! The outputs are Megatron `torch_dist` checkpoints: `megatron_sft` reads one, the native
 //! ops (`eval`, `export`, `dpo`, `grpo`) do not.
@@ -813,7 +814,8 @@ fn text(path: &Path) -> Result<String, RunError> {
     Ok(text.to_string())
 }
 
-/// `launch.sh`: the exact script that runs, kept in the artifact's `run/`.
+/// `launch.sh`: the script a launch runs, kept in the artifact's `run/` (each launch of a
+/// resumed attempt writes it again).
 fn launch_script(
     mode: Mode,
     p: &Params,
