@@ -617,6 +617,9 @@ fn a_sigterm_to_the_ranks_saves_the_iteration_in_progress_and_the_next_run_resum
         1,
     );
     p.write("m.yaml", &text);
+    // The data here, so that only the training stage waits for the (shared) test cluster.
+    let data = megatron::run(&p, &["run", "m.yaml", "--target", "pretrain_data"], &[]);
+    assert_eq!(data.code, 0, "{data}");
     let args = ["run", "m.yaml", "vars.steps=40", "--target", "pretrain"];
     let pace = [("FAKE_MB_SECONDS_PER_ITER", "0.3")];
     let out = megatron::run(&p, &[&args[..], &["--batch", "lab"]].concat(), &pace);
@@ -625,10 +628,14 @@ fn a_sigterm_to_the_ranks_saves_the_iteration_in_progress_and_the_next_run_resum
     // shell), as `--signal=TERM@600` does before a time limit.
     let saved = p.store().join("tmp");
     let at_4 = || !crate::common::find_named(&saved, "iter_0000004").is_empty();
-    assert!(
-        crate::common::wait_for(Duration::from_secs(120), at_4),
-        "iteration 4 was never saved"
-    );
+    if !crate::common::wait_for(Duration::from_secs(600), at_4) {
+        let status = p.run(&["status", "m.yaml", "vars.steps=40"]);
+        let logs: Vec<String> = crate::common::find_named(&p.store().join("slurm"), "pretrain.log")
+            .iter()
+            .map(|l| std::fs::read_to_string(p.store().join("slurm").join(l)).unwrap_or_default())
+            .collect();
+        panic!("iteration 4 was never saved\n{status}\n{logs:#?}");
+    }
     let jobs = Command::new("squeue")
         .args(["-h", "-o", "%i", "--name=m.pretrain"])
         .output()
