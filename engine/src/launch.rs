@@ -140,7 +140,7 @@ impl Launch {
     }
 
     /// The argv that starts a command once per rank inside the Slurm job (the command's own
-    /// argv follows it): one `srun` step over the whole shape, in the profile's container.
+    /// argv follows it): one `srun` step over the whole shape, in the step's container.
     pub fn slurm_command(&self, step: &Step) -> Vec<String> {
         let tasks_per_node = self.tasks_per_node();
         let mut argv = vec!["srun".to_string()];

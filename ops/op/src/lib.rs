@@ -221,9 +221,10 @@ pub struct Spec {
     /// Whether the op can continue from what an interrupted attempt left in its output
     /// directory (training checkpoints). Others start from an empty directory every time.
     pub resumable: bool,
-    /// Whether the op starts its work through [`RunContext::command`], once per rank of the
-    /// stage's `resources.launch`. Any other op refuses `launch` when the manifest loads,
-    /// instead of quietly running once.
+    /// Whether the op starts its work once per rank of the stage's `resources.launch`, under
+    /// [`RunContext::launcher`] (through [`RunContext::command`], or, as the Megatron ops do,
+    /// at the head of a script it writes). Any other op refuses `launch` when the manifest
+    /// loads, instead of quietly running once.
     pub launched: bool,
 }
 

@@ -4,7 +4,8 @@
 //!
 //! A launched stage (`resources.launch`, [`crate::launch`]) is shaped by its launch, wires the
 //! rendezvous, and runs `nemo-dag exec` once on the first node, outside any container; the
-//! words after `--` start its command once per rank, in the container.
+//! words after `--` start its command once per rank, in the image its op names (an `image`
+//! param, part of its key) or else the profile's.
 
 use super::SubmitOptions;
 use crate::launch::Step;
