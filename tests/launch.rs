@@ -219,9 +219,13 @@ stages:
 fn the_job_script_of_a_launched_stage_wires_the_rendezvous() {
     let p = Project::new("launch-script");
     p.write(".git", "");
+    // The containers see the project (and its store) at the same path.
+    let shared = p.dir.display().to_string();
     p.write(
         "env.toml",
-        "[lab]\nexecutor = \"slurm\"\nnodes = 8\nntasks_per_node = 3\ncpus_per_task = 16\ncontainer_image = \"img.sqsh\"\nmounts = [\"/data:/data\"]\n",
+        &format!(
+            "[lab]\nexecutor = \"slurm\"\nnodes = 8\nntasks_per_node = 3\ncpus_per_task = 16\ncontainer_image = \"img.sqsh\"\nmounts = [\"/data:/data\", \"{shared}:{shared}\"]\n"
+        ),
     );
     p.write(
         "m.yaml",
@@ -285,7 +289,7 @@ stages:
     );
     assert!(
         exec.ends_with(
-            " -- srun --nodes=2 --ntasks=8 --ntasks-per-node=4 --cpus-per-task=16 --kill-on-bad-exit=1 --container-image=img.sqsh --container-mounts=/data:/data sh -c 'export RANK=$SLURM_PROCID LOCAL_RANK=$SLURM_LOCALID WORLD_SIZE=$SLURM_NTASKS LOCAL_WORLD_SIZE=4; exec \"$@\"' nemo-dag-rank"
+            &format!(" -- srun --nodes=2 --ntasks=8 --ntasks-per-node=4 --cpus-per-task=16 --kill-on-bad-exit=1 --container-image=img.sqsh --container-mounts=/data:/data,{shared}:{shared} sh -c 'export RANK=$SLURM_PROCID LOCAL_RANK=$SLURM_LOCALID WORLD_SIZE=$SLURM_NTASKS LOCAL_WORLD_SIZE=4; exec \"$@\"' nemo-dag-rank")
         ),
         "{exec}"
     );
@@ -304,7 +308,7 @@ stages:
         .unwrap();
     assert!(
         exec.ends_with(
-            " -- srun --nodes=2 --ntasks=2 --ntasks-per-node=1 --cpus-per-task=16 --kill-on-bad-exit=1 --container-image=img.sqsh --container-mounts=/data:/data sh -c 'exec torchrun --nnodes=2 --nproc-per-node=8 --node-rank=$SLURM_NODEID --master-addr=$MASTER_ADDR --master-port=$MASTER_PORT --no-python \"$@\"' torchrun"
+            &format!(" -- srun --nodes=2 --ntasks=2 --ntasks-per-node=1 --cpus-per-task=16 --kill-on-bad-exit=1 --container-image=img.sqsh --container-mounts=/data:/data,{shared}:{shared} sh -c 'exec torchrun --nnodes=2 --nproc-per-node=8 --node-rank=$SLURM_NODEID --master-addr=$MASTER_ADDR --master-port=$MASTER_PORT --no-python \"$@\"' torchrun")
         ),
         "{exec}"
     );

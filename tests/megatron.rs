@@ -429,11 +429,30 @@ fn the_default_variants_dry_run_shows_the_documented_launch_and_every_override()
             .map(str::to_string)
             .collect();
     let p = crate::scale::recipes();
+    let profile = "[gpu]\nexecutor = \"slurm\"\npartition = \"batch\"\nmpi = \"pmix\"\n";
+    p.write("manifests/.git", "");
+    // The containers must see the store (here, under the project) at the same path: checked
+    // before anything is submitted.
     p.write(
         "manifests/env.toml",
-        "[gpu]\nexecutor = \"slurm\"\npartition = \"batch\"\nmpi = \"pmix\"\nmounts = [\"/lustre:/lustre\"]\n",
+        &format!("{profile}mounts = [\"/lustre:/lustre\"]\n"),
     );
-    p.write("manifests/.git", "");
+    let unmounted = p.run(&["run", "manifests/nano3.yaml", "--batch", "gpu", "--dry-run"]);
+    assert_eq!(unmounted.code, 2, "{unmounted}");
+    assert!(
+        unmounted
+            .stderr
+            .contains("runs in image `nvcr.io/nvidia/nemo:25.11.nemotron_3_nano`, where")
+            && unmounted.stderr.contains("is not mounted at the same path")
+            && unmounted.stderr.contains("mounts = ["),
+        "{unmounted}"
+    );
+    assert!(unmounted.stdout.is_empty(), "{unmounted}");
+    let shared = p.dir.display();
+    p.write(
+        "manifests/env.toml",
+        &format!("{profile}mounts = [\"/lustre:/lustre\", \"{shared}:{shared}\"]\n"),
+    );
     for (manifest, image, stages) in [
         (
             "nano3",
@@ -471,7 +490,7 @@ fn the_default_variants_dry_run_shows_the_documented_launch_and_every_override()
                 .next()
                 .unwrap();
             let srun = format!(
-                "exec srun --mpi=pmix --nodes={nodes} --ntasks={} --ntasks-per-node=8 --kill-on-bad-exit=1 --container-image={image} --container-mounts=/lustre:/lustre ",
+                "exec srun --mpi=pmix --nodes={nodes} --ntasks={} --ntasks-per-node=8 --kill-on-bad-exit=1 --container-image={image} --container-mounts=/lustre:/lustre,{shared}:{shared} ",
                 nodes * 8
             );
             assert!(

@@ -313,9 +313,13 @@ fn dry_run_prints_every_script_and_the_chain_and_submits_nothing() {
     }
     let p = project("dry");
     p.write("d.yaml", DIAMOND);
+    // The container sees the project and its store at the same path (checked before submit).
+    let shared = p.dir.display().to_string();
     p.write(
         "env.toml",
-        "[lab]\nexecutor = \"slurm\"\npartition = \"debug\"\naccount = \"llm\"\ncontainer_image = \"img.sqsh\"\nmounts = [\"/data:/data\"]\nenv_vars = {NEMO_DAG_TEST = \"1\"}\n",
+        &format!(
+            "[lab]\nexecutor = \"slurm\"\npartition = \"debug\"\naccount = \"llm\"\ncontainer_image = \"img.sqsh\"\nmounts = [\"/data:/data\", \"{shared}:{shared}\"]\nenv_vars = {{NEMO_DAG_TEST = \"1\"}}\n"
+        ),
     );
     let out = p.run(&["run", "d.yaml", "--batch", "lab", "--dry-run"]);
     assert!(out.code == 0, "{}", out);
@@ -329,7 +333,9 @@ fn dry_run_prints_every_script_and_the_chain_and_submits_nothing() {
     assert!(script.contains("#SBATCH --partition=debug"), "{script}");
     assert!(script.contains("#SBATCH --account=llm"), "{script}");
     assert!(
-        script.contains("--container-image=img.sqsh --container-mounts=/data:/data"),
+        script.contains(&format!(
+            "--container-image=img.sqsh --container-mounts=/data:/data,{shared}:{shared}"
+        )),
         "{script}"
     );
     assert!(

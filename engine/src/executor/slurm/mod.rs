@@ -115,6 +115,13 @@ pub fn submit(manifest: &Manifest, store: &Store, opts: &SubmitOptions) -> Resul
         Mode::Batch => opts.profile.batch_partition.as_ref(),
     }
     .or(opts.profile.partition.as_ref());
+    for name in manifest.order.iter().filter(|n| stale.contains(n.as_str())) {
+        script::check_mounts(manifest, store, opts, name).map_err(|(message, help)| {
+            manifest
+                .error_at(&["stages", name, "resources", "launch"], message)
+                .help(help)
+        })?;
+    }
     let run_dir = store.root.join("slurm").join(plan::run_id(manifest));
     let exe =
         std::env::current_exe().map_err(|e| miette::miette!("cannot find nemo-dag itself: {e}"))?;

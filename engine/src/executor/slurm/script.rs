@@ -159,6 +159,72 @@ pub(super) fn launcher(manifest: &Manifest, opts: &SubmitOptions, name: &str) ->
     launch.slurm_command(&step)
 }
 
+/// A stage that runs in a container (its ranks, or `nemo-dag exec` itself) must see, at the
+/// same path, everything nemo-dag hands it: host paths under the store (its attempt directory,
+/// upstream artifacts) and the files the manifest names. `Err((message, help))` names what is missing,
+/// before anything is submitted rather than after the queue wait.
+pub(super) fn check_mounts(
+    manifest: &Manifest,
+    store: &Store,
+    opts: &SubmitOptions,
+    name: &str,
+) -> Result<(), (String, String)> {
+    // The ranks' image, or, for a stage without a launch, the profile's that `exec` runs in.
+    let image = launcher(manifest, opts, name)
+        .iter()
+        .find_map(|w| w.strip_prefix("--container-image=").map(str::to_string))
+        .or_else(|| {
+            let unlaunched = manifest.stages[name].resources.launch().is_none();
+            unlaunched
+                .then(|| opts.profile.container_image.clone())
+                .flatten()
+        });
+    let Some(image) = image else {
+        return Ok(());
+    };
+    // pyxis' SRC[:DST[:FLAGS]]; a path is seen at the same place only where SRC is DST.
+    let same_place: Vec<&Path> = opts
+        .profile
+        .mounts
+        .iter()
+        .filter_map(|m| {
+            let mut parts = m.split(':');
+            let host = parts.next()?;
+            let inside = parts.next().unwrap_or(host);
+            (host == inside).then_some(Path::new(host))
+        })
+        .collect();
+    let mut needed = vec![std::path::absolute(&store.root).unwrap_or_else(|_| store.root.clone())];
+    needed.extend(
+        manifest.stages[name]
+            .inputs
+            .values()
+            .filter_map(|input| match input {
+                crate::manifest::Input::File { path, .. } => Some(path.clone()),
+                crate::manifest::Input::Stage { .. } => None,
+            }),
+    );
+    match needed
+        .iter()
+        .find(|path| !same_place.iter().any(|m| path.starts_with(m)))
+    {
+        None => Ok(()),
+        Some(path) => {
+            let dir = path.parent().unwrap_or(path).display().to_string();
+            Err((
+                format!(
+                    "stage `{name}` runs in image `{image}`, where {} is not mounted at the same path",
+                    path.display()
+                ),
+                format!(
+                    "add it, or a directory above it, to the `mounts` of profile `{}` in env.toml, e.g. mounts = [\"{dir}:{dir}\"] (a shared filesystem every node sees)",
+                    opts.profile.name
+                ),
+            ))
+        }
+    }
+}
+
 /// What a stage's op will run in its job ([`nemo_dag_op::Op::preview`]), for `--dry-run`.
 pub(super) fn preview(manifest: &Manifest, opts: &SubmitOptions, name: &str) -> Option<String> {
     let stage = &manifest.stages[name];
