@@ -21,7 +21,7 @@
 //! anywhere but in a word is a declaration error. Inside `$(…)` the shell parses the words
 //! afresh, so a placeholder that is a word there is a word (also within "…").
 
-use nemo_dag_op::process::{run_logged, shell_quote, shell_word};
+use nemo_dag_op::process::{describe_exit, run_logged, shell_quote, shell_word};
 use nemo_dag_op::{DeclError, Metrics, Op, Outputs, RunContext, RunError, Spec, StageDecl};
 use serde_json::Value;
 
@@ -101,10 +101,7 @@ impl Op for Cmd {
             .env("NEMO_DAG_OUT", ctx.out_dir);
         let status = run_logged(&mut command, ctx.log, &mut |_| {})?;
         if !status.success() {
-            let how = match status.code() {
-                Some(code) => format!("exited with status {code}"),
-                None => "was killed by a signal".to_string(),
-            };
+            let how = describe_exit(status);
             return Err(match ctx.launcher.first() {
                 None => RunError::new(format!("the command {how}")),
                 Some(launcher) => RunError::new(format!(

@@ -62,8 +62,8 @@ pub fn registry() -> Registry {
         &grpo::Grpo,
         &export::Export,
         &eval::Eval,
-        &megatron::MegatronPretrain,
-        &megatron::MegatronSft,
+        &megatron::Megatron(megatron::Mode::Pretrain),
+        &megatron::Megatron(megatron::Mode::Sft),
     ];
     Registry::new(OPS).with_gpu_probe(probe_gpu)
 }

@@ -29,6 +29,27 @@ pub fn shell_word(value: &str) -> String {
     }
 }
 
+/// [`shell_word`], but a word that holds single quotes and nothing double quotes would expand
+/// goes in double quotes: `"checkpoint.save='/out/ckpt'"` reads better in a script than
+/// `'checkpoint.save='\''/out/ckpt'\'''`.
+pub fn readable_shell_word(value: &str) -> String {
+    let bare = shell_word(value);
+    if bare == value || value.contains(['"', '$', '`', '\\', '!']) {
+        bare
+    } else {
+        format!("\"{value}\"")
+    }
+}
+
+/// How a finished process ended, for a message: `exited with status 2`, `was killed by a
+/// signal`.
+pub fn describe_exit(status: std::process::ExitStatus) -> String {
+    match status.code() {
+        Some(code) => format!("exited with status {code}"),
+        None => "was killed by a signal".to_string(),
+    }
+}
+
 /// For `pre_exec`: the child gets SIGKILL when the thread that spawned it exits, so a killed
 /// driver never leaves its stage commands running.
 pub fn die_with_parent() -> std::io::Result<()> {
@@ -122,6 +143,27 @@ mod tests {
             &mut |_| {},
         );
         assert!(missing.is_err_and(|e| e.message.contains("cannot start `/no/such/program`")));
+    }
+
+    #[test]
+    fn a_readable_word_reads_as_written_and_means_what_it_says() {
+        assert_eq!(
+            readable_shell_word("train.train_iters=10"),
+            "train.train_iters=10"
+        );
+        assert_eq!(
+            readable_shell_word("checkpoint.save='/s/out/checkpoint'"),
+            "\"checkpoint.save='/s/out/checkpoint'\""
+        );
+        assert_eq!(readable_shell_word("a'$b"), "'a'\\''$b'");
+        for word in ["checkpoint.save='/s/o'", "a'$b", "plain", "x y"] {
+            let out = std::process::Command::new("sh")
+                .arg("-c")
+                .arg(format!("printf %s {}", readable_shell_word(word)))
+                .output()
+                .unwrap();
+            assert_eq!(String::from_utf8_lossy(&out.stdout), word);
+        }
     }
 
     #[test]

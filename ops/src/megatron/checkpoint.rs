@@ -66,11 +66,15 @@ pub fn scan(dir: &Path) -> io::Result<Vec<(u64, bool, PathBuf)>> {
 
 /// The newest complete iteration.
 pub fn newest_complete(dir: &Path) -> io::Result<Option<u64>> {
-    Ok(scan(dir)?
-        .into_iter()
+    Ok(newest_of(&scan(dir)?))
+}
+
+fn newest_of(found: &[(u64, bool, PathBuf)]) -> Option<u64> {
+    found
+        .iter()
         .filter(|(_, ok, _)| *ok)
-        .map(|(n, _, _)| n)
-        .next_back())
+        .map(|(n, _, _)| *n)
+        .next_back()
 }
 
 /// Before a launch: keep only what a resume may read. Every iteration newer than the newest
@@ -78,8 +82,9 @@ pub fn newest_complete(dir: &Path) -> io::Result<Option<u64>> {
 /// rewritten to name the newest complete iteration, or removed when there is none. Returns it.
 pub fn prepare(dir: &Path) -> io::Result<Option<u64>> {
     std::fs::create_dir_all(dir)?;
-    let newest = newest_complete(dir)?;
-    for (n, ok, path) in scan(dir)? {
+    let found = scan(dir)?;
+    let newest = newest_of(&found);
+    for (n, ok, path) in found {
         if !ok || Some(n) > newest {
             std::fs::remove_dir_all(path)?;
         }

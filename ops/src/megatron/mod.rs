@@ -47,7 +47,7 @@ pub mod overrides;
 
 use crate::format_weight as float;
 use crate::training::{blend_split, input};
-use nemo_dag_op::process::{run_logged, shell_quote, shell_word};
+use nemo_dag_op::process::{describe_exit, readable_shell_word, run_logged};
 use nemo_dag_op::{
     DeclError, Metrics, Op, Outputs, Port, Progress, RunContext, RunError, Spec, StageDecl,
 };
@@ -57,8 +57,8 @@ use serde_json::{Value, json};
 use std::collections::BTreeMap;
 use std::path::Path;
 
-pub struct MegatronPretrain;
-pub struct MegatronSft;
+/// Both ops, told apart by what they run: `run_recipe.py --mode pretrain` or `--mode sft`.
+pub struct Megatron(pub Mode);
 
 /// The params of both ops: which recipe, in which image, and the run's shape. Every param is
 /// part of the key, the image too: it is the software that runs.
@@ -202,12 +202,19 @@ static SFT: Spec = Spec {
 };
 
 #[derive(Debug, Clone, Copy, PartialEq)]
-enum Mode {
+pub enum Mode {
     Pretrain,
     Sft,
 }
 
 impl Mode {
+    fn spec(self) -> &'static Spec {
+        match self {
+            Mode::Pretrain => &PRETRAIN,
+            Mode::Sft => &SFT,
+        }
+    }
+
     fn name(self) -> &'static str {
         match self {
             Mode::Pretrain => "pretrain",
@@ -216,10 +223,10 @@ impl Mode {
     }
 }
 
-impl Op for MegatronPretrain {
+impl Op for Megatron {
     type Params = Params;
     fn spec(&self) -> &'static Spec {
-        &PRETRAIN
+        self.0.spec()
     }
     fn check(&self, p: &Params, _stage: &StageDecl) -> Result<(), DeclError> {
         check_params(p)
@@ -228,29 +235,10 @@ impl Op for MegatronPretrain {
         p.image.clone()
     }
     fn preview(&self, p: &Params, stage: &StageDecl, launcher: &[String]) -> Option<String> {
-        Some(preview(Mode::Pretrain, p, stage, launcher))
+        Some(preview(self.0, p, stage, launcher))
     }
     fn run(&self, p: &Params, ctx: &mut RunContext) -> Result<Metrics, RunError> {
-        run(Mode::Pretrain, p, ctx)
-    }
-}
-
-impl Op for MegatronSft {
-    type Params = Params;
-    fn spec(&self) -> &'static Spec {
-        &SFT
-    }
-    fn check(&self, p: &Params, _stage: &StageDecl) -> Result<(), DeclError> {
-        check_params(p)
-    }
-    fn image(&self, p: &Params) -> Option<String> {
-        p.image.clone()
-    }
-    fn preview(&self, p: &Params, stage: &StageDecl, launcher: &[String]) -> Option<String> {
-        Some(preview(Mode::Sft, p, stage, launcher))
-    }
-    fn run(&self, p: &Params, ctx: &mut RunContext) -> Result<Metrics, RunError> {
-        run(Mode::Sft, p, ctx)
+        run(self.0, p, ctx)
     }
 }
 
@@ -413,10 +401,7 @@ fn run(mode: Mode, p: &Params, ctx: &mut RunContext) -> Result<Metrics, RunError
         None => "no complete checkpoint was written: the next run starts over".into(),
     };
     if let Some(status) = status.filter(|s| !s.success()) {
-        let how = match status.code() {
-            Some(code) => format!("exited with status {code}"),
-            None => "was killed by a signal".into(),
-        };
+        let how = describe_exit(status);
         return Err(RunError::new(format!("Megatron-Bridge {how}; {resume}"))
             .with_help("the log above says why (with a launcher, which rank failed first)"));
     }
@@ -825,11 +810,7 @@ fn launch_script(
 ) -> String {
     let mut s = format!(
         "#!/bin/bash\n# nemo-dag {} · stage {} · recipe {}\nset -euo pipefail\n",
-        if mode == Mode::Pretrain {
-            PRETRAIN.name
-        } else {
-            SFT.name
-        },
+        mode.spec().name,
         stage,
         p.recipe
     );
@@ -844,38 +825,25 @@ fn launch_script(
         s.push('\n');
     }
     for (key, value) in &p.env {
-        s.push_str(&format!("export {key}={}\n", shell_arg(value)));
+        s.push_str(&format!("export {key}={}\n", readable_shell_word(value)));
     }
-    let mut head: Vec<String> = launcher.iter().map(|w| shell_arg(w)).collect();
-    head.extend(p.python.split_whitespace().map(shell_arg));
-    head.push(shell_arg(&format!(
+    let mut head: Vec<String> = launcher.iter().map(|w| readable_shell_word(w)).collect();
+    head.extend(p.python.split_whitespace().map(readable_shell_word));
+    head.push(readable_shell_word(&format!(
         "{}/scripts/training/run_recipe.py",
         p.mb_root.trim_end_matches('/')
     )));
     s.push_str(&format!("exec {} \\\n", head.join(" ")));
     s.push_str(&format!(
         "  --recipe {} --mode {}",
-        shell_arg(&p.recipe),
+        readable_shell_word(&p.recipe),
         mode.name()
     ));
     for word in words {
-        s.push_str(&format!(" \\\n  {}", shell_arg(&word.word())));
+        s.push_str(&format!(" \\\n  {}", readable_shell_word(&word.word())));
     }
     s.push('\n');
     s
-}
-
-/// One shell word, for a script people read: bare when it can be, in double quotes when it
-/// holds single quotes but nothing double quotes would expand, else single-quoted.
-fn shell_arg(word: &str) -> String {
-    let bare = shell_word(word);
-    if bare == word {
-        bare
-    } else if !word.contains(['"', '$', '`', '\\', '!']) {
-        format!("\"{word}\"")
-    } else {
-        shell_quote(word)
-    }
 }
 
 /// A Megatron training log line's iteration and loss:
@@ -916,23 +884,5 @@ mod tests {
             None
         );
         assert_eq!(iteration_line("no numbers"), None);
-    }
-
-    #[test]
-    fn script_words_read_as_written_and_mean_what_they_say() {
-        assert_eq!(shell_arg("train.train_iters=10"), "train.train_iters=10");
-        assert_eq!(
-            shell_arg("checkpoint.save='/s/out/checkpoint'"),
-            "\"checkpoint.save='/s/out/checkpoint'\""
-        );
-        assert_eq!(shell_arg("a'$b"), "'a'\\''$b'");
-        for word in ["checkpoint.save='/s/o'", "a'$b", "plain", "x y"] {
-            let out = std::process::Command::new("sh")
-                .arg("-c")
-                .arg(format!("printf %s {}", shell_arg(word)))
-                .output()
-                .unwrap();
-            assert_eq!(String::from_utf8_lossy(&out.stdout), word);
-        }
     }
 }
