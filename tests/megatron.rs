@@ -104,7 +104,19 @@ pub(crate) fn output(p: &Project, stage: &str, out: &str) -> PathBuf {
     PathBuf::from(v["outputs"][out]["path"].as_str().unwrap())
 }
 
-pub(crate) fn names(dir: &Path) -> Vec<String> {
+/// The published pretrain checkpoint holds `iteration` alone, with the two trackers.
+pub(crate) fn assert_final_iteration_alone(p: &Project, iteration: &str) {
+    assert_eq!(
+        names(&output(p, "pretrain", "checkpoint")),
+        [
+            iteration,
+            "latest_checkpointed_iteration.txt",
+            "latest_train_state.pt"
+        ]
+    );
+}
+
+fn names(dir: &Path) -> Vec<String> {
     let mut names: Vec<String> = std::fs::read_dir(dir)
         .unwrap()
         .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
@@ -169,14 +181,7 @@ fn pretrain_and_sft_run_megatron_bridge_on_our_artifacts_and_publish_the_final_i
 
     // Published: the final iteration alone with trackers naming it, and the run's record.
     let ckpt = output(&p, "pretrain", "checkpoint");
-    assert_eq!(
-        names(&ckpt),
-        [
-            "iter_0000010",
-            "latest_checkpointed_iteration.txt",
-            "latest_train_state.pt"
-        ]
-    );
+    assert_final_iteration_alone(&p, "iter_0000010");
     assert_eq!(
         std::fs::read_to_string(ckpt.join("latest_checkpointed_iteration.txt")).unwrap(),
         "10"
@@ -282,14 +287,7 @@ fn a_kill_mid_save_resumes_from_the_last_whole_iteration_of_this_attempt() {
         "{save}"
     );
     assert_eq!(arg(resumed, "checkpoint.load"), Some(save));
-    assert_eq!(
-        names(&output(&p, "pretrain", "checkpoint")),
-        [
-            "iter_0000010",
-            "latest_checkpointed_iteration.txt",
-            "latest_train_state.pt"
-        ]
-    );
+    assert_final_iteration_alone(&p, "iter_0000010");
 }
 
 #[test]
@@ -674,12 +672,5 @@ fn a_run_that_saved_its_last_step_but_was_not_published_publishes_without_a_laun
         "{out}"
     );
     assert_eq!(launches(&p).len(), 1, "Megatron-Bridge was launched again");
-    assert_eq!(
-        names(&output(&p, "pretrain", "checkpoint")),
-        [
-            "iter_0000010",
-            "latest_checkpointed_iteration.txt",
-            "latest_train_state.pt"
-        ]
-    );
+    assert_final_iteration_alone(&p, "iter_0000010");
 }

@@ -558,13 +558,10 @@ fn a_failing_rank_fails_its_stage_and_cancels_the_dependents() {
     );
 }
 
-#[test]
-fn a_megatron_stage_runs_once_per_rank_under_srun_and_publishes_once() {
-    if !cluster_up("slurm_megatron_ranks") {
-        return;
-    }
-    use crate::megatron;
-    let p = megatron::project("slurm-mb");
+/// The Megatron stand-in project (`megatron::project`) with a `lab` profile and its pretrain
+/// stage launched as 2 ranks under srun.
+fn megatron_on_two_ranks(name: &str) -> Project {
+    let p = crate::megatron::project(name);
     p.write(
         "env.toml",
         "[lab]\nexecutor = \"slurm\"\ntime = \"00:05:00\"\n",
@@ -576,6 +573,16 @@ fn a_megatron_stage_runs_once_per_rank_under_srun_and_publishes_once() {
         1,
     );
     p.write("m.yaml", &text);
+    p
+}
+
+#[test]
+fn a_megatron_stage_runs_once_per_rank_under_srun_and_publishes_once() {
+    if !cluster_up("slurm_megatron_ranks") {
+        return;
+    }
+    use crate::megatron;
+    let p = megatron_on_two_ranks("slurm-mb");
     let out = megatron::run(
         &p,
         &["run", "m.yaml", "--target", "pretrain", "--run", "lab"],
@@ -595,14 +602,7 @@ fn a_megatron_stage_runs_once_per_rank_under_srun_and_publishes_once() {
         script.contains("exec srun --nodes=1 --ntasks=2"),
         "{script}"
     );
-    assert_eq!(
-        megatron::names(&megatron::output(&p, "pretrain", "checkpoint")),
-        [
-            "iter_0000010",
-            "latest_checkpointed_iteration.txt",
-            "latest_train_state.pt"
-        ]
-    );
+    megatron::assert_final_iteration_alone(&p, "iter_0000010");
 }
 
 #[test]
@@ -611,18 +611,7 @@ fn a_sigterm_to_the_ranks_saves_the_iteration_in_progress_and_the_next_run_resum
         return;
     }
     use crate::megatron;
-    let p = megatron::project("slurm-mb-term");
-    p.write(
-        "env.toml",
-        "[lab]\nexecutor = \"slurm\"\ntime = \"00:05:00\"\n",
-    );
-    p.write(".git", "");
-    let text = std::fs::read_to_string(p.path("m.yaml")).unwrap().replacen(
-        "    op: megatron_pretrain\n",
-        "    op: megatron_pretrain\n    resources: {launch: srun, ntasks_per_node: 2}\n",
-        1,
-    );
-    p.write("m.yaml", &text);
+    let p = megatron_on_two_ranks("slurm-mb-term");
     // The data here, so that only the training stage waits for the (shared) test cluster.
     let data = megatron::run(&p, &["run", "m.yaml", "--target", "pretrain_data"], &[]);
     assert_eq!(data.code, 0, "{data}");
