@@ -1,50 +1,115 @@
-// A plain tiled GEMM: C = alpha · op(A) · op(B) + beta · C, row-major, batched over
+// A register-blocked GEMM: C = alpha · op(A) · op(B) + beta · C, row-major, batched over
 // gridDim.z. op(A) is m×k: A itself (m×k) or, with trans_a, A stored k×m; op(B) is k×n: B
 // (k×n) or, with trans_b, B stored n×k. linear.rs's three products are its three uses:
 //   y  = x · wᵀ   gemm(x, w, trans_b)          (m rows, n = out, k = in)
 //   dx = g · w    gemm(g, w)
 //   dw = gᵀ · x   gemm(g, x, trans_a)
-// On a GPU the training GEMMs belong to cuBLASLt; this kernel runs them in the SIMT shim (so
-// a whole training step can be checked on the CPU) and is the reference cuBLASLt's results
-// are checked against. Each output is summed over k in order, 16 at a time, by one thread:
-// the bytes never depend on the launch.
 //
-// Launch: block (16, 16), grid (ceil(n/16), ceil(m/16), batches).
+// The classic shape of a fast f32 GEMM without tensor cores (as in Simon Boehm's "How to
+// Optimize a CUDA Matmul Kernel", https://siboehm.com/articles/22/CUDA-MMM): a block of 256
+// threads computes a 128×128 tile of C, stepping through k 8 at a time; each thread keeps an
+// 8×8 sub-tile of C in registers and, per k, reads 8 values of A and 8 of B from shared
+// memory for 64 FMAs. The next k-slice is fetched from global memory into registers while
+// the current one is multiplied. A thread's 8 rows are ty*4 + {0..3} and 64 + ty*4 + {0..3}
+// (its columns likewise with tx), so a warp's shared-memory reads are consecutive words.
+//
+// Each thread loads 4 values of each tile, consecutive along the stored matrix's contiguous
+// dimension (k for a plain A, rows for a transposed one), so a warp's global loads coalesce
+// in every transpose. Elements past m, n or k load as 0.
+//
+// Every output is one thread's fmaf chain over k = 0, 1, …, k-1 in order: the bytes never
+// depend on the launch geometry, and the SIMT shim (whose fmaf rounds once, as the GPU's
+// does) computes the same bytes as the GPU.
+//
+// Launch: block 256, grid (ceil(n/128), ceil(m/128), batches).
 
-#define GEMM_TILE 16
+#define GEMM_BM 128
+#define GEMM_BN 128
+#define GEMM_BK 8
 
-extern "C" __global__ void gemm_f32(const float* a, const float* b, float* c, int m, int n,
-                                    int k, int trans_a, int trans_b, float alpha, float beta,
-                                    long long stride_a, long long stride_b, long long stride_c) {
-    __shared__ float a_tile[GEMM_TILE][GEMM_TILE + 1];
-    __shared__ float b_tile[GEMM_TILE][GEMM_TILE + 1];
+// op(A)[row][kk], or 0 outside m×k.
+static __device__ __forceinline__ float gemm_a_at(const float* a, int m, int k, int trans_a,
+                                                  int row, int kk) {
+    if (row >= m || kk >= k) return 0.0f;
+    return trans_a ? a[size_t(kk) * m + row] : a[size_t(row) * k + kk];
+}
+
+// op(B)[kk][col], or 0 outside k×n.
+static __device__ __forceinline__ float gemm_b_at(const float* b, int n, int k, int trans_b,
+                                                  int kk, int col) {
+    if (kk >= k || col >= n) return 0.0f;
+    return trans_b ? b[size_t(col) * k + kk] : b[size_t(kk) * n + col];
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+    gemm_f32(const float* a, const float* b, float* c, int m, int n, int k, int trans_a,
+             int trans_b, float alpha, float beta, long long stride_a, long long stride_b,
+             long long stride_c) {
+    __shared__ float a_tile[GEMM_BK][GEMM_BM];  // op(A) tile, k-major: a_tile[kk][row]
+    __shared__ float b_tile[GEMM_BK][GEMM_BN];  // op(B) tile: b_tile[kk][col]
     a += blockIdx.z * stride_a;
     b += blockIdx.z * stride_b;
     c += blockIdx.z * stride_c;
-    const int tx = threadIdx.x, ty = threadIdx.y;
-    const int row = blockIdx.y * GEMM_TILE + ty;
-    const int col = blockIdx.x * GEMM_TILE + tx;
-    float acc = 0.0f;
-    for (int t = 0; t < k; t += GEMM_TILE) {
-        const int ka = t + tx;  // this thread loads op(A)[row][ka] and op(B)[kb][col]
-        const int kb = t + ty;
-        float av = 0.0f, bv = 0.0f;
-        if (row < m && ka < k) {
-            av = trans_a ? a[size_t(ka) * m + row] : a[size_t(row) * k + ka];
+    const int tid = threadIdx.x;
+    const int row0 = blockIdx.y * GEMM_BM, col0 = blockIdx.x * GEMM_BN;
+
+    // The 4 values of each tile this thread loads: (a_row + j·a_dr, a_k + j·a_dk), j < 4.
+    const int a_row = trans_a ? (tid % 32) * 4 : tid / 2;
+    const int a_k = trans_a ? tid / 32 : (tid % 2) * 4;
+    const int a_dr = trans_a ? 1 : 0, a_dk = trans_a ? 0 : 1;
+    const int b_col = trans_b ? tid / 2 : (tid % 32) * 4;
+    const int b_k = trans_b ? (tid % 2) * 4 : tid / 32;
+    const int b_dc = trans_b ? 0 : 1, b_dk = trans_b ? 1 : 0;
+
+    float a_next[4], b_next[4];
+    for (int j = 0; j < 4; ++j) {
+        a_next[j] = gemm_a_at(a, m, k, trans_a, row0 + a_row + j * a_dr, a_k + j * a_dk);
+        b_next[j] = gemm_b_at(b, n, k, trans_b, b_k + j * b_dk, col0 + b_col + j * b_dc);
+    }
+
+    const int tx = tid % 16, ty = tid / 16;
+    float acc[8][8];
+    for (int i = 0; i < 8; ++i) {
+        for (int j = 0; j < 8; ++j) acc[i][j] = 0.0f;
+    }
+    for (int t = 0; t < k; t += GEMM_BK) {
+        for (int j = 0; j < 4; ++j) {
+            a_tile[a_k + j * a_dk][a_row + j * a_dr] = a_next[j];
+            b_tile[b_k + j * b_dk][b_col + j * b_dc] = b_next[j];
         }
-        if (kb < k && col < n) {
-            bv = trans_b ? b[size_t(col) * k + kb] : b[size_t(kb) * n + col];
-        }
-        a_tile[ty][tx] = av;
-        b_tile[ty][tx] = bv;
         __syncthreads();
-        for (int i = 0; i < GEMM_TILE; ++i) {
-            acc += a_tile[ty][i] * b_tile[i][tx];
+        if (t + GEMM_BK < k) {  // the next slice's loads are in flight during the FMAs
+            const int next = t + GEMM_BK;
+            for (int j = 0; j < 4; ++j) {
+                a_next[j] = gemm_a_at(a, m, k, trans_a, row0 + a_row + j * a_dr,
+                                      next + a_k + j * a_dk);
+                b_next[j] = gemm_b_at(b, n, k, trans_b, next + b_k + j * b_dk,
+                                      col0 + b_col + j * b_dc);
+            }
+        }
+        for (int kk = 0; kk < GEMM_BK; ++kk) {
+            float ra[8], rb[8];
+            for (int i = 0; i < 4; ++i) {
+                ra[i] = a_tile[kk][ty * 4 + i];
+                ra[4 + i] = a_tile[kk][64 + ty * 4 + i];
+                rb[i] = b_tile[kk][tx * 4 + i];
+                rb[4 + i] = b_tile[kk][64 + tx * 4 + i];
+            }
+            for (int i = 0; i < 8; ++i) {
+                for (int j = 0; j < 8; ++j) acc[i][j] = fmaf(ra[i], rb[j], acc[i][j]);
+            }
         }
         __syncthreads();
     }
-    if (row < m && col < n) {
-        const size_t at = size_t(row) * n + col;
-        c[at] = beta == 0.0f ? alpha * acc : alpha * acc + beta * c[at];
+
+    for (int i = 0; i < 8; ++i) {
+        const int row = row0 + (i < 4 ? ty * 4 + i : 64 + ty * 4 + i - 4);
+        if (row >= m) continue;
+        for (int j = 0; j < 8; ++j) {
+            const int col = col0 + (j < 4 ? tx * 4 + j : 64 + tx * 4 + j - 4);
+            if (col >= n) continue;
+            const size_t at = size_t(row) * n + col;
+            c[at] = beta == 0.0f ? alpha * acc[i][j] : alpha * acc[i][j] + beta * c[at];
+        }
     }
 }

@@ -6,6 +6,8 @@
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, Layout, Result, Shape, Tensor, bail};
 
+use crate::launch::Geometry;
+
 // 1. Reference ----------------------------------------------------------------------------
 
 /// `x @ wᵀ` from candle ops: the spec the fused op is tested against.
@@ -86,6 +88,19 @@ pub fn linear(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     x.contiguous()?.apply_op2(&w.contiguous()?, Linear)
 }
 
+/// The launch of linear.cu's `gemm_f32` for `batches` products of `m × n` outputs: a block of
+/// 256 threads for each 128 × 128 tile of C.
+pub fn gemm_geometry(m: usize, n: usize, batches: usize) -> Geometry {
+    Geometry {
+        grid: [
+            n.div_ceil(128).max(1) as u32,
+            m.div_ceil(128).max(1) as u32,
+            batches.max(1) as u32,
+        ],
+        block: [256, 1, 1],
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -152,20 +167,26 @@ mod tests {
             arg(&strides.1),
             arg(&strides.2),
         ];
-        let grid = [n.div_ceil(16) as u32, m.div_ceil(16) as u32, batches as u32];
+        let g = gemm_geometry(m, n, batches);
         // SAFETY: a, b and c hold `batches` matrices of m×k, k×n and m×n values.
-        unsafe { launch("gemm_f32", grid, [16, 16, 1], schedule, &params) }.unwrap();
+        unsafe { launch("gemm_f32", g.grid, g.block, schedule, &params) }.unwrap();
         c
     }
 
     /// The GEMM of linear.cu, executed by the SIMT shim, against candle's matmul within 1e-5
     /// of the result's scale: every transpose, batches, alpha and beta, sizes that are not
-    /// multiples of the tile, in both schedules. Then linear's three products through it.
+    /// multiples of the tile and span several tiles, in both schedules. Then linear's three products through it.
     #[test]
     fn the_cuda_gemm_matches_candles_matmul() {
         let t =
             |v: &[f32], dims: &[usize]| Tensor::from_vec(v.to_vec(), dims, &Device::Cpu).unwrap();
-        for (m, n, k, batches) in [(1, 1, 1, 1), (5, 3, 7, 2), (17, 33, 29, 1), (40, 24, 50, 3)] {
+        for (m, n, k, batches) in [
+            (1, 1, 1, 1),
+            (5, 3, 7, 2),
+            (17, 33, 29, 1),
+            (40, 24, 50, 3),
+            (131, 260, 21, 2), // several tiles each way, k not a multiple of the slice
+        ] {
             let mut rng = Rng::new((m * n * k) as u64);
             for (trans_a, trans_b) in [(false, false), (true, false), (false, true), (true, true)] {
                 let a = values(&randn(&mut rng, &[batches, m * k], 1.0));

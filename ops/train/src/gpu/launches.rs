@@ -216,10 +216,7 @@ impl<L: Launcher> Kernels<'_, L> {
         (trans_a, trans_b): (i32, i32),
         beta: f32,
     ) -> Result<(), RunError> {
-        let geometry = Geometry {
-            grid: [n.div_ceil(16) as u32, m.div_ceil(16) as u32, 1],
-            block: [16, 16, 1],
-        };
+        let geometry = kernels::linear::gemm_geometry(m, n, 1);
         let args = [
             a,
             b,
