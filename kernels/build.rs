@@ -8,6 +8,12 @@
 use std::fmt::Write as _;
 use std::path::{Path, PathBuf};
 
+// The kernels of a source, found the same way here and by the GPU launcher at run time.
+#[path = "src/cuda/kernel_names.rs"]
+#[allow(dead_code)] // kernel_params serves the kernels' tests on a GPU
+mod kernel_names;
+use kernel_names::kernel_names;
+
 fn main() {
     let out = PathBuf::from(std::env::var_os("OUT_DIR").unwrap_or_default());
     let mut sources = cu_files(Path::new("src"));
@@ -63,26 +69,6 @@ fn cu_files(dir: &Path) -> Vec<PathBuf> {
         }
     }
     found
-}
-
-/// The names of a source's `extern "C" __global__ void NAME(` kernels, also when a
-/// `__launch_bounds__(...)` stands before the name.
-fn kernel_names(text: &str) -> Vec<String> {
-    let marker = "extern \"C\" __global__ void ";
-    text.match_indices(marker)
-        .filter_map(|(at, _)| {
-            let rest = text[at + marker.len()..].trim_start();
-            let rest = match rest.strip_prefix("__launch_bounds__") {
-                Some(bounds) => bounds.split_once(')')?.1.trim_start(),
-                None => rest,
-            };
-            let name: String = rest
-                .chars()
-                .take_while(|c| c.is_ascii_alphanumeric() || *c == '_')
-                .collect();
-            (!name.is_empty()).then_some(name)
-        })
-        .collect()
 }
 
 /// The table of every kernel, by name.

@@ -1,6 +1,7 @@
 //! CUDA at run time: the GPU probe, the kernel sources embedded in the binary, and NVRTC.
 
 pub mod cache;
+pub mod kernel_names;
 pub mod library;
 pub mod nvrtc;
 pub mod probe;

@@ -2,23 +2,24 @@
 //! architecture (through the on-disk kernel cache), loaded as a module, launched on one stream.
 
 use std::collections::HashMap;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 use cudarc::driver::{
-    CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr, LaunchConfig,
-    PushKernelArg,
+    CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg,
 };
 use cudarc::nvrtc::Ptx;
 
 use super::{Arg, Geometry, LaunchError, Launcher, Result, in_bounds};
+use crate::cuda::kernel_names::kernel_names;
 use crate::cuda::{Gpu, KernelCache, Nvrtc, SOURCES};
 
 /// One GPU, its compiled kernels and a stream.
 pub struct Cuda {
     gpu: Gpu,
     stream: Arc<CudaStream>,
-    modules: Vec<Arc<CudaModule>>,
-    functions: Mutex<HashMap<String, CudaFunction>>,
+    /// Every kernel of every source, by name, looked up in the module that defines it (asking
+    /// each module in turn would make a failed driver call per miss).
+    functions: HashMap<String, CudaFunction>,
 }
 
 fn driver(call: &str) -> impl Fn(cudarc::driver::DriverError) -> LaunchError + '_ {
@@ -37,7 +38,7 @@ impl Cuda {
         // SAFETY: no other stream of this context is ever used.
         unsafe { context.disable_event_tracking() };
         let arch = gpu.arch();
-        let mut modules = Vec::with_capacity(SOURCES.len());
+        let mut functions = HashMap::new();
         for source in SOURCES {
             let compiled = nvrtc
                 .compile(source, &arch, cache.as_ref())
@@ -45,13 +46,17 @@ impl Cuda {
             let module = context
                 .load_module(Ptx::from_binary(compiled.image))
                 .map_err(|e| LaunchError(format!("cuModuleLoadData({}): {e}", source.name)))?;
-            modules.push(module);
+            for name in kernel_names(source.text) {
+                let function = module.load_function(&name).map_err(|e| {
+                    LaunchError(format!("cuModuleGetFunction({}: {name}): {e}", source.name))
+                })?;
+                functions.insert(name, function);
+            }
         }
         Ok(Cuda {
             gpu,
             stream: context.default_stream(),
-            modules,
-            functions: Mutex::new(HashMap::new()),
+            functions,
         })
     }
 
@@ -67,21 +72,39 @@ impl Cuda {
             .map_err(driver("cuStreamSynchronize"))
     }
 
-    fn function(&self, name: &str) -> Result<CudaFunction> {
-        let mut functions = self
-            .functions
-            .lock()
-            .map_err(|_| LaunchError("the kernel table's lock was poisoned".into()))?;
-        if let Some(f) = functions.get(name) {
-            return Ok(f.clone());
+    /// The device address of `buffer`'s first byte.
+    pub fn address(&self, buffer: &CudaSlice<u8>) -> u64 {
+        buffer.device_ptr(&self.stream).0
+    }
+
+    /// Runs kernel `name` with its parameters' values, each in the low bytes of a slot (device
+    /// addresses for pointers): [`Launcher::launch`] after it has resolved its arguments.
+    ///
+    /// # Safety
+    /// As [`Launcher::launch`]: one slot for each parameter, of the value the kernel expects.
+    pub unsafe fn launch_slots(&self, name: &str, geometry: Geometry, slots: &[u64]) -> Result<()> {
+        let function = self.function(name)?;
+        let mut builder = self.stream.launch_builder(function);
+        for slot in slots {
+            // Each slot holds the argument's bytes in its low end; the driver reads as many
+            // as the kernel's parameter takes.
+            builder.arg(slot);
         }
-        let found = self
-            .modules
-            .iter()
-            .find_map(|m| m.load_function(name).ok())
-            .ok_or_else(|| LaunchError(format!("no kernel named `{name}` in the sources")))?;
-        functions.insert(name.to_string(), found.clone());
-        Ok(found)
+        let config = LaunchConfig {
+            grid_dim: (geometry.grid[0], geometry.grid[1], geometry.grid[2]),
+            block_dim: (geometry.block[0], geometry.block[1], geometry.block[2]),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: the caller vouches for the arguments' types and the buffers' sizes.
+        unsafe { builder.launch(config) }
+            .map(|_| ())
+            .map_err(|e| LaunchError(format!("launching {name}: {e}")))
+    }
+
+    fn function(&self, name: &str) -> Result<&CudaFunction> {
+        self.functions
+            .get(name)
+            .ok_or_else(|| LaunchError(format!("no kernel named `{name}` in the sources")))
     }
 }
 
@@ -129,31 +152,16 @@ impl Launcher for Cuda {
         geometry: Geometry,
         args: &[Arg<'_, CudaSlice<u8>>],
     ) -> Result<()> {
-        let function = self.function(name)?;
         let pointer = |buffer: &CudaSlice<u8>, offset: usize| {
             in_bounds(name, offset, 0, buffer.len())?;
-            let (base, _sync) = buffer.device_ptr(&self.stream);
-            Ok(base + offset as u64)
+            Ok(self.address(buffer) + offset as u64)
         };
         let slots = args
             .iter()
             .map(|a| a.slot(pointer))
             .collect::<Result<Vec<u64>>>()?;
-        let mut builder = self.stream.launch_builder(&function);
-        for slot in &slots {
-            // Each slot holds the argument's bytes in its low end; the driver reads as many
-            // as the kernel's parameter takes.
-            builder.arg(slot);
-        }
-        let config = LaunchConfig {
-            grid_dim: (geometry.grid[0], geometry.grid[1], geometry.grid[2]),
-            block_dim: (geometry.block[0], geometry.block[1], geometry.block[2]),
-            shared_mem_bytes: 0,
-        };
-        // SAFETY: the caller vouches for the arguments' types and the buffers' sizes.
-        unsafe { builder.launch(config) }
-            .map(|_| ())
-            .map_err(|e| LaunchError(format!("launching {name}: {e}")))
+        // SAFETY: passed on from the caller.
+        unsafe { self.launch_slots(name, geometry, &slots) }
     }
 
     fn len(&self, buffer: &CudaSlice<u8>) -> usize {
