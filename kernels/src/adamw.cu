@@ -16,11 +16,14 @@ extern "C" __global__ void adamw_f32(float* w, const float* g, float* m, float* 
                                      float b2, float bc1, float bc2, float eps, float wd) {
     const size_t stride = size_t(gridDim.x) * blockDim.x;
     for (size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
-        const float gi = g[i];
-        const float mi = b1 * m[i] + (1.0f - b1) * gi;
-        const float vi = b2 * v[i] + (1.0f - b2) * gi * gi;
+        // Each product and sum rounded on its own (the _rn intrinsics), as the CPU computes
+        // them: the compiler would otherwise fuse `b1 * m + …` into an FMA, which rounds once
+        // and moves the weights a last bit away from the CPU trainer's.
+        const float gi = g[i], wo = w[i];
+        const float mi = __fadd_rn(__fmul_rn(b1, m[i]), __fmul_rn(1.0f - b1, gi));
+        const float vi = __fadd_rn(__fmul_rn(b2, v[i]), __fmul_rn(__fmul_rn(1.0f - b2, gi), gi));
         const float update = (mi / bc1) / (sqrtf(vi / bc2) + eps);
-        const float wi = w[i] - lr * (update + wd * w[i]);
+        const float wi = __fsub_rn(wo, __fmul_rn(lr, __fadd_rn(update, __fmul_rn(wd, wo))));
         m[i] = mi;
         v[i] = vi;
         w[i] = wi;

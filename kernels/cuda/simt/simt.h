@@ -134,6 +134,11 @@ inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
 inline float __expf(float x) { return std::exp(x); }
 inline float __logf(float x) { return std::log(x); }
 inline float __fdividef(float a, float b) { return a / b; }
+// Round-to-nearest arithmetic the GPU never fuses into an FMA; the host compiler fuses
+// nothing (x86-64 without -mfma has no FMA to fuse into).
+inline float __fadd_rn(float a, float b) { return a + b; }
+inline float __fsub_rn(float a, float b) { return a - b; }
+inline float __fmul_rn(float a, float b) { return a * b; }
 inline float __saturatef(float x) { return x < 0.f ? 0.f : (x > 1.f ? 1.f : x); }
 inline int __float_as_int(float f) {
     int i;
