@@ -404,7 +404,9 @@ mod tests {
                 let got =
                     in_both_schedules(&at, |s| cuda(inputs, &starts, (len, ch, k), launch, s));
                 for (what, got, want, tolerance) in [
-                    ("y", &got[0], &want[0], 1e-6),
+                    // 1.9e-6 on an H100, where the taps' products and sums are fused
+                    // into FMAs and expf is CUDA's (within 2 ulp); 1e-6 on the shim.
+                    ("y", &got[0], &want[0], 4e-6),
                     ("dx", &got[1], &want[1], 1e-5),
                     ("dw", &got[2], &want[2], 1e-4),
                     ("dbias", &got[3], &want[3], 1e-4),

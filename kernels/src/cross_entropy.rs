@@ -209,8 +209,9 @@ mod tests {
         let (n, v) = (3, 40);
         let mut rng = Rng::new(5);
         let x = values(&randn(&mut rng, &[n, v], 1.0));
-        let labels = [2, v as u32, 7];
-        let got = cuda((&x, &labels, &[1.0; 3]), (2, 32), Schedule::Forward);
+        // Buffers on the heap, where the kernel tests' GPU mirror finds them (crate::mirror).
+        let (labels, dloss) = ([2, v as u32, 7].to_vec(), [1.0; 3].to_vec());
+        let got = cuda((&x, &labels, &dloss), (2, 32), Schedule::Forward);
         assert!(got[0][1].is_nan() && got[1][v..2 * v].iter().all(|d| d.is_nan()));
         let finite = |d: &[f32]| d.iter().all(|d| d.is_finite());
         assert!(got[0][0].is_finite() && got[0][2].is_finite());

@@ -103,7 +103,9 @@ mod tests {
     fn the_cuda_forward_gives_a_nan_row_for_an_id_outside_the_vocabulary() {
         let (v, d) = (4, 3);
         let table: Vec<f32> = (0..v * d).map(|i| i as f32).collect();
-        let got = cuda((&table, &[1, 9], &[1.0; 6]), d, (2, 32), Schedule::Forward);
+        // Buffers on the heap, where the kernel tests' GPU mirror finds them (crate::mirror).
+        let (ids, dout) = ([1, 9].to_vec(), [1.0; 6].to_vec());
+        let got = cuda((&table, &ids, &dout), d, (2, 32), Schedule::Forward);
         assert_eq!(got[0][..d], [3.0, 4.0, 5.0]);
         assert!(got[0][d..].iter().all(|x| x.is_nan()));
         let mut want = vec![0.0; v * d];

@@ -36,7 +36,7 @@ mod tests {
     ) -> (f64, Vec<f32>) {
         use crate::simt::{arg, launch_1d};
         let (mut partial, mut norm, mut clipped) =
-            (vec![f64::NAN; grid as usize], [0f64], g.to_vec());
+            (vec![f64::NAN; grid as usize], vec![0f64; 1], g.to_vec());
         // SAFETY: g and clipped hold n values, partial one a block, norm one.
         unsafe {
             launch_1d(

@@ -41,6 +41,8 @@ pub mod gated_rms_norm;
 mod grad_norm;
 pub mod launch;
 pub mod linear;
+#[cfg(test)]
+mod mirror;
 pub mod relu2;
 pub mod rms_norm;
 pub mod rng;

@@ -51,6 +51,13 @@ pub unsafe fn launch(
     schedule: Schedule,
     params: &[*mut c_void],
 ) -> Result<(), String> {
+    #[cfg(test)]
+    if let Some(gpu) = crate::mirror::active()
+        && crate::mirror::compiled_for_the_gpu(name)
+    {
+        // SAFETY: as this function's (the kernels' tests on a GPU: see crate::mirror).
+        return unsafe { gpu.launch(name, grid, block, params) };
+    }
     let c_name = CString::new(name).map_err(|e| e.to_string())?;
     let g = Geometry {
         grid,
