@@ -57,6 +57,7 @@ stages:
   export:
     op: export
     inputs: {model: "sft:model"}
+    params: {format: llama}
   eval_sft:
     op: eval
     inputs: {model: "sft:model", data: "pretrain_data:data", tasks: "problems:prompts", choices: "problems:choices"}
@@ -112,6 +113,10 @@ const HYBRID: &str = r#"
       micro_batch: 2
       lr: 5e-3
       log_interval: 1
+  export_hybrid:
+    op: export
+    inputs: {model: "hybrid:model"}
+    params: {format: nemotron_h}
 "#;
 
 fn show(p: &Project, stage: &str) -> Value {
@@ -149,6 +154,7 @@ fn a_recipe_pretrains_fine_tunes_and_exports_a_model_transformers_reads() {
         "grpo",
         "dpo",
         "hybrid",
+        "export_hybrid",
     ];
     let s = states(&p.json(&["status", "recipe.yaml", "--json"]));
     for stage in all {
@@ -240,8 +246,75 @@ fn a_recipe_pretrains_fine_tunes_and_exports_a_model_transformers_reads() {
         "{changed}"
     );
 
-    // The exported Llama gives our logits.
+    // The exported Llama gives our logits, and so does the hybrid exported as NemotronH.
     check_export(&p);
+    check_nemotron_h_export(&p);
+
+    // The dense model is no NemotronH (rotary attention, SwiGLU): the export fails, says why,
+    // and publishes nothing.
+    let refused = p.run(&[
+        "run",
+        "recipe.yaml",
+        "stages.export.params.format=nemotron_h",
+        "--target",
+        "export",
+    ]);
+    assert_eq!(refused.code, 1, "{refused}");
+    assert!(
+        refused
+            .stderr
+            .contains("no NemotronH equivalent: attention with rotary positions"),
+        "{refused}"
+    );
+}
+
+/// The hybrid exported as `NemotronHForCausalLM`: its MTP depths left out and said so, and its
+/// logits recomputed from the checkpoint alone by a numpy transcription of transformers'
+/// forward (and by transformers itself when NEMO_DAG_TORCH_PYTHON is set).
+fn check_nemotron_h_export(p: &Project) {
+    let m = show(p, "export_hybrid")["metrics"].clone();
+    assert_eq!(m["layers"], 4, "{m}");
+    assert!(m["mtp_tensors_left_out"].as_u64().unwrap() > 0, "{m}");
+    let model = load_model(&output_path(p, "hybrid", "model")).unwrap();
+    // 20 tokens: more than a Mamba chunk (16), so transformers' chunked scan crosses chunks.
+    let ids: Vec<u32> = (0..20).map(|i| (i * 37 + 5) % model.vocab as u32).collect();
+    let logits = model.logits(&ids, &Layout::plain(1, ids.len())).unwrap();
+    let logits: Vec<Vec<f32>> = logits.squeeze(0).unwrap().to_vec2().unwrap();
+    let case = p.write(
+        "case_hybrid.json",
+        &json!({"ids": ids, "logits": logits}).to_string(),
+    );
+    let hf = output_path(p, "export_hybrid", "hf");
+    let config: Value =
+        serde_json::from_str(&std::fs::read_to_string(hf.join("config.json")).unwrap()).unwrap();
+    assert_eq!(
+        config["layers_block_type"],
+        json!(["linear_attention", "moe", "full_attention", "mlp"])
+    );
+    assert_eq!(config["routed_scaling_factor"], 2.5);
+    let script = crate::common::repo().join("tests/py/check_nemotron_h.py");
+    if let Some(py) = python() {
+        let mut c = Command::new(py);
+        c.arg(&script).arg(&hf).arg(&case);
+        let out = output(c);
+        assert_eq!(
+            out.code, 0,
+            "numpy NemotronH disagrees with our logits: {out}"
+        );
+        eprintln!("numpy NemotronH check: {}", out.stdout.trim());
+    }
+    match std::env::var("NEMO_DAG_TORCH_PYTHON") {
+        Ok(py) => {
+            let mut c = Command::new(py);
+            c.arg(&script).arg(&hf).arg(&case).arg("--transformers");
+            let out = output(c);
+            assert_eq!(out.code, 0, "transformers disagrees with our logits: {out}");
+            eprintln!("transformers NemotronH check: {}", out.stdout.trim());
+        }
+        Err(_) => eprintln!(
+            "skipping the transformers check of the NemotronH export: set NEMO_DAG_TORCH_PYTHON to a Python with torch and transformers"
+        ),
+    }
 }
 
 /// Our logits for a few ids, next to the exported checkpoint, checked by Python.

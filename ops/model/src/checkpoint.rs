@@ -37,7 +37,7 @@ fn bad(e: impl std::fmt::Display) -> candle_core::Error {
 }
 
 /// Every tensor of the model: parameters, then MoE expert biases.
-fn model_tensors(model: &Model) -> candle_core::Result<HashMap<String, Tensor>> {
+pub fn model_tensors(model: &Model) -> candle_core::Result<HashMap<String, Tensor>> {
     let mut map = HashMap::new();
     for (name, var) in model.params.iter() {
         map.insert(name.to_string(), var.as_tensor().clone());

@@ -1,14 +1,17 @@
-//! `export`: a dense model as a Hugging Face Llama checkpoint.
+//! `export`: a model as a Hugging Face transformers checkpoint.
 //!
 //! ```yaml
 //! export:
 //!   op: export
 //!   inputs: {model: "sft:model"}
+//!   params: {format: nemotron_h}   # or llama, the default
 //! ```
 //!
-//! Writes `hf/` with `config.json` (`LlamaForCausalLM`), `model.safetensors` and the model's
-//! `tokenizer.json`, which `transformers.AutoModelForCausalLM.from_pretrained` loads. Only a
-//! Llama-shaped model can be exported: the pattern alternates attention and MLP (`*-*-…`), with
+//! Writes `hf/` with `config.json`, `model.safetensors` and the model's `tokenizer.json`, which
+//! `transformers.AutoModelForCausalLM.from_pretrained` loads. `format: nemotron_h` writes any
+//! hybrid of Mamba-2, attention, MLP and MoE blocks as `NemotronHForCausalLM` ([`nemotron_h`]).
+//! `format: llama` writes a dense model as `LlamaForCausalLM`. Only a Llama-shaped model can be
+//! exported that way: the pattern alternates attention and MLP (`*-*-…`), with
 //! SwiGLU, rotary positions and no MTP. The mapping is a renaming plus two splits — the fused
 //! `qkv` into `q_proj`/`k_proj`/`v_proj`, and SwiGLU's stacked `fc1` into `gate_proj`/`up_proj`:
 //!
@@ -23,6 +26,8 @@
 //! | `blocks.{2i+1}.mlp.fc2` | `model.layers.{i}.mlp.down_proj.weight` |
 //! | `final_norm` | `model.norm.weight` |
 //! | `output` | `lm_head.weight` (absent with tied embeddings) |
+
+mod nemotron_h;
 
 use crate::training::input;
 use candle_core::Tensor;
@@ -39,16 +44,30 @@ pub struct Export;
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
-pub struct Params {}
+pub struct Params {
+    #[serde(default)]
+    pub format: Format,
+}
+
+/// The transformers architecture written.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Format {
+    /// `LlamaForCausalLM`: dense attention/MLP pairs with SwiGLU and RoPE.
+    #[default]
+    Llama,
+    /// `NemotronHForCausalLM`: any pattern of `M`, `*`, `-` and `E`.
+    NemotronH,
+}
 
 static SPEC: Spec = Spec {
     name: "export",
     version: 1,
-    summary: "write a dense model as a Hugging Face Llama checkpoint (config.json + safetensors)",
+    summary: "write a model as a Hugging Face checkpoint: Llama, or NemotronH for hybrids",
     inputs: &[Port {
         name: "model",
         required: true,
-        what: "a dense model: a pretrain or sft artifact's model",
+        what: "a pretrain, sft, dpo or grpo artifact's model",
     }],
     other_inputs: None,
     outputs: Outputs::Fixed(&[("hf", "hf")]),
@@ -67,18 +86,36 @@ impl Op for Export {
         Ok(())
     }
 
-    fn run(&self, _params: &Params, ctx: &mut RunContext) -> Result<Metrics, RunError> {
+    fn run(&self, params: &Params, ctx: &mut RunContext) -> Result<Metrics, RunError> {
         let dir = input(ctx, "model")?;
         let model = checkpoint::load_model(&dir)
             .map_err(|e| RunError::new(format!("cannot load the model: {e}")))?;
         let out = ctx.out_dir.join("hf");
-        let layers = write_llama(&model, &out)?;
+        let mut m = Metrics::new();
+        let (layers, architecture) = match params.format {
+            Format::Llama => (write_llama(&model, &out)?, "Llama"),
+            Format::NemotronH => {
+                let written = nemotron_h::write(&model, &out)?;
+                if written.mtp_tensors > 0 {
+                    writeln!(
+                        ctx.log,
+                        "left out the model's {} MTP tensors: NemotronHForCausalLM has no MTP \
+                         depths (transformers ignores mtp.* on load)",
+                        written.mtp_tensors
+                    )?;
+                }
+                m.insert(
+                    "mtp_tensors_left_out".into(),
+                    Value::from(written.mtp_tensors),
+                );
+                (written.layers, "NemotronH")
+            }
+        };
         std::fs::copy(dir.join("tokenizer.json"), out.join("tokenizer.json"))?;
         writeln!(
             ctx.log,
-            "exported {layers} Llama layers to hf/ (config.json, model.safetensors, tokenizer.json)"
+            "exported {layers} {architecture} layers to hf/ (config.json, model.safetensors, tokenizer.json)"
         )?;
-        let mut m = Metrics::new();
         m.insert("layers".into(), Value::from(layers));
         m.insert("parameters".into(), Value::from(model.params.count()));
         Ok(m)
