@@ -10,7 +10,7 @@
 use nemo_dag_model::checkpoint::load_model;
 use nemo_dag_model::layers::Layout;
 use serde_json::{Value, json};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use crate::common::{Project, output, python, states};
@@ -117,6 +117,24 @@ const HYBRID: &str = r#"
     op: export
     inputs: {model: "hybrid:model"}
     params: {format: nemotron_h}
+  import_llama:
+    op: import_model
+    inputs: {hf: "export:hf"}
+    params: {source: "the recipe's own export"}
+  reexport_llama:
+    op: export
+    inputs: {model: "import_llama:model"}
+  import_hybrid:
+    op: import_model
+    inputs: {hf: "export_hybrid:hf"}
+  reexport_hybrid:
+    op: export
+    inputs: {model: "import_hybrid:model"}
+    params: {format: nemotron_h}
+  sft_imported:
+    op: sft
+    inputs: {model: "import_hybrid:model", data: "sft_data:data"}
+    params: {steps: 2, global_batch: 4, micro_batch: 2, lr: 1e-3, log_interval: 1}
 "#;
 
 fn show(p: &Project, stage: &str) -> Value {
@@ -155,6 +173,11 @@ fn a_recipe_pretrains_fine_tunes_and_exports_a_model_transformers_reads() {
         "dpo",
         "hybrid",
         "export_hybrid",
+        "import_llama",
+        "reexport_llama",
+        "import_hybrid",
+        "reexport_hybrid",
+        "sft_imported",
     ];
     let s = states(&p.json(&["status", "recipe.yaml", "--json"]));
     for stage in all {
@@ -241,6 +264,8 @@ fn a_recipe_pretrains_fine_tunes_and_exports_a_model_transformers_reads() {
             "eval_sft:executed",
             "export:executed",
             "grpo:executed",
+            "import_llama:executed",
+            "reexport_llama:executed",
             "sft:executed"
         ],
         "{changed}"
@@ -265,6 +290,54 @@ fn a_recipe_pretrains_fine_tunes_and_exports_a_model_transformers_reads() {
             .stderr
             .contains("no NemotronH equivalent: attention with rotary positions"),
         "{refused}"
+    );
+
+    check_imports(&p);
+}
+
+/// Both exports imported back and exported again give the same files, byte for byte; an
+/// imported model fine-tunes; an option we do not implement is refused by name.
+fn check_imports(p: &Project) {
+    for (first, again) in [
+        ("export", "reexport_llama"),
+        ("export_hybrid", "reexport_hybrid"),
+    ] {
+        for file in ["model.safetensors", "config.json", "tokenizer.json"] {
+            let read = |stage| std::fs::read(output_path(p, stage, "hf").join(file)).unwrap();
+            assert!(
+                read(first) == read(again),
+                "{again}/hf/{file} differs from {first}'s"
+            );
+        }
+    }
+    let m = show(p, "import_llama")["metrics"].clone();
+    assert_eq!(m["architecture"], "LlamaForCausalLM", "{m}");
+    assert_eq!(m["pattern"], "*-*-", "{m}");
+    assert_eq!(m["source"], "the recipe's own export", "{m}");
+    let m = show(p, "import_hybrid")["metrics"].clone();
+    assert_eq!(m["pattern"], "ME*-", "{m}");
+    let c = curve(p, "sft_imported");
+    assert!(c.iter().all(|l| l.is_finite()) && c.len() == 2, "{c:?}");
+
+    // A checkpoint with biases on its attention is another model: refused, naming the key.
+    let hf = output_path(p, "export", "hf");
+    let mut config: Value =
+        serde_json::from_str(&std::fs::read_to_string(hf.join("config.json")).unwrap()).unwrap();
+    config["attention_bias"] = json!(true);
+    p.write("biased/config.json", &config.to_string());
+    for file in ["model.safetensors", "tokenizer.json"] {
+        std::fs::copy(hf.join(file), p.dir.join("biased").join(file)).unwrap();
+    }
+    p.write(
+        "import.yaml",
+        "stages:\n  base:\n    op: import_model\n    inputs: {hf: biased}\n",
+    );
+    let out = p.run(&["run", "import.yaml"]);
+    assert_eq!(out.code, 1, "{out}");
+    assert!(
+        out.stderr
+            .contains("`attention_bias: true` is not implemented"),
+        "{out}"
     );
 }
 
@@ -306,10 +379,31 @@ fn check_nemotron_h_export(p: &Project) {
     match std::env::var("NEMO_DAG_TORCH_PYTHON") {
         Ok(py) => {
             let mut c = Command::new(py);
+            let saved = p.path("saved_by_transformers");
             c.arg(&script).arg(&hf).arg(&case).arg("--transformers");
+            c.arg("--save").arg(&saved);
             let out = output(c);
             assert_eq!(out.code, 0, "transformers disagrees with our logits: {out}");
             eprintln!("transformers NemotronH check: {}", out.stdout.trim());
+            // What transformers writes itself (save_pretrained; 5.23 writes the hub's layout)
+            // imports to the same model: exported again, the same tensors as our first export.
+            p.write(
+                "saved.yaml",
+                "stages:\n  base:\n    op: import_model\n    inputs: {hf: saved_by_transformers}\n  \
+                 again:\n    op: export\n    inputs: {model: \"base:model\"}\n    params: {format: nemotron_h}\n",
+            );
+            p.ok(&["run", "saved.yaml"]);
+            let again = PathBuf::from(
+                p.json(&["show", "again", "--manifest", "saved.yaml", "--json"])["outputs"]["hf"]
+                    ["path"]
+                    .as_str()
+                    .unwrap(),
+            );
+            let tensors = |dir: &Path| std::fs::read(dir.join("model.safetensors")).unwrap();
+            assert!(
+                tensors(&again) == tensors(&hf),
+                "transformers' save_pretrained, imported and exported, changed the tensors"
+            );
         }
         Err(_) => eprintln!(
             "skipping the transformers check of the NemotronH export: set NEMO_DAG_TORCH_PYTHON to a Python with torch and transformers"

@@ -15,13 +15,14 @@
 //! - [`sft`]: fine-tune an upstream model on packed chat data.
 //! - [`dpo`]: direct preference optimization of an upstream model on chosen/rejected pairs.
 //! - [`grpo`]: reinforcement learning (GRPO) on prompts with verifiable answers.
-//! - [`export`]: a dense model as a Hugging Face Llama checkpoint.
+//! - [`export`]: a model as a Hugging Face checkpoint (Llama, or NemotronH for hybrids).
+//! - [`import_model`]: a Hugging Face checkpoint (Llama, Mistral, NemotronH) as a model.
 //! - [`eval`]: perplexity, multiple-choice log-likelihood and verifiable generation accuracy.
 //! - [`megatron`]: `megatron_pretrain` and `megatron_sft`, the same stages at real scale, run by
 //!   NVIDIA Megatron-Bridge on a Slurm cluster.
 //!
 //! Each file is an op's params, its spec, its checks and the wiring of its `run` (`training.rs`
-//! holds what the training ops share); the formats live in
+//! holds what the training ops share, `hf/` the Hugging Face layouts export and import share); the formats live in
 //! `nemo-dag-data`, the networks in `nemo-dag-model`, the training loop and the DPO/GRPO
 //! algorithms in `nemo-dag-train` (docs/architecture.md).
 
@@ -32,6 +33,8 @@ pub mod export;
 pub mod generate;
 pub mod gpu_check;
 pub mod grpo;
+pub mod hf;
+pub mod import_model;
 pub mod megatron;
 pub mod pack;
 pub mod pretrain;
@@ -61,6 +64,7 @@ pub fn registry() -> Registry {
         &dpo::Dpo,
         &grpo::Grpo,
         &export::Export,
+        &import_model::ImportModel,
         &eval::Eval,
         &megatron::Megatron(megatron::Mode::Pretrain),
         &megatron::Megatron(megatron::Mode::Sft),

@@ -1,6 +1,6 @@
 """Check an exported NemotronH checkpoint against nemo-dag's own logits.
 
-Usage: python check_nemotron_h.py HF_DIR CASE_JSON [--transformers]
+Usage: python check_nemotron_h.py HF_DIR CASE_JSON [--transformers [--save DIR]]
 
 CASE_JSON holds {"ids": [...], "logits": [[...], ...]}: token ids and the logits nemo-dag
 computed for them. This script recomputes the logits from HF_DIR alone and prints the largest
@@ -19,7 +19,9 @@ absolute difference for each way, exiting 1 if one exceeds 1e-4:
 - with `--transformers`, also with `AutoModelForCausalLM.from_pretrained(HF_DIR)` itself, which
   must load with no missing, unexpected or mismatched tensor (transformers only warns about a
   missing one and initialises it at random), on a batch of two rows: the ids, and their first
-  half right-padded with an attention mask, whose unpadded positions must give our logits too.
+  half right-padded with an attention mask, whose unpadded positions must give our logits too;
+  with `--save DIR` it then writes the model with its own `save_pretrained` (transformers'
+  layout, not the hub's) and the tokenizer into DIR, for nemo-dag to import.
 """
 
 import json
@@ -127,7 +129,7 @@ def numpy_nemotron_h(cfg, w, ids):
     return rms_norm(x, w["backbone.norm_f.weight"], eps) @ w["lm_head.weight"].T
 
 
-def transformers_gap(hf_dir, ids, ours):
+def transformers_gap(hf_dir, ids, ours, save=None):
     import torch
     import transformers
     from transformers import AutoModelForCausalLM
@@ -147,6 +149,11 @@ def transformers_gap(hf_dir, ids, ours):
         logits = model(rows, attention_mask=mask).logits.double().numpy()
     gap_full = np.abs(logits[0] - ours).max()
     gap_padded = np.abs(logits[1, :half] - ours[:half]).max()
+    if save:
+        import shutil
+
+        model.save_pretrained(save)
+        shutil.copy(f"{hf_dir}/tokenizer.json", f"{save}/tokenizer.json")
     return transformers.__version__, float(max(gap_full, gap_padded))
 
 
@@ -162,7 +169,8 @@ def main():
     w = read_safetensors(f"{hf_dir}/model.safetensors")
     results["numpy"] = float(np.abs(numpy_nemotron_h(cfg, w, ids) - ours).max())
     if "--transformers" in sys.argv:
-        version, gap = transformers_gap(hf_dir, ids, ours)
+        save = sys.argv[sys.argv.index("--save") + 1] if "--save" in sys.argv else None
+        version, gap = transformers_gap(hf_dir, ids, ours, save)
         results["transformers"] = gap
         results["transformers_version"] = version
     print(json.dumps(results))

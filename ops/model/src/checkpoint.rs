@@ -95,14 +95,24 @@ pub fn load_model(dir: &Path) -> candle_core::Result<Model> {
 pub fn load_weights(model: &Model, path: &Path) -> candle_core::Result<()> {
     let tensors = candle_core::safetensors::load(path, &Device::Cpu)
         .map_err(|e| bad(format!("{}: {e}", path.display())))?;
+    set_tensors(model, &tensors, &path.display().to_string())
+}
+
+/// Overwrite every parameter (and MoE expert bias) of `model` with the tensor of its name in
+/// `tensors` (read from `from`, for messages). A missing tensor or one of another shape is an
+/// error naming it; nothing is left at its initial value.
+pub fn set_tensors(
+    model: &Model,
+    tensors: &HashMap<String, Tensor>,
+    from: &str,
+) -> candle_core::Result<()> {
     for (name, var) in model.params.iter() {
         let t = tensors
             .get(name)
-            .ok_or_else(|| bad(format!("{} has no tensor `{name}`", path.display())))?;
+            .ok_or_else(|| bad(format!("{from} has no tensor `{name}`")))?;
         if t.dims() != var.dims() {
             return Err(bad(format!(
-                "{}: `{name}` has shape {:?}, the model needs {:?}",
-                path.display(),
+                "{from}: `{name}` has shape {:?}, the model needs {:?}",
                 t.dims(),
                 var.dims()
             )));
@@ -112,7 +122,7 @@ pub fn load_weights(model: &Model, path: &Path) -> candle_core::Result<()> {
     for (name, moe) in model.moe_layers() {
         let t = tensors
             .get(&name)
-            .ok_or_else(|| bad(format!("{} has no tensor `{name}`", path.display())))?;
+            .ok_or_else(|| bad(format!("{from} has no tensor `{name}`")))?;
         moe.set_bias(&to_f32_vec(t).map_err(bad)?).map_err(bad)?;
     }
     Ok(())

@@ -236,11 +236,16 @@ fn d_one() -> f64 {
     1.0
 }
 fn d_bias_rate() -> f64 {
-    1e-3
+    MoeConfig::DEFAULT_BIAS_UPDATE_RATE
+}
+
+impl MoeConfig {
+    /// The expert bias's step per global batch when a manifest names none.
+    pub const DEFAULT_BIAS_UPDATE_RATE: f64 = 1e-3;
 }
 
 fn d_mtp_scale() -> f64 {
-    0.3
+    ModelConfig::DEFAULT_MTP_LOSS_SCALE
 }
 
 /// Everything that fixes a model's shape and initialisation, as written in a manifest.
@@ -298,6 +303,9 @@ pub struct ConfigError {
 }
 
 impl ModelConfig {
+    /// The MTP loss weight when a manifest names none.
+    pub const DEFAULT_MTP_LOSS_SCALE: f64 = 0.3;
+
     pub fn pattern(&self) -> Result<Pattern, ConfigError> {
         Pattern::parse(&self.pattern).map_err(|e| ConfigError {
             field: "pattern",

@@ -1,0 +1,116 @@
+//! `export`: a model as a Hugging Face transformers checkpoint.
+//!
+//! ```yaml
+//! export:
+//!   op: export
+//!   inputs: {model: "sft:model"}
+//!   params: {format: nemotron_h}   # or llama, the default
+//! ```
+//!
+//! Writes `hf/` with `config.json`, `model.safetensors` and the model's `tokenizer.json`, which
+//! `transformers.AutoModelForCausalLM.from_pretrained` loads. `format: llama` writes a dense
+//! model as `LlamaForCausalLM` ([`crate::hf::llama`]); `format: nemotron_h` writes any hybrid of
+//! Mamba-2, attention, MLP and MoE blocks as `NemotronHForCausalLM` ([`crate::hf::nemotron_h`]).
+//! A model the format cannot express fails with the reason, before anything is written.
+
+use crate::hf::{self, llama, nemotron_h};
+use crate::training::input;
+use nemo_dag_op::{DeclError, Metrics, Op, Outputs, Port, RunContext, RunError, Spec, StageDecl};
+use serde::Deserialize;
+use serde_json::Value;
+use train::checkpoint;
+
+pub struct Export;
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Params {
+    #[serde(default)]
+    pub format: Format,
+}
+
+/// The transformers architecture written.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum Format {
+    /// `LlamaForCausalLM`: dense attention/MLP pairs with SwiGLU and RoPE.
+    #[default]
+    Llama,
+    /// `NemotronHForCausalLM`: any pattern of `M`, `*`, `-` and `E`.
+    NemotronH,
+}
+
+static SPEC: Spec = Spec {
+    name: "export",
+    version: 1,
+    summary: "write a model as a Hugging Face checkpoint: Llama, or NemotronH for hybrids",
+    inputs: &[Port {
+        name: "model",
+        required: true,
+        what: "a pretrain, sft, dpo, grpo or import_model artifact's model",
+    }],
+    other_inputs: None,
+    outputs: Outputs::Fixed(&[("hf", "hf")]),
+    resumable: false,
+    launched: false,
+};
+
+impl Op for Export {
+    type Params = Params;
+
+    fn spec(&self) -> &'static Spec {
+        &SPEC
+    }
+
+    fn check(&self, _p: &Params, _stage: &StageDecl) -> Result<(), DeclError> {
+        Ok(())
+    }
+
+    fn run(&self, params: &Params, ctx: &mut RunContext) -> Result<Metrics, RunError> {
+        let dir = input(ctx, "model")?;
+        let model = checkpoint::load_model(&dir)
+            .map_err(|e| RunError::new(format!("cannot load the model: {e}")))?;
+        let (architecture, config, tensors, left_out) = match params.format {
+            Format::Llama => {
+                llama::check(&model).map_err(RunError::new)?;
+                let tensors = hf::to_theirs(&model, &llama::mapping(&model), |_| false);
+                ("Llama", llama::config(&model), tensors, 0)
+            }
+            Format::NemotronH => {
+                nemotron_h::check(&model)
+                    .map_err(|why| RunError::new(format!("no NemotronH equivalent: {why}")))?;
+                let mapping = nemotron_h::mapping(&model).map_err(RunError::new)?;
+                let tensors = hf::to_theirs(&model, &mapping, nemotron_h::left_out);
+                let left_out = model
+                    .params
+                    .iter()
+                    .filter(|(n, _)| nemotron_h::left_out(n))
+                    .count();
+                ("NemotronH", nemotron_h::config(&model), tensors, left_out)
+            }
+        };
+        let tensors = tensors.map_err(|e| RunError::new(format!("export: {e}")))?;
+        let out = ctx.out_dir.join("hf");
+        hf::write_dir(&out, &config, tensors).map_err(RunError::new)?;
+        std::fs::copy(dir.join("tokenizer.json"), out.join("tokenizer.json"))?;
+        let layers = config["num_hidden_layers"].as_u64().unwrap_or(0);
+        if left_out > 0 {
+            writeln!(
+                ctx.log,
+                "left out the model's {left_out} MTP tensors: {architecture}ForCausalLM has no \
+                 MTP depths (transformers ignores mtp.* on load)"
+            )?;
+        }
+        writeln!(
+            ctx.log,
+            "exported {layers} {architecture} layers to hf/ (config.json, model.safetensors, tokenizer.json)"
+        )?;
+        let mut m = Metrics::new();
+        m.insert("layers".into(), Value::from(layers));
+        m.insert("parameters".into(), Value::from(model.params.count()));
+        if params.format == Format::NemotronH {
+            m.insert("mtp_tensors_left_out".into(), Value::from(left_out));
+        }
+        Ok(m)
+    }
+}

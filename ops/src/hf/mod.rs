@@ -1,0 +1,230 @@
+//! Hugging Face transformers checkpoints: our models in their layouts, and back.
+//!
+//! Each architecture is one file that holds its correspondence once: which of their tensors
+//! each of ours is ([`Theirs`]), and how the two configs translate, with every option we do not
+//! implement named as an error. Both directions go through it: `export` writes a model
+//! ([`to_theirs`]), `import_model` reads one ([`to_ours`]), so an export that is imported and
+//! exported again gives the same tensors.
+
+pub mod llama;
+pub mod nemotron_h;
+
+use candle_core::{DType, Device, Tensor};
+use model::checkpoint::model_tensors;
+use model::net::Model;
+use serde_json::Value;
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::path::Path;
+
+/// Where one of our tensors lives in their checkpoint.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Theirs {
+    /// The same values under their name.
+    Same(String),
+    /// Our `(C, K)` depthwise convolution taps, theirs `(C, 1, K)`.
+    Conv(String),
+    /// Our rows, split in order among several of their tensors (`rows` each): a fused
+    /// projection of ours (`qkv`, SwiGLU's `[gate; up]`) that they keep apart.
+    Rows(Vec<(String, usize)>),
+}
+
+/// Their tensors, from our `model` through `mapping` (our name → where it goes). Every tensor
+/// of the model except those `left_out` must be in the mapping.
+pub fn to_theirs(
+    model: &Model,
+    mapping: &[(String, Theirs)],
+    left_out: impl Fn(&str) -> bool,
+) -> Result<BTreeMap<String, Tensor>, String> {
+    let ours = model_tensors(model).map_err(|e| e.to_string())?;
+    let mapped: HashSet<&str> = mapping.iter().map(|(n, _)| n.as_str()).collect();
+    if let Some(name) = ours
+        .keys()
+        .find(|n| !mapped.contains(n.as_str()) && !left_out(n))
+    {
+        return Err(format!("no place for the tensor `{name}`"));
+    }
+    let mut out = BTreeMap::new();
+    for (name, theirs) in mapping {
+        let t = ours
+            .get(name)
+            .ok_or_else(|| format!("the model has no tensor `{name}`"))?;
+        let bad = |e: candle_core::Error| format!("{name}: {e}");
+        match theirs {
+            Theirs::Same(to) => {
+                out.insert(to.clone(), t.contiguous().map_err(bad)?);
+            }
+            Theirs::Conv(to) => {
+                let (c, k) = t.dims2().map_err(bad)?;
+                out.insert(to.clone(), t.reshape((c, 1, k)).map_err(bad)?);
+            }
+            Theirs::Rows(parts) => {
+                let mut first = 0;
+                for (to, rows) in parts {
+                    let part = t.narrow(0, first, *rows).map_err(bad)?;
+                    out.insert(to.clone(), part.contiguous().map_err(bad)?);
+                    first += rows;
+                }
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// Our tensors, from theirs through `mapping`. Every tensor of theirs must be used, except
+/// those `ignored` accepts (counted in the second value): a tensor we would drop is an error,
+/// never a silently different model.
+pub fn to_ours(
+    theirs: &HashMap<String, Tensor>,
+    mapping: &[(String, Theirs)],
+    ignored: impl Fn(&str) -> bool,
+) -> Result<(HashMap<String, Tensor>, usize), String> {
+    let mut used = HashSet::new();
+    let mut take = |name: &str| -> Result<Tensor, String> {
+        used.insert(name.to_string());
+        theirs
+            .get(name)
+            .cloned()
+            .ok_or_else(|| format!("the checkpoint has no tensor `{name}`"))
+    };
+    let mut ours = HashMap::new();
+    for (name, from) in mapping {
+        let bad = |e: candle_core::Error| format!("{name}: {e}");
+        let t = match from {
+            Theirs::Same(from) => take(from)?,
+            Theirs::Conv(from) => {
+                let t = take(from)?;
+                match t.dims() {
+                    &[c, 1, k] => t.reshape((c, k)).map_err(bad)?,
+                    dims => return Err(format!("`{from}` has shape {dims:?}, not (C, 1, K)")),
+                }
+            }
+            Theirs::Rows(parts) => {
+                let parts = parts
+                    .iter()
+                    .map(|(from, _)| take(from))
+                    .collect::<Result<Vec<_>, _>>()?;
+                Tensor::cat(&parts, 0).map_err(bad)?
+            }
+        };
+        ours.insert(name.clone(), t);
+    }
+    let mut unused: Vec<&String> = theirs
+        .keys()
+        .filter(|n| !used.contains(*n) && !ignored(n))
+        .collect();
+    unused.sort();
+    if let Some(first) = unused.first() {
+        return Err(format!(
+            "{} tensor(s) of the checkpoint have no place in the model, first `{first}`",
+            unused.len()
+        ));
+    }
+    let skipped = theirs.keys().filter(|n| !used.contains(*n)).count();
+    Ok((ours, skipped))
+}
+
+/// A directory's `config.json` and every tensor of its safetensors (`model.safetensors`, or
+/// the shards `model.safetensors.index.json` lists), as f32 on the CPU. f32, bf16 and f16 are
+/// read; any other dtype is an error naming the tensor.
+pub fn read_dir(dir: &Path) -> Result<(Value, HashMap<String, Tensor>), String> {
+    let config_path = dir.join("config.json");
+    let text = std::fs::read_to_string(&config_path)
+        .map_err(|e| format!("{}: {e}", config_path.display()))?;
+    let config: Value =
+        serde_json::from_str(&text).map_err(|e| format!("{}: {e}", config_path.display()))?;
+    let index = dir.join("model.safetensors.index.json");
+    let files: Vec<String> = if index.is_file() {
+        let text =
+            std::fs::read_to_string(&index).map_err(|e| format!("{}: {e}", index.display()))?;
+        let v: Value =
+            serde_json::from_str(&text).map_err(|e| format!("{}: {e}", index.display()))?;
+        let map = v["weight_map"]
+            .as_object()
+            .ok_or_else(|| format!("{}: no `weight_map` object", index.display()))?;
+        let mut files: Vec<String> = map
+            .values()
+            .filter_map(|f| f.as_str().map(str::to_string))
+            .collect();
+        files.sort();
+        files.dedup();
+        files
+    } else {
+        vec!["model.safetensors".to_string()]
+    };
+    let mut tensors = HashMap::new();
+    for file in files {
+        let path = dir.join(&file);
+        if file.contains('/') || file.contains("..") {
+            return Err(format!(
+                "{}: shard `{file}` is outside the directory",
+                index.display()
+            ));
+        }
+        let loaded = candle_core::safetensors::load(&path, &Device::Cpu)
+            .map_err(|e| format!("{}: {e}", path.display()))?;
+        for (name, t) in loaded {
+            let t = match t.dtype() {
+                DType::F32 => t,
+                DType::BF16 | DType::F16 => t
+                    .to_dtype(DType::F32)
+                    .map_err(|e| format!("{}: {name}: {e}", path.display()))?,
+                other => {
+                    return Err(format!(
+                        "{}: `{name}` is {other:?}; only f32, bf16 and f16 weights are read",
+                        path.display()
+                    ));
+                }
+            };
+            tensors.insert(name, t);
+        }
+    }
+    Ok((config, tensors))
+}
+
+/// `config.json` and `model.safetensors` into `out` (created if needed).
+pub fn write_dir(
+    out: &Path,
+    config: &Value,
+    tensors: BTreeMap<String, Tensor>,
+) -> Result<(), String> {
+    std::fs::create_dir_all(out).map_err(|e| format!("{}: {e}", out.display()))?;
+    let tensors: HashMap<String, Tensor> = tensors.into_iter().collect();
+    candle_core::safetensors::save(&tensors, out.join("model.safetensors"))
+        .map_err(|e| e.to_string())?;
+    let text = serde_json::to_string_pretty(config).map_err(|e| e.to_string())?;
+    std::fs::write(out.join("config.json"), text + "\n").map_err(|e| e.to_string())
+}
+
+/// A config key as an unsigned number, or why not.
+pub(crate) fn usize_of(c: &Value, key: &str) -> Result<usize, String> {
+    c[key]
+        .as_u64()
+        .map(|v| v as usize)
+        .ok_or_else(|| format!("config.json: `{key}` is missing or not a whole number"))
+}
+
+/// A config key as a number, or `default` when it is absent.
+pub(crate) fn f64_or(c: &Value, key: &str, default: f64) -> Result<f64, String> {
+    match &c[key] {
+        Value::Null => Ok(default),
+        v => v
+            .as_f64()
+            .ok_or_else(|| format!("config.json: `{key}` is not a number")),
+    }
+}
+
+/// An error unless the boolean config key is `want` (or absent and `absent` equals `want`).
+pub(crate) fn require_bool(c: &Value, key: &str, absent: bool, want: bool) -> Result<(), String> {
+    let v = match &c[key] {
+        Value::Null => absent,
+        v => v
+            .as_bool()
+            .ok_or_else(|| format!("config.json: `{key}` is not true or false"))?,
+    };
+    if v != want {
+        return Err(format!(
+            "config.json: `{key}: {v}` is not implemented (nemo-dag's models have {key} {want})"
+        ));
+    }
+    Ok(())
+}

@@ -1,0 +1,139 @@
+//! `import_model`: a Hugging Face checkpoint directory as a model artifact, which `sft`, `dpo`,
+//! `grpo`, `eval` and `export` take like one of ours.
+//!
+//! ```yaml
+//! base:
+//!   op: import_model
+//!   inputs: {hf: ../models/my-llama}          # a directory, or another stage's `hf` output
+//!   params: {source: "my-org/my-llama@3f2c1a"} # optional: where it came from, for lineage
+//! ```
+//!
+//! The directory holds `config.json`, `model.safetensors` (or the shards that
+//! `model.safetensors.index.json` lists; f32, bf16 or f16) and `tokenizer.json`. The input is
+//! content-hashed like any other, so a changed checkpoint is imported again. Read:
+//! `LlamaForCausalLM` and `MistralForCausalLM` without a sliding window ([`crate::hf::llama`]),
+//! and `NemotronHForCausalLM` ([`crate::hf::nemotron_h`]). Every option we do not implement
+//! (biases, rope scaling, sliding windows, LatentMoE, a Mamba step-size floor, …) is an error
+//! that names it, and so is a tensor that would have no place in the model: the artifact is
+//! never a silently different model. Weights are stored as f32.
+
+use crate::hf::{self, llama, nemotron_h};
+use crate::training::input;
+use model::checkpoint::{save_model, set_tensors};
+use model::net::Model;
+use nemo_dag_op::{DeclError, Metrics, Op, Outputs, Port, RunContext, RunError, Spec, StageDecl};
+use serde::Deserialize;
+use serde_json::Value;
+
+pub struct ImportModel;
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Params {
+    /// Where the checkpoint came from (a hub repository and revision, a URL): recorded in the
+    /// artifact's metrics, part of the key.
+    #[serde(default)]
+    pub source: Option<String>,
+}
+
+static SPEC: Spec = Spec {
+    name: "import_model",
+    version: 1,
+    summary: "read a Hugging Face checkpoint (Llama, Mistral, NemotronH) as a model artifact",
+    inputs: &[Port {
+        name: "hf",
+        required: true,
+        what: "a Hugging Face model directory: config.json, safetensors, tokenizer.json",
+    }],
+    other_inputs: None,
+    outputs: Outputs::Fixed(&[("model", "model")]),
+    resumable: false,
+    launched: false,
+};
+
+const ARCHITECTURES: &str = "LlamaForCausalLM, MistralForCausalLM, NemotronHForCausalLM";
+
+impl Op for ImportModel {
+    type Params = Params;
+
+    fn spec(&self) -> &'static Spec {
+        &SPEC
+    }
+
+    fn check(&self, _p: &Params, _stage: &StageDecl) -> Result<(), DeclError> {
+        Ok(())
+    }
+
+    fn run(&self, params: &Params, ctx: &mut RunContext) -> Result<Metrics, RunError> {
+        let dir = input(ctx, "hf")?;
+        let at = |why: String| RunError::new(format!("{}: {why}", dir.display()));
+        let tokenizer = dir.join("tokenizer.json");
+        if !tokenizer.is_file() {
+            return Err(at(
+                "no tokenizer.json: the ops that take a model read its tokenizer from it".into(),
+            ));
+        }
+        let (config, tensors) = hf::read_dir(&dir).map_err(RunError::new)?;
+        let architecture = config["architectures"][0]
+            .as_str()
+            .unwrap_or_default()
+            .to_string();
+        let (model, ignored) = match architecture.as_str() {
+            "LlamaForCausalLM" | "MistralForCausalLM" => {
+                let (cfg, vocab) = llama::model_config(&config).map_err(at)?;
+                let model = Model::new(&cfg, vocab, 0).map_err(|e| at(e.to_string()))?;
+                let (ours, ignored) = hf::to_ours(&tensors, &llama::mapping(&model), |n| {
+                    n.ends_with("rotary_emb.inv_freq")
+                })
+                .map_err(at)?;
+                set_tensors(&model, &ours, "the checkpoint").map_err(|e| at(e.to_string()))?;
+                (model, ignored)
+            }
+            "NemotronHForCausalLM" => {
+                let (cfg, vocab) = nemotron_h::model_config(&config).map_err(at)?;
+                let model = Model::new(&cfg, vocab, 0).map_err(|e| at(e.to_string()))?;
+                let theirs = nemotron_h::hub_layout(tensors).map_err(at)?;
+                let mapping = nemotron_h::mapping(&model).map_err(at)?;
+                let (ours, ignored) =
+                    hf::to_ours(&theirs, &mapping, nemotron_h::ignored).map_err(at)?;
+                set_tensors(&model, &ours, "the checkpoint").map_err(|e| at(e.to_string()))?;
+                (model, ignored)
+            }
+            "" => return Err(at("config.json names no `architectures`".into())),
+            other => {
+                return Err(at(format!(
+                    "`{other}` cannot be imported; these can: {ARCHITECTURES}"
+                )));
+            }
+        };
+        let out = ctx.out_dir.join("model");
+        save_model(&model, &out).map_err(|e| RunError::new(e.to_string()))?;
+        std::fs::copy(&tokenizer, out.join("tokenizer.json"))?;
+        let pattern = model.cfg.pattern.clone();
+        writeln!(
+            ctx.log,
+            "imported {architecture} from {} as pattern `{pattern}`: {} parameters, vocabulary {}",
+            params
+                .source
+                .as_deref()
+                .unwrap_or(&dir.display().to_string()),
+            model.params.count(),
+            model.vocab
+        )?;
+        if ignored > 0 {
+            writeln!(
+                ctx.log,
+                "left out {ignored} tensors with no place in the model (MTP depths, rotary tables)"
+            )?;
+        }
+        let mut m = Metrics::new();
+        m.insert("architecture".into(), Value::from(architecture));
+        m.insert("pattern".into(), Value::from(pattern));
+        m.insert("parameters".into(), Value::from(model.params.count()));
+        m.insert("tensors_left_out".into(), Value::from(ignored));
+        if let Some(source) = &params.source {
+            m.insert("source".into(), Value::from(source.clone()));
+        }
+        Ok(m)
+    }
+}
