@@ -228,3 +228,47 @@ pub(crate) fn require_bool(c: &Value, key: &str, absent: bool, want: bool) -> Re
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::testing::scratch;
+
+    fn t(values: &[f32], dtype: DType) -> Tensor {
+        Tensor::new(values, &Device::Cpu)
+            .unwrap()
+            .to_dtype(dtype)
+            .unwrap()
+    }
+
+    /// Sharded checkpoints are read through their index; bf16 and f16 come back as f32 with
+    /// their values; a dtype we do not read is named with its tensor.
+    #[test]
+    fn shards_and_half_precision_are_read_as_f32() {
+        let dir = scratch("hf-shards");
+        std::fs::write(dir.join("config.json"), r#"{"architectures": ["X"]}"#).unwrap();
+        let one = HashMap::from([("a".to_string(), t(&[1.5, -2.0], DType::BF16))]);
+        let two = HashMap::from([("b".to_string(), t(&[0.25], DType::F16))]);
+        candle_core::safetensors::save(&one, dir.join("m-1.safetensors")).unwrap();
+        candle_core::safetensors::save(&two, dir.join("m-2.safetensors")).unwrap();
+        let index = r#"{"weight_map": {"a": "m-1.safetensors", "b": "m-2.safetensors"}}"#;
+        std::fs::write(dir.join("model.safetensors.index.json"), index).unwrap();
+        let (config, tensors) = read_dir(&dir).unwrap();
+        assert_eq!(config["architectures"][0], "X");
+        let values = |n: &str| tensors[n].to_vec1::<f32>().unwrap();
+        assert_eq!((values("a"), values("b")), (vec![1.5, -2.0], vec![0.25]));
+
+        let ints = HashMap::from([("c".to_string(), t(&[1.0], DType::U32))]);
+        candle_core::safetensors::save(&ints, dir.join("m-1.safetensors")).unwrap();
+        let why = read_dir(&dir).unwrap_err();
+        assert!(why.contains("`c` is U32"), "{why}");
+
+        let outside = r#"{"weight_map": {"a": "../elsewhere.safetensors"}}"#;
+        std::fs::write(dir.join("model.safetensors.index.json"), outside).unwrap();
+        assert!(
+            read_dir(&dir)
+                .unwrap_err()
+                .contains("outside the directory")
+        );
+    }
+}
