@@ -375,6 +375,25 @@ fn the_declaration_is_checked_before_anything_runs() {
         }
         assert!(!p.store().exists(), "{params}: nothing written");
     }
+
+    // A layout Megatron-Core would refuse on the cluster: 2 ranks, tp 4.
+    let p = project("mb-decl-world");
+    let layer = "model.hybrid_layer_pattern: \"M*M-\"}\n";
+    let text = std::fs::read_to_string(p.path("m.yaml"))
+        .unwrap()
+        .replace("parallel: {tp: 1, ep: 1}", "parallel: {tp: 4, ep: 1}")
+        .replacen(
+            layer,
+            &format!("{layer}    resources: {{launch: torchrun, gpus: 2}}\n"),
+            1,
+        );
+    p.write("m.yaml", &text);
+    let out = p.run(&["run", "m.yaml"]);
+    assert_eq!(out.code, 2, "{out}");
+    for n in ["runs 2 ranks", "not a multiple of tp·pp·cp = 4", "m.yaml"] {
+        assert!(out.stderr.contains(n), "stderr should say {n:?}\n{out}");
+    }
+    assert!(!p.store().exists(), "nothing written");
 }
 
 #[test]

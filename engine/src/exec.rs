@@ -209,6 +209,7 @@ pub fn exec(spec: &JobSpec, ops: Registry) -> Result<JobResult> {
         inputs: spec.inputs.keys().map(String::as_str).collect(),
         outputs: &spec.outputs,
         cmd: spec.cmd.as_deref(),
+        world_size: spec.launch.as_ref().map(|l| l.world_size()),
     };
     // The op parses and checks its params here too (a job spec may come from another process
     // or machine); `run` gets exactly what this check approved.

@@ -126,6 +126,7 @@ impl Stage {
             inputs: self.inputs.keys().map(String::as_str).collect(),
             outputs: &self.outputs,
             cmd: self.cmd.as_deref(),
+            world_size: self.resources.launch().map(|l| l.world_size()),
         }
     }
 }

@@ -782,6 +782,7 @@ mod tests {
             inputs: vec!["data"],
             outputs: &outputs,
             cmd: Some("cat {inputs.data} {params.m} > {outputs.o}"),
+            world_size: None,
         };
         let err = AnyOp::check(&Cmd, &stage).unwrap_err();
         assert_eq!(err.path, vec!["cmd"]);
@@ -870,6 +871,7 @@ mod tests {
             inputs: vec![],
             outputs: &outputs,
             cmd: Some("echo \"{params.x}\" > {outputs.o}"),
+            world_size: None,
         };
         let err = AnyOp::check(&Cmd, &stage).unwrap_err();
         assert_eq!(err.path, vec!["cmd"]);

@@ -528,6 +528,7 @@ mod tests {
                 inputs: vec!["model", "tasks"],
                 outputs: &outputs,
                 cmd: None,
+                world_size: None,
             },
         )
         .map(drop)
@@ -566,6 +567,7 @@ mod tests {
             inputs,
             outputs: &outputs,
             cmd: None,
+            world_size: None,
         };
         assert!(AnyOp::check(&Eval, &decl(vec!["model", "choices"])).is_ok());
         let err = AnyOp::check(&Eval, &decl(vec!["model"])).unwrap_err();

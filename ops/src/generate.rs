@@ -240,6 +240,7 @@ mod tests {
                 inputs: vec![],
                 outputs: &BTreeMap::new(),
                 cmd: None,
+                world_size: None,
             },
         );
         assert_eq!(outputs["preferences"], "preferences.jsonl");

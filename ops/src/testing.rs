@@ -21,6 +21,7 @@ pub fn run_op(
         inputs: names.clone(),
         outputs: &BTreeMap::new(),
         cmd: None,
+        world_size: None,
     };
     let checked = op.check(&decl).unwrap();
     let outputs = op.outputs(&decl);

@@ -316,6 +316,7 @@ pub(crate) mod tests {
             inputs: vec!["c"],
             outputs: &outputs,
             cmd: None,
+            world_size: None,
         };
         let err = AnyOp::check(&TrainTokenizer, &decl).unwrap_err();
         assert_eq!(err.path, vec!["params", "vocab_size"]);
@@ -326,6 +327,7 @@ pub(crate) mod tests {
             inputs: vec!["c"],
             outputs: &outputs,
             cmd: None,
+            world_size: None,
         };
         let err = AnyOp::check(&TrainTokenizer, &decl).unwrap_err();
         assert!(err.message.contains("unknown field"), "{}", err.message);

@@ -377,6 +377,7 @@ fn one_case(case: &Case, scratch: &Path, ops: Registry) -> Result<bool, String> 
             inputs: vec!["i"],
             outputs: &outputs,
             cmd: Some(&case.cmd),
+            world_size: None,
         };
         let _ = cmd_op.check(&decl);
     }

@@ -47,6 +47,9 @@ pub struct StageDecl<'a> {
     pub outputs: &'a BTreeMap<String, String>,
     /// The command line, for ops that take one (`cmd`).
     pub cmd: Option<&'a str>,
+    /// The ranks a launched stage runs (`resources.launch`: nodes × ranks per node); `None`
+    /// for a stage that is not launched.
+    pub world_size: Option<u64>,
 }
 
 /// A problem with a stage declaration, located by a path inside the stage
@@ -466,6 +469,7 @@ mod tests {
                 inputs: vec![],
                 outputs: &outputs,
                 cmd: None,
+                world_size: None,
             },
             inputs: &inputs,
             out_dir: Path::new("."),
@@ -489,6 +493,7 @@ mod tests {
                 inputs: vec![],
                 outputs: &outputs,
                 cmd: None,
+                world_size: None,
             },
             inputs: &inputs,
             out_dir: Path::new("."),
@@ -540,6 +545,7 @@ mod tests {
                     inputs: vec![],
                     outputs: &outputs,
                     cmd: None,
+                    world_size: None,
                 },
             )
         };
@@ -561,6 +567,7 @@ mod tests {
                 inputs: vec![],
                 outputs: &BTreeMap::new(),
                 cmd: None,
+                world_size: None,
             },
         )
         .unwrap();

@@ -228,8 +228,12 @@ impl Op for Megatron {
     fn spec(&self) -> &'static Spec {
         self.0.spec()
     }
-    fn check(&self, p: &Params, _stage: &StageDecl) -> Result<(), DeclError> {
-        check_params(p)
+    fn check(&self, p: &Params, stage: &StageDecl) -> Result<(), DeclError> {
+        check_params(p)?;
+        match stage.world_size {
+            Some(world) => check_parallel(p, world),
+            None => Ok(()),
+        }
     }
     fn image(&self, p: &Params) -> Option<String> {
         p.image.clone()
@@ -324,6 +328,50 @@ fn check_params(p: &Params) -> Result<(), DeclError> {
         }
     }
     overrides::check_user(&p.overrides)
+}
+
+/// The parallel layout against the stage's `world` ranks, as Megatron-Core's
+/// `initialize_model_parallel` will require it, before anything is queued: the ranks are a
+/// multiple of tp·pp·cp (the model-parallel group) and of etp·ep·pp (the expert group), and the
+/// global batch is a multiple of micro_batch × the data-parallel size. Only what the stage
+/// gives is checked: a factor left to the recipe counts as 1 in the divisibility checks (so
+/// they never refuse a layout that could work: a recipe may set etp, which Megatron otherwise
+/// takes from tp), and the batch check needs tp, pp and cp all given.
+fn check_parallel(p: &Params, world: u64) -> Result<(), DeclError> {
+    let par = &p.parallel;
+    let given = |v: Option<u64>| v.unwrap_or(1);
+    let at = |field: &str, message: String| DeclError::new(&["params", "parallel", field], message);
+    let model = given(par.tp) * given(par.pp) * given(par.cp);
+    if !world.is_multiple_of(model) {
+        return Err(at(
+            "tp",
+            format!(
+                "the stage runs {world} ranks (resources: nodes × ranks per node), not a multiple \
+                 of tp·pp·cp = {model}"
+            ),
+        ));
+    }
+    let expert = given(par.etp) * given(par.ep) * given(par.pp);
+    if !world.is_multiple_of(expert) {
+        return Err(at(
+            "ep",
+            format!("the stage runs {world} ranks, not a multiple of etp·ep·pp = {expert}"),
+        ));
+    }
+    if let (Some(_), Some(_), Some(_)) = (par.tp, par.pp, par.cp) {
+        let data = world / model;
+        if !p.global_batch.is_multiple_of(p.micro_batch * data) {
+            return Err(DeclError::new(
+                &["params", "global_batch"],
+                format!(
+                    "global_batch {} is not a multiple of micro_batch {} × {data} data-parallel \
+                     ranks ({world} ranks / tp·pp·cp {model})",
+                    p.global_batch, p.micro_batch
+                ),
+            ));
+        }
+    }
+    Ok(())
 }
 
 /// Launch Megatron-Bridge for this attempt, follow it, and publish its final iteration.
@@ -884,5 +932,41 @@ mod tests {
             None
         );
         assert_eq!(iteration_line("no numbers"), None);
+    }
+
+    fn params(parallel: serde_json::Value, global_batch: u64) -> Params {
+        serde_json::from_value(serde_json::json!({
+            "recipe": "r", "seq_length": 8, "steps": 1, "global_batch": global_batch,
+            "micro_batch": 1, "save_interval": 1, "parallel": parallel
+        }))
+        .unwrap()
+    }
+
+    /// Layouts Megatron-Core would refuse after the queue wait are refused at plan time, at the
+    /// field; layouts that may work with the recipe's own values are let through.
+    #[test]
+    fn a_parallel_layout_that_does_not_divide_the_ranks_is_refused() {
+        use serde_json::json;
+        let ok = |par, gb, world| check_parallel(&params(par, gb), world);
+        let field = |par, gb, world| ok(par, gb, world).unwrap_err().path.join(".");
+        // 2 nodes × 8 GPUs.
+        assert!(ok(json!({"tp": 4, "pp": 2, "cp": 1, "ep": 2}), 64, 16).is_ok());
+        assert!(ok(json!({"tp": 4, "pp": 2, "etp": 1, "ep": 8}), 64, 16).is_ok());
+        assert_eq!(field(json!({"tp": 3}), 64, 16), "params.parallel.tp");
+        assert_eq!(
+            field(json!({"tp": 4, "pp": 8}), 64, 16),
+            "params.parallel.tp"
+        );
+        // The expert group: etp·ep·pp; an etp left to the recipe may be 1.
+        let expert = |par| field(par, 64, 16);
+        assert_eq!(expert(json!({"etp": 2, "ep": 16})), "params.parallel.ep");
+        assert_eq!(expert(json!({"pp": 2, "ep": 16})), "params.parallel.ep");
+        assert!(ok(json!({"tp": 2, "ep": 16}), 64, 16).is_ok());
+        // The batch: 16 / (2·2·1) = 4 data-parallel ranks; 6 is no multiple of 1 × 4.
+        let full = json!({"tp": 2, "pp": 2, "cp": 1});
+        assert_eq!(field(full.clone(), 6, 16), "params.global_batch");
+        assert!(ok(full, 8, 16).is_ok());
+        // With pp left to the recipe the data-parallel size is unknown: no batch check.
+        assert!(ok(json!({"tp": 2, "cp": 1}), 6, 16).is_ok());
     }
 }
