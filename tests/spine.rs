@@ -612,6 +612,41 @@ fn lineage_lists_the_ancestor_with_its_key() {
 }
 
 #[test]
+fn diff_names_the_params_and_inputs_that_changed_between_two_runs() {
+    let p = Project::new("diff");
+    p.write("m.yaml", TWO_STAGE_YAML);
+    let three = p.json(&["run", "m.yaml", "--json"]);
+    let five = p.json(&["run", "m.yaml", "vars.n=5", "--json"]);
+    let (gen3, gen5) = (key_of(&three, "gen"), key_of(&five, "gen"));
+    let store = p.store();
+    let store = store.to_str().unwrap();
+    let d = p.json(&["diff", &gen3, &gen5, "--store", store, "--json"]);
+    assert_eq!(d["a"]["key"], gen3.as_str(), "{d}");
+    assert_eq!(d["params"][0]["name"], "n", "{d}");
+    assert_eq!(
+        (&d["params"][0]["a"], &d["params"][0]["b"]),
+        (&3.into(), &5.into())
+    );
+    assert_eq!(d["params"][0]["delta"], 2.0, "{d}");
+    // `total` has the same params; its input's content changed.
+    let (t3, t5) = (key_of(&three, "total"), key_of(&five, "total"));
+    let text = p
+        .ok(&["diff", &t3[..12], &t5[..12], "--store", store])
+        .stdout;
+    assert!(text.contains("inputs\n  nums  gen:nums ("), "{text}");
+    assert!(!text.contains("params"), "{text}");
+    // A stage name is its artifact of the last run; the same artifact twice differs in nothing.
+    let same = p.ok(&["diff", "gen", &gen5, "--manifest", "m.yaml"]).stdout;
+    assert!(same.contains("no differences"), "{same}");
+    let md = p
+        .ok(&["diff", &gen3, &gen5, "--store", store, "--md"])
+        .stdout;
+    assert!(md.contains("| param | `n` | 3 | 5 | +2 |"), "{md}");
+    let missing = p.run(&["diff", "nope", &gen5, "--manifest", "m.yaml"]);
+    assert_eq!(missing.code, 2, "{missing}");
+}
+
+#[test]
 fn gc_removes_unreferenced_entries_and_keeps_referenced_ones() {
     let p = Project::new("gc");
     p.write("m.yaml", TWO_STAGE_YAML);

@@ -18,6 +18,7 @@
 //!   `exec` child processes) and [`executor::slurm`] (one `sbatch` job per stale stage, chained
 //!   with `afterok`), with the `env.toml` [`executor::profile`]s.
 //! - [`graph`]: the stage graph as text (ascii, dot, mermaid, json).
+//! - [`diff`]: what differs between two published artifacts (params, inputs, metrics).
 //!
 //! Ops (what a stage does) reach the engine only through the `nemo-dag-op` protocol crate, as
 //! the registry the binary passes in: the engine never depends on what an op computes, only on
@@ -28,6 +29,7 @@
 #![allow(clippy::result_large_err)]
 
 pub mod diag;
+pub mod diff;
 pub mod digest;
 pub mod doc;
 pub mod duration;

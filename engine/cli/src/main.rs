@@ -44,6 +44,8 @@ enum Command {
     Show(commands::show::Args),
     /// Show every ancestor of an artifact: op, key, params and input digests
     Lineage(commands::lineage::Args),
+    /// Show what differs between two artifacts: params, inputs, metrics with deltas
+    Diff(commands::diff::Args),
     /// Re-read published artifacts and report any that changed after publication
     Verify(commands::verify::Args),
     /// Check a manifest without running anything
@@ -96,6 +98,7 @@ fn run(ops: Registry) -> i32 {
             | Command::Graph(_)
             | Command::Show(_)
             | Command::Lineage(_)
+            | Command::Diff(_)
             | Command::Verify(_)
             | Command::Validate(_)
             | Command::Ops
@@ -112,6 +115,7 @@ fn run(ops: Registry) -> i32 {
         Command::Graph(a) => commands::graph::exec(a, ops),
         Command::Show(a) => commands::show::exec(a),
         Command::Lineage(a) => commands::lineage::exec(a),
+        Command::Diff(a) => commands::diff::exec(a),
         Command::Verify(a) => commands::verify::exec(a),
         Command::Validate(a) => commands::validate::exec(a, ops),
         Command::Cancel(a) => commands::cancel::exec(a, ops),

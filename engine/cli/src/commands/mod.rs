@@ -2,6 +2,7 @@
 //! the arguments that name a manifest, and loading it with its store.
 
 pub mod cancel;
+pub mod diff;
 pub mod exec;
 pub mod gc;
 pub mod gpu_check;

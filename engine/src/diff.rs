@@ -1,0 +1,331 @@
+//! What differs between two published artifacts, as `dvc params diff` and `dvc metrics diff`
+//! show it: the params that changed (old → new, by dotted path), the inputs whose content
+//! changed, and the metrics with their numeric deltas. Curves and other arrays in the metrics
+//! are not compared point by point; `plot` is for those.
+
+use crate::store::{Artifact, InputRecord, short};
+use serde_json::{Map, Value, json};
+use std::collections::{BTreeMap, BTreeSet};
+use std::fmt::Write as _;
+
+/// One value that differs: `None` where one side has no such entry.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Change {
+    pub name: String,
+    pub a: Option<Value>,
+    pub b: Option<Value>,
+}
+
+impl Change {
+    /// `b − a`, when both are numbers.
+    pub fn delta(&self) -> Option<f64> {
+        Some(self.b.as_ref()?.as_f64()? - self.a.as_ref()?.as_f64()?)
+    }
+}
+
+/// The differences between artifact `a` and artifact `b`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Diff {
+    pub a: Side,
+    pub b: Side,
+    pub params: Vec<Change>,
+    pub inputs: Vec<Change>,
+    pub metrics: Vec<Change>,
+}
+
+/// Which artifact a side is.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Side {
+    pub stage: String,
+    pub op: String,
+    pub key: String,
+    pub built: String,
+}
+
+impl Side {
+    fn of(a: &Artifact) -> Side {
+        Side {
+            stage: a.stage.clone(),
+            op: format!("{} v{}", a.op, a.op_version),
+            key: a.key.clone(),
+            built: a.started_at.clone(),
+        }
+    }
+}
+
+/// Compares `a` with `b`.
+pub fn diff(a: &Artifact, b: &Artifact) -> Diff {
+    let mut pa = BTreeMap::new();
+    flatten("", &a.params, &mut pa);
+    if let Some(cmd) = &a.cmd {
+        pa.insert("cmd".into(), Value::from(cmd.clone()));
+    }
+    let mut pb = BTreeMap::new();
+    flatten("", &b.params, &mut pb);
+    if let Some(cmd) = &b.cmd {
+        pb.insert("cmd".into(), Value::from(cmd.clone()));
+    }
+    let input = |i: &InputRecord| match i {
+        InputRecord::File { path, digest } => json!(format!("{path} ({})", short(digest))),
+        InputRecord::Upstream {
+            stage,
+            output,
+            digest,
+            ..
+        } => json!(format!("{stage}:{output} ({})", short(digest))),
+    };
+    let ia: BTreeMap<String, Value> = a
+        .inputs
+        .iter()
+        .map(|(n, i)| (n.clone(), input(i)))
+        .collect();
+    let ib: BTreeMap<String, Value> = b
+        .inputs
+        .iter()
+        .map(|(n, i)| (n.clone(), input(i)))
+        .collect();
+    Diff {
+        a: Side::of(a),
+        b: Side::of(b),
+        params: changes(&pa, &pb),
+        inputs: changes(&ia, &ib),
+        metrics: changes(&scalars(&a.metrics), &scalars(&b.metrics)),
+    }
+}
+
+/// `value`'s leaves by dotted path (`model.hidden`); arrays are leaves.
+fn flatten(prefix: &str, value: &Value, out: &mut BTreeMap<String, Value>) {
+    match value {
+        Value::Object(map) if !map.is_empty() => {
+            for (k, v) in map {
+                let path = if prefix.is_empty() {
+                    k.clone()
+                } else {
+                    format!("{prefix}.{k}")
+                };
+                flatten(&path, v, out);
+            }
+        }
+        _ if prefix.is_empty() => {}
+        _ => {
+            out.insert(prefix.to_string(), value.clone());
+        }
+    }
+}
+
+/// The metrics that are single values (not curves or tables).
+fn scalars(metrics: &Map<String, Value>) -> BTreeMap<String, Value> {
+    metrics
+        .iter()
+        .filter(|(_, v)| !v.is_array() && !v.is_object())
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect()
+}
+
+fn changes(a: &BTreeMap<String, Value>, b: &BTreeMap<String, Value>) -> Vec<Change> {
+    let names: BTreeSet<&String> = a.keys().chain(b.keys()).collect();
+    names
+        .into_iter()
+        .filter(|n| a.get(*n) != b.get(*n))
+        .map(|n| Change {
+            name: n.clone(),
+            a: a.get(n).cloned(),
+            b: b.get(n).cloned(),
+        })
+        .collect()
+}
+
+fn shown(v: &Option<Value>) -> String {
+    match v {
+        None => "–".into(),
+        Some(Value::String(s)) => s.clone(),
+        Some(v) => v.to_string(),
+    }
+}
+
+/// A signed difference, short: `+0.5`, `-2`, `+1.5e-5`.
+fn signed(d: f64) -> String {
+    if d == 0.0 {
+        return "0".into();
+    }
+    if (1e-3..1e6).contains(&d.abs()) {
+        let fixed = format!("{d:+.6}");
+        return fixed
+            .trim_end_matches('0')
+            .trim_end_matches('.')
+            .to_string();
+    }
+    format!("{d:+.3e}")
+}
+
+/// `(+0.12, +3.4%)`, or nothing for values that are not both numbers.
+fn delta_text(c: &Change) -> String {
+    let Some(d) = c.delta() else {
+        return String::new();
+    };
+    let a = c.a.as_ref().and_then(Value::as_f64).unwrap_or(0.0);
+    let relative = if a != 0.0 {
+        format!(", {:+.1}%", 100.0 * d / a.abs())
+    } else {
+        String::new()
+    };
+    format!("({}{relative})", signed(d))
+}
+
+impl Diff {
+    /// Whether the two artifacts differ in nothing compared.
+    pub fn is_empty(&self) -> bool {
+        self.params.is_empty() && self.inputs.is_empty() && self.metrics.is_empty()
+    }
+
+    /// The plain-text listing.
+    pub fn text(&self) -> String {
+        let mut out = String::new();
+        for (label, s) in [("a", &self.a), ("b", &self.b)] {
+            let _ = writeln!(
+                out,
+                "{label}  {} [{}] {}, built {}",
+                s.stage,
+                short(&s.key),
+                s.op,
+                s.built
+            );
+        }
+        if self.is_empty() {
+            out.push_str("no differences in params, inputs or metrics\n");
+            return out;
+        }
+        for (title, list) in [
+            ("params", &self.params),
+            ("inputs", &self.inputs),
+            ("metrics", &self.metrics),
+        ] {
+            if list.is_empty() {
+                continue;
+            }
+            let _ = writeln!(out, "{title}");
+            let width = list.iter().map(|c| c.name.len()).max().unwrap_or(0);
+            for c in list {
+                let line = format!(
+                    "  {:width$}  {} → {}  {}",
+                    c.name,
+                    shown(&c.a),
+                    shown(&c.b),
+                    delta_text(c)
+                );
+                let _ = writeln!(out, "{}", line.trim_end());
+            }
+        }
+        out
+    }
+
+    /// A Markdown table, for a pull-request comment.
+    pub fn markdown(&self) -> String {
+        let mut out = format!(
+            "`{}` [`{}`] → `{}` [`{}`]\n\n",
+            self.a.stage,
+            short(&self.a.key),
+            self.b.stage,
+            short(&self.b.key)
+        );
+        if self.is_empty() {
+            out.push_str("No differences in params, inputs or metrics.\n");
+            return out;
+        }
+        out.push_str("| | name | a | b | Δ |\n| --- | --- | --- | --- | --- |\n");
+        for (title, list) in [
+            ("param", &self.params),
+            ("input", &self.inputs),
+            ("metric", &self.metrics),
+        ] {
+            for c in list {
+                let cell = |s: String| s.replace('|', "\\|");
+                let _ = writeln!(
+                    out,
+                    "| {title} | `{}` | {} | {} | {} |",
+                    c.name,
+                    cell(shown(&c.a)),
+                    cell(shown(&c.b)),
+                    c.delta().map(signed).unwrap_or_default()
+                );
+            }
+        }
+        out
+    }
+
+    /// The differences as JSON.
+    pub fn json(&self) -> Value {
+        let side = |s: &Side| json!({"stage": s.stage, "op": s.op, "key": s.key, "built": s.built});
+        let list = |l: &[Change]| {
+            l.iter()
+                .map(|c| json!({"name": c.name, "a": c.a, "b": c.b, "delta": c.delta()}))
+                .collect::<Vec<_>>()
+        };
+        json!({
+            "a": side(&self.a),
+            "b": side(&self.b),
+            "params": list(&self.params),
+            "inputs": list(&self.inputs),
+            "metrics": list(&self.metrics),
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn artifact(key: &str, params: Value, metrics: Value, digest: &str) -> Artifact {
+        serde_json::from_value(json!({
+            "schema": 1, "key": key, "stage": "sft", "op": "sft", "op_version": 1,
+            "params": params,
+            "inputs": {"model": {"kind": "upstream", "stage": "pretrain", "output": "model",
+                                 "key": "k", "digest": digest}},
+            "outputs": {}, "metrics": metrics, "upstream_keys": [], "manifest": "m.yaml",
+            "started_at": "2026-11-24T00:00:00Z", "seconds": 1.0, "host": "h",
+            "engine_version": "0"
+        }))
+        .unwrap()
+    }
+
+    #[test]
+    fn changed_params_inputs_and_metrics_are_listed_with_deltas() {
+        let a = artifact(
+            "aaaa",
+            json!({"lr": 1e-3, "model": {"hidden": 32, "heads": 4}, "steps": 8}),
+            json!({"final_loss": 2.0, "step": 8, "curve": [1, 2]}),
+            "d1",
+        );
+        let b = artifact(
+            "bbbb",
+            json!({"lr": 2e-3, "model": {"hidden": 32, "heads": 8}, "steps": 8, "warmup": 2}),
+            json!({"final_loss": 1.5, "step": 8, "curve": [1, 2, 3]}),
+            "d2",
+        );
+        let d = diff(&a, &b);
+        let names = |l: &[Change]| l.iter().map(|c| c.name.clone()).collect::<Vec<_>>();
+        assert_eq!(names(&d.params), ["lr", "model.heads", "warmup"]);
+        assert_eq!(d.params[2].a, None);
+        assert_eq!(names(&d.inputs), ["model"]);
+        // The curve is no scalar: not compared here.
+        assert_eq!(names(&d.metrics), ["final_loss"]);
+        assert_eq!(d.metrics[0].delta(), Some(-0.5));
+        let text = d.text();
+        assert!(
+            text.contains("final_loss  2.0 → 1.5  (-0.5, -25.0%)"),
+            "{text}"
+        );
+        assert!(text.contains("warmup       – → 2"), "{text}");
+        assert!(
+            d.markdown()
+                .contains("| metric | `final_loss` | 2.0 | 1.5 | -0.5 |")
+        );
+        assert_eq!(d.json()["metrics"][0]["delta"], -0.5);
+        assert_eq!(
+            (signed(2e-5), signed(-3.0), signed(1e7)),
+            ("+2.000e-5".into(), "-3".into(), "+1.000e7".into())
+        );
+        assert!(diff(&a, &a).is_empty());
+        assert!(diff(&a, &a).text().contains("no differences"));
+    }
+}
