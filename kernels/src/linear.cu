@@ -109,7 +109,9 @@ extern "C" __global__ void __launch_bounds__(256)
             const int col = col0 + (j < 4 ? tx * 4 + j : 64 + tx * 4 + j - 4);
             if (col >= n) continue;
             const size_t at = size_t(row) * n + col;
-            c[at] = beta == 0.0f ? alpha * acc[i][j] : alpha * acc[i][j] + beta * c[at];
+            // Rounded step by step (never fused), so the shim's bytes are the GPU's here too.
+            const float scaled = __fmul_rn(alpha, acc[i][j]);
+            c[at] = beta == 0.0f ? scaled : __fadd_rn(scaled, __fmul_rn(beta, c[at]));
         }
     }
 }

@@ -89,7 +89,9 @@ fn forget(at: *mut u8) {
     });
 }
 
-// SAFETY: every call is passed to `System` as it came; the map only watches.
+// SAFETY: every call is passed to `System` as it came; the map only watches. `realloc` is the
+// trait's own (alloc, copy, dealloc through these), so a block is forgotten before it is freed
+// and no other thread can be handed its address while the map still holds it.
 unsafe impl GlobalAlloc for Tracking {
     unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
         // SAFETY: passed on.
@@ -113,16 +115,6 @@ unsafe impl GlobalAlloc for Tracking {
         forget(at);
         // SAFETY: passed on.
         unsafe { System.dealloc(at, layout) }
-    }
-
-    unsafe fn realloc(&self, at: *mut u8, layout: Layout, size: usize) -> *mut u8 {
-        // SAFETY: passed on.
-        let moved = unsafe { System.realloc(at, layout, size) };
-        if !moved.is_null() {
-            forget(at);
-            record(moved, size);
-        }
-        moved
     }
 }
 
