@@ -81,10 +81,10 @@ impl Op for Export {
                     .map_err(|why| RunError::new(format!("no NemotronH equivalent: {why}")))?;
                 let mapping = nemotron_h::mapping(&model).map_err(RunError::new)?;
                 let tensors = hf::to_theirs(&model, &mapping, nemotron_h::left_out);
-                let left_out = model
-                    .params
-                    .iter()
-                    .filter(|(n, _)| nemotron_h::left_out(n))
+                let left_out = model::checkpoint::model_tensors(&model)
+                    .map_err(|e| RunError::new(e.to_string()))?
+                    .keys()
+                    .filter(|n| nemotron_h::left_out(n))
                     .count();
                 ("NemotronH", nemotron_h::config(&model), tensors, left_out)
             }

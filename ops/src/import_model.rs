@@ -19,11 +19,13 @@
 
 use crate::hf::{self, llama, nemotron_h};
 use crate::training::input;
+use candle_core::Tensor;
 use model::checkpoint::{save_model, set_tensors};
 use model::net::Model;
 use nemo_dag_op::{DeclError, Metrics, Op, Outputs, Port, RunContext, RunError, Spec, StageDecl};
 use serde::Deserialize;
 use serde_json::Value;
+use std::collections::HashMap;
 
 pub struct ImportModel;
 
@@ -81,6 +83,8 @@ impl Op for ImportModel {
         let (model, ignored) = match architecture.as_str() {
             "LlamaForCausalLM" | "MistralForCausalLM" => {
                 let (cfg, vocab) = llama::model_config(&config).map_err(at)?;
+                embedding_fits(&tensors, "model.embed_tokens.weight", vocab, cfg.hidden)
+                    .map_err(at)?;
                 let model = Model::new(&cfg, vocab, 0).map_err(|e| at(e.to_string()))?;
                 let (ours, ignored) = hf::to_ours(&tensors, &llama::mapping(&model), |n| {
                     n.ends_with("rotary_emb.inv_freq")
@@ -91,8 +95,10 @@ impl Op for ImportModel {
             }
             "NemotronHForCausalLM" => {
                 let (cfg, vocab) = nemotron_h::model_config(&config).map_err(at)?;
-                let model = Model::new(&cfg, vocab, 0).map_err(|e| at(e.to_string()))?;
                 let theirs = nemotron_h::hub_layout(tensors).map_err(at)?;
+                embedding_fits(&theirs, "backbone.embeddings.weight", vocab, cfg.hidden)
+                    .map_err(at)?;
+                let model = Model::new(&cfg, vocab, 0).map_err(|e| at(e.to_string()))?;
                 let mapping = nemotron_h::mapping(&model).map_err(at)?;
                 let (ours, ignored) =
                     hf::to_ours(&theirs, &mapping, nemotron_h::ignored).map_err(at)?;
@@ -135,5 +141,23 @@ impl Op for ImportModel {
             m.insert("source".into(), Value::from(source.clone()));
         }
         Ok(m)
+    }
+}
+
+/// Before a model of the config's size is allocated: the checkpoint's embedding has the shape
+/// the config says (a wrong `vocab_size` or `hidden_size` is an error, not an allocation).
+fn embedding_fits(
+    tensors: &HashMap<String, Tensor>,
+    name: &str,
+    vocab: usize,
+    hidden: usize,
+) -> Result<(), String> {
+    match tensors.get(name) {
+        Some(t) if t.dims() == [vocab, hidden] => Ok(()),
+        Some(t) => Err(format!(
+            "`{name}` has shape {:?}, but config.json says vocab_size {vocab} × hidden_size {hidden}",
+            t.dims()
+        )),
+        None => Err(format!("the checkpoint has no tensor `{name}`")),
     }
 }

@@ -109,7 +109,13 @@ pub fn config(model: &Model) -> Value {
 /// Our model config and vocabulary for their `config.json`, or the first option we do not
 /// implement, named.
 pub fn model_config(c: &Value) -> Result<(ModelConfig, usize), String> {
-    if let Some(window) = c.get("sliding_window").filter(|w| !w.is_null()) {
+    // MistralConfig's default window is 4096: a Mistral config without the key has one.
+    let mistral_default = json!(4096);
+    let window = match c.get("sliding_window") {
+        None if c["model_type"] == "mistral" => Some(&mistral_default),
+        w => w.filter(|w| !w.is_null()),
+    };
+    if let Some(window) = window {
         return Err(format!(
             "config.json: `sliding_window: {window}` is not implemented (attention is full)"
         ));
@@ -158,7 +164,7 @@ pub fn model_config(c: &Value) -> Result<(ModelConfig, usize), String> {
         ffn: usize_of(c, "intermediate_size")?,
         activation: Activation::Swiglu,
         position: Position::Rope,
-        rope_theta: f64_or(rope, "rope_theta", 10000.0)?,
+        rope_theta: f64_or(rope, "rope_theta", f64_or(c, "rope_theta", 10000.0)?)?,
         max_seq: c["max_position_embeddings"]
             .as_u64()
             .map_or(4096, |v| v as usize),
@@ -201,6 +207,10 @@ mod tests {
         c["rope_theta"] = Value::Null;
         c["rope_parameters"] = json!({"rope_type": "default", "rope_theta": 1e6});
         assert_eq!(model_config(&c).unwrap().0.rope_theta, 1e6);
+        // A `rope_parameters` without the theta: the top-level key still counts.
+        let mut c = base();
+        c["rope_parameters"] = json!({"rope_type": "default"});
+        assert_eq!(model_config(&c).unwrap().0.rope_theta, 500000.0);
     }
 
     #[test]
@@ -221,6 +231,14 @@ mod tests {
             let why = model_config(&c).unwrap_err();
             assert!(why.contains(named), "{key}: {why}");
         }
+        // A Mistral config without the key has MistralConfig's window of 4096.
+        let mut c = base();
+        c["model_type"] = json!("mistral");
+        assert!(
+            model_config(&c)
+                .unwrap_err()
+                .contains("sliding_window: 4096")
+        );
         let mut c = base();
         c["rope_parameters"] = json!({"rope_type": "llama3", "rope_theta": 1e6});
         assert!(model_config(&c).unwrap_err().contains("llama3"));

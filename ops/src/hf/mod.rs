@@ -88,6 +88,9 @@ pub fn to_ours(
     };
     let mut ours = HashMap::new();
     for (name, from) in mapping {
+        if ours.contains_key(name) {
+            return Err(format!("internal: `{name}` is read from two tensors"));
+        }
         let bad = |e: candle_core::Error| format!("{name}: {e}");
         let t = match from {
             Theirs::Same(from) => take(from)?,
@@ -99,11 +102,18 @@ pub fn to_ours(
                 }
             }
             Theirs::Rows(parts) => {
-                let parts = parts
-                    .iter()
-                    .map(|(from, _)| take(from))
-                    .collect::<Result<Vec<_>, _>>()?;
-                Tensor::cat(&parts, 0).map_err(bad)?
+                let mut tensors = Vec::with_capacity(parts.len());
+                for (from, rows) in parts {
+                    let t = take(from)?;
+                    if t.dims().first() != Some(rows) {
+                        return Err(format!(
+                            "`{from}` has shape {:?}; the model needs {rows} rows there",
+                            t.dims()
+                        ));
+                    }
+                    tensors.push(t);
+                }
+                Tensor::cat(&tensors, 0).map_err(bad)?
             }
         };
         ours.insert(name.clone(), t);
@@ -175,6 +185,12 @@ pub fn read_dir(dir: &Path) -> Result<(Value, HashMap<String, Tensor>), String> 
                     ));
                 }
             };
+            if tensors.contains_key(&name) {
+                return Err(format!(
+                    "{}: `{name}` is in more than one shard",
+                    path.display()
+                ));
+            }
             tensors.insert(name, t);
         }
     }
@@ -263,12 +279,63 @@ mod tests {
         let why = read_dir(&dir).unwrap_err();
         assert!(why.contains("`c` is U32"), "{why}");
 
+        let twice = r#"{"weight_map": {"a": "m-1.safetensors", "b": "m-3.safetensors"}}"#;
+        candle_core::safetensors::save(&one, dir.join("m-1.safetensors")).unwrap();
+        candle_core::safetensors::save(&one, dir.join("m-3.safetensors")).unwrap();
+        std::fs::write(dir.join("model.safetensors.index.json"), twice).unwrap();
+        assert!(
+            read_dir(&dir)
+                .unwrap_err()
+                .contains("in more than one shard")
+        );
+
         let outside = r#"{"weight_map": {"a": "../elsewhere.safetensors"}}"#;
         std::fs::write(dir.join("model.safetensors.index.json"), outside).unwrap();
         assert!(
             read_dir(&dir)
                 .unwrap_err()
                 .contains("outside the directory")
+        );
+    }
+
+    /// A fused projection's parts must each have their own rows: two swapped parts with the
+    /// same total are refused, not concatenated into another model.
+    #[test]
+    fn each_part_of_a_fused_projection_has_its_rows() {
+        let mapping = [(
+            "qkv".to_string(),
+            Theirs::Rows(vec![("q".into(), 2), ("k".into(), 1)]),
+        )];
+        let theirs = HashMap::from([
+            (
+                "q".to_string(),
+                t(&[1.0], DType::F32).reshape((1, 1)).unwrap(),
+            ),
+            (
+                "k".to_string(),
+                t(&[2.0, 3.0], DType::F32).reshape((2, 1)).unwrap(),
+            ),
+        ]);
+        let why = to_ours(&theirs, &mapping, |_| false).unwrap_err();
+        assert!(
+            why.contains("`q` has shape [1, 1]; the model needs 2 rows"),
+            "{why}"
+        );
+        let right = HashMap::from([
+            (
+                "q".to_string(),
+                t(&[1.0, 2.0], DType::F32).reshape((2, 1)).unwrap(),
+            ),
+            (
+                "k".to_string(),
+                t(&[3.0], DType::F32).reshape((1, 1)).unwrap(),
+            ),
+        ]);
+        let (ours, skipped) = to_ours(&right, &mapping, |_| false).unwrap();
+        assert_eq!(skipped, 0);
+        assert_eq!(
+            ours["qkv"].flatten_all().unwrap().to_vec1::<f32>().unwrap(),
+            [1.0, 2.0, 3.0]
         );
     }
 }

@@ -274,6 +274,23 @@ pub fn model_config(c: &Value) -> Result<(ModelConfig, usize), String> {
         if c["mamba_hidden_act"].as_str().unwrap_or("silu") != "silu" {
             return Err("config.json: only `mamba_hidden_act: silu` is implemented".into());
         }
+        for key in ["time_step_limit", "mamba_dt_limit"] {
+            let limit = &c[key];
+            // transformers writes infinity as `{"__float__": "Infinity"}` (JSON has none).
+            let infinite = |v: &Value| {
+                v.is_null()
+                    || v.as_f64().is_some_and(f64::is_infinite)
+                    || v["__float__"].as_str() == Some("Infinity")
+            };
+            let default =
+                limit.is_null() || (limit[0].as_f64() == Some(0.0) && infinite(&limit[1]));
+            if !default {
+                return Err(format!(
+                    "config.json: `{key}: {limit}`: transformers' fused kernels clamp Mamba's step \
+                     size Δ there, and nemo-dag's Mamba-2 never clamps"
+                ));
+            }
+        }
         let floor = f64_or(c, "time_step_min", 0.001)?;
         if floor > 0.0 {
             return Err(format!(
@@ -336,7 +353,9 @@ pub fn model_config(c: &Value) -> Result<(ModelConfig, usize), String> {
             .map_or(4096, |v| v as usize),
         norm_eps: f64_or(c, "layer_norm_epsilon", 1e-5)?,
         init_std: f64_or(c, "initializer_range", 0.02)?,
-        tie_embeddings: c["tie_word_embeddings"].as_bool().unwrap_or(false),
+        // transformers' NemotronH never ties its head to the embedding (it has no tied
+        // weights): both tensors are read, whatever `tie_word_embeddings` says.
+        tie_embeddings: false,
         mamba,
         moe,
         mtp_loss_scale: ModelConfig::DEFAULT_MTP_LOSS_SCALE,
@@ -367,6 +386,11 @@ pub fn hub_layout(theirs: HashMap<String, Tensor>) -> Result<HashMap<String, Ten
                 }
             }
             None => {
+                if out.contains_key(&name) {
+                    return Err(format!(
+                        "`{name}` is in the checkpoint twice (as model.* and backbone.*)"
+                    ));
+                }
                 out.insert(name, t);
             }
         }
@@ -524,6 +548,15 @@ mod tests {
             let why = model_config(&c).unwrap_err();
             assert!(why.contains(named), "{key}: {why}");
         }
+        let mut c = hf_config();
+        c["time_step_limit"] = json!([0.0, 1.0]);
+        assert!(model_config(&c).unwrap_err().contains("time_step_limit"));
+        c["time_step_limit"] = json!([0.0, {"__float__": "Infinity"}]);
+        assert!(model_config(&c).is_ok());
+        // Never tied: transformers reads both the embedding and lm_head.
+        let mut c = hf_config();
+        c["tie_word_embeddings"] = json!(true);
+        assert!(!model_config(&c).unwrap().0.tie_embeddings);
         let mut c = hf_config();
         c["layers_block_type"] = json!(["linear_attention", "sliding_attention"]);
         assert!(model_config(&c).unwrap_err().contains("unknown layer"));
