@@ -98,8 +98,15 @@ fn flatten(prefix: &str, value: &Value, out: &mut BTreeMap<String, Value>) {
     match value {
         Value::Object(map) if !map.is_empty() => {
             for (k, v) in map {
-                let path = if prefix.is_empty() {
+                // A key with a dot of its own (a Megatron override, `model.num_layers`) is
+                // quoted, so it never reads as a nested path.
+                let k = if k.contains('.') {
+                    format!("\"{k}\"")
+                } else {
                     k.clone()
+                };
+                let path = if prefix.is_empty() {
+                    k
                 } else {
                     format!("{prefix}.{k}")
                 };
@@ -124,9 +131,14 @@ fn scalars(metrics: &Map<String, Value>) -> BTreeMap<String, Value> {
 
 fn changes(a: &BTreeMap<String, Value>, b: &BTreeMap<String, Value>) -> Vec<Change> {
     let names: BTreeSet<&String> = a.keys().chain(b.keys()).collect();
+    // Numbers compare by value: `1` and `1.0` are the same.
+    let same = |x: Option<&Value>, y: Option<&Value>| match (x, y) {
+        (Some(x), Some(y)) if x.is_number() && y.is_number() => x.as_f64() == y.as_f64(),
+        _ => x == y,
+    };
     names
         .into_iter()
-        .filter(|n| a.get(*n) != b.get(*n))
+        .filter(|n| !same(a.get(*n), b.get(*n)))
         .map(|n| Change {
             name: n.clone(),
             a: a.get(n).cloned(),
@@ -243,7 +255,7 @@ impl Diff {
                 let _ = writeln!(
                     out,
                     "| {title} | `{}` | {} | {} | {} |",
-                    c.name,
+                    cell(c.name.replace('`', "'")),
                     cell(shown(&c.a)),
                     cell(shown(&c.b)),
                     c.delta().map(signed).unwrap_or_default()
@@ -326,6 +338,23 @@ mod tests {
             ("+2.000e-5".into(), "-3".into(), "+1.000e7".into())
         );
         assert!(diff(&a, &a).is_empty());
+        // A dotted key is not a nested path; 1 and 1.0 are one value.
+        let c = artifact(
+            "c",
+            json!({"overrides": {"model.x": 1}, "model": {"x": 1}}),
+            json!({}),
+            "d",
+        );
+        let e = artifact(
+            "e",
+            json!({"overrides": {"model.x": 1.0}, "model": {"x": 2}}),
+            json!({}),
+            "d",
+        );
+        assert_eq!(names(&diff(&c, &e).params), ["model.x"]);
+        let mut flat = BTreeMap::new();
+        flatten("", &json!({"overrides": {"model.x": 1}}), &mut flat);
+        assert!(flat.contains_key("overrides.\"model.x\""), "{flat:?}");
         assert!(diff(&a, &a).text().contains("no differences"));
     }
 }

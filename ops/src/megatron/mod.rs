@@ -341,7 +341,13 @@ fn check_parallel(p: &Params, world: u64) -> Result<(), DeclError> {
     let par = &p.parallel;
     let given = |v: Option<u64>| v.unwrap_or(1);
     let at = |field: &str, message: String| DeclError::new(&["params", "parallel", field], message);
-    let model = given(par.tp) * given(par.pp) * given(par.cp);
+    let product = |field: &str, factors: [u64; 3]| {
+        factors
+            .iter()
+            .try_fold(1u64, |acc, f| acc.checked_mul(*f))
+            .ok_or_else(|| at(field, format!("the parallel sizes {factors:?} overflow")))
+    };
+    let model = product("tp", [given(par.tp), given(par.pp), given(par.cp)])?;
     if !world.is_multiple_of(model) {
         return Err(at(
             "tp",
@@ -351,7 +357,7 @@ fn check_parallel(p: &Params, world: u64) -> Result<(), DeclError> {
             ),
         ));
     }
-    let expert = given(par.etp) * given(par.ep) * given(par.pp);
+    let expert = product("ep", [given(par.etp), given(par.ep), given(par.pp)])?;
     if !world.is_multiple_of(expert) {
         return Err(at(
             "ep",
@@ -360,7 +366,10 @@ fn check_parallel(p: &Params, world: u64) -> Result<(), DeclError> {
     }
     if let (Some(_), Some(_), Some(_)) = (par.tp, par.pp, par.cp) {
         let data = world / model;
-        if !p.global_batch.is_multiple_of(p.micro_batch * data) {
+        if !p
+            .global_batch
+            .is_multiple_of(p.micro_batch.saturating_mul(data))
+        {
             return Err(DeclError::new(
                 &["params", "global_batch"],
                 format!(
