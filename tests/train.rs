@@ -249,6 +249,7 @@ fn a_recipe_pretrains_fine_tunes_and_exports_a_model_transformers_reads() {
     assert!(states(&again).values().all(|s| s == "cached"), "{again}");
 
     // Changing one SFT parameter reruns sft and what depends on it, nothing else.
+    let sft_before = show(&p, "sft")["key"].as_str().unwrap().to_string();
     let changed = p
         .ok(&["run", "recipe.yaml", "stages.sft.params.lr=2e-3", "--json"])
         .json();
@@ -272,6 +273,7 @@ fn a_recipe_pretrains_fine_tunes_and_exports_a_model_transformers_reads() {
     );
 
     // The exported Llama gives our logits, and so does the hybrid exported as NemotronH.
+    check_plot(&p, &sft_before);
     check_export(&p);
     check_nemotron_h_export(&p);
 
@@ -409,6 +411,52 @@ fn check_nemotron_h_export(p: &Project) {
             "skipping the transformers check of the NemotronH export: set NEMO_DAG_TORCH_PYTHON to a Python with torch and transformers"
         ),
     }
+}
+
+/// The two SFT runs' losses, overlaid: a curve of 3 points each, told apart by their lr.
+fn check_plot(p: &Project, sft_before: &str) {
+    let out = p.ok(&[
+        "plot",
+        &sft_before[..12],
+        "sft",
+        "--manifest",
+        "recipe.yaml",
+        "-o",
+        "curves.svg",
+    ]);
+    assert!(out.stderr.contains("2 curves of `loss`"), "{out}");
+    let doc = std::fs::read_to_string(p.path("curves.svg")).unwrap();
+    let curves: Vec<&str> = doc
+        .split("<polyline")
+        .skip(1)
+        .map(|c| {
+            c.split("points=\"")
+                .nth(1)
+                .unwrap()
+                .split('"')
+                .next()
+                .unwrap()
+        })
+        .collect();
+    assert_eq!(curves.len(), 2, "{doc}");
+    assert!(
+        curves.iter().all(|c| c.split(' ').count() == 3),
+        "{curves:?}"
+    );
+    assert!(
+        doc.contains("lr=0.001") && doc.contains("lr=0.002"),
+        "{doc}"
+    );
+    let none = p.run(&[
+        "plot",
+        "sft",
+        "--metric",
+        "rewad",
+        "--manifest",
+        "recipe.yaml",
+    ]);
+    assert_eq!(none.code, 2, "{none}");
+    assert!(none.stderr.contains("has no `rewad`"), "{none}");
 }
 
 /// Our logits for a few ids, next to the exported checkpoint, checked by Python.

@@ -94,7 +94,7 @@ pub fn diff(a: &Artifact, b: &Artifact) -> Diff {
 }
 
 /// `value`'s leaves by dotted path (`model.hidden`); arrays are leaves.
-fn flatten(prefix: &str, value: &Value, out: &mut BTreeMap<String, Value>) {
+pub(crate) fn flatten(prefix: &str, value: &Value, out: &mut BTreeMap<String, Value>) {
     match value {
         Value::Object(map) if !map.is_empty() => {
             for (k, v) in map {

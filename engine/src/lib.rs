@@ -19,6 +19,7 @@
 //!   with `afterok`), with the `env.toml` [`executor::profile`]s.
 //! - [`graph`]: the stage graph as text (ascii, dot, mermaid, json).
 //! - [`diff`]: what differs between two published artifacts (params, inputs, metrics).
+//! - [`plot`]: one metric of several artifacts' curves, overlaid as SVG.
 //!
 //! Ops (what a stage does) reach the engine only through the `nemo-dag-op` protocol crate, as
 //! the registry the binary passes in: the engine never depends on what an op computes, only on
@@ -41,6 +42,7 @@ pub mod key;
 pub mod launch;
 pub mod manifest;
 pub mod plan;
+pub mod plot;
 pub mod stage_log;
 pub mod store;
 #[cfg(test)]

@@ -46,6 +46,8 @@ enum Command {
     Lineage(commands::lineage::Args),
     /// Show what differs between two artifacts: params, inputs, metrics with deltas
     Diff(commands::diff::Args),
+    /// Overlay one metric of several artifacts' training curves in an SVG chart
+    Plot(commands::plot::Args),
     /// Re-read published artifacts and report any that changed after publication
     Verify(commands::verify::Args),
     /// Check a manifest without running anything
@@ -99,6 +101,7 @@ fn run(ops: Registry) -> i32 {
             | Command::Show(_)
             | Command::Lineage(_)
             | Command::Diff(_)
+            | Command::Plot(_)
             | Command::Verify(_)
             | Command::Validate(_)
             | Command::Ops
@@ -116,6 +119,7 @@ fn run(ops: Registry) -> i32 {
         Command::Show(a) => commands::show::exec(a),
         Command::Lineage(a) => commands::lineage::exec(a),
         Command::Diff(a) => commands::diff::exec(a),
+        Command::Plot(a) => commands::plot::exec(a),
         Command::Verify(a) => commands::verify::exec(a),
         Command::Validate(a) => commands::validate::exec(a, ops),
         Command::Cancel(a) => commands::cancel::exec(a, ops),

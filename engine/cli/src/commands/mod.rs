@@ -10,6 +10,7 @@ pub mod graph;
 pub mod lineage;
 pub mod ops;
 pub mod pin;
+pub mod plot;
 pub mod run;
 pub mod show;
 pub mod status;

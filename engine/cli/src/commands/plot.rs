@@ -1,0 +1,61 @@
+//! `nemo-dag plot`: one metric of several artifacts' training curves, overlaid, as SVG.
+
+use nemo_dag_engine::diag::{Failure, InputError, Result};
+use nemo_dag_engine::plot::{series, svg};
+use nemo_dag_engine::store::Store;
+use std::path::PathBuf;
+
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// The artifacts: stage names (each its artifact from the last run) or keys (6+ hex digits)
+    #[arg(required = true)]
+    pub targets: Vec<String>,
+    /// The metric of the curve: loss, lr, grad_norm, tokens_per_second, or one under a point's
+    /// metrics (reward, accuracy, kl, …)
+    #[arg(long, default_value = "loss")]
+    pub metric: String,
+    /// Where to write the chart (.svg); standard output when not given
+    #[arg(short, long, value_name = "FILE")]
+    pub output: Option<PathBuf>,
+    /// The manifest the stages belong to (needed when several manifests share a store)
+    #[arg(long)]
+    pub manifest: Option<PathBuf>,
+    #[arg(long, value_name = "DIR")]
+    pub store: Option<PathBuf>,
+}
+
+pub fn exec(a: Args) -> Result<()> {
+    if let Some(out) = &a.output
+        && out.extension().and_then(|e| e.to_str()) != Some("svg")
+    {
+        return Err(InputError::new(format!(
+            "{}: plot writes SVG only; name a .svg file",
+            out.display()
+        ))
+        .into());
+    }
+    let store = Store::find(a.store.as_deref(), a.manifest.as_deref())?;
+    let mut artifacts = Vec::with_capacity(a.targets.len());
+    for target in &a.targets {
+        let key = store.resolve_target(target, a.manifest.as_deref())?;
+        artifacts.push(store.load_existing(&key)?);
+    }
+    let series = series(&artifacts, &a.metric).map_err(|e| Failure::from(InputError::new(e)))?;
+    let doc = svg(&series, &a.metric);
+    match &a.output {
+        Some(path) => {
+            let tmp = path.with_extension("svg.tmp");
+            std::fs::write(&tmp, doc)
+                .and_then(|_| std::fs::rename(&tmp, path))
+                .map_err(|e| InputError::new(format!("{}: {e}", path.display())))?;
+            eprintln!(
+                "wrote {} ({} curves of `{}`)",
+                path.display(),
+                series.len(),
+                a.metric
+            );
+        }
+        None => print!("{doc}"),
+    }
+    Ok(())
+}
