@@ -1,7 +1,7 @@
 //! What differs between two published artifacts, as `dvc params diff` and `dvc metrics diff`
 //! show it: the params that changed (old → new, by dotted path), the inputs whose content
-//! changed, and the metrics with their numeric deltas. Curves and other arrays in the metrics
-//! are not compared point by point; `plot` is for those.
+//! changed, and the numeric metrics with their deltas. Curves and other arrays in the metrics
+//! are not compared point by point (`plot` is for those), and neither is text.
 
 use crate::store::{Artifact, InputRecord, short};
 use serde_json::{Map, Value, json};
@@ -120,11 +120,13 @@ pub(crate) fn flatten(prefix: &str, value: &Value, out: &mut BTreeMap<String, Va
     }
 }
 
-/// The metrics that are single values (not curves or tables).
+/// The metrics that are numbers or flags, as `dvc metrics diff` compares them: not curves or
+/// tables, and not text (a `cmd` stage's rendered command names its attempt's own directory,
+/// so it differs in every run).
 fn scalars(metrics: &Map<String, Value>) -> BTreeMap<String, Value> {
     metrics
         .iter()
-        .filter(|(_, v)| !v.is_array() && !v.is_object())
+        .filter(|(_, v)| v.is_number() || v.is_boolean())
         .map(|(k, v)| (k.clone(), v.clone()))
         .collect()
 }
@@ -305,13 +307,13 @@ mod tests {
         let a = artifact(
             "aaaa",
             json!({"lr": 1e-3, "model": {"hidden": 32, "heads": 4}, "steps": 8}),
-            json!({"final_loss": 2.0, "step": 8, "curve": [1, 2]}),
+            json!({"final_loss": 2.0, "step": 8, "curve": [1, 2], "command": "a"}),
             "d1",
         );
         let b = artifact(
             "bbbb",
             json!({"lr": 2e-3, "model": {"hidden": 32, "heads": 8}, "steps": 8, "warmup": 2}),
-            json!({"final_loss": 1.5, "step": 8, "curve": [1, 2, 3]}),
+            json!({"final_loss": 1.5, "step": 8, "curve": [1, 2, 3], "command": "b"}),
             "d2",
         );
         let d = diff(&a, &b);
@@ -319,7 +321,7 @@ mod tests {
         assert_eq!(names(&d.params), ["lr", "model.heads", "warmup"]);
         assert_eq!(d.params[2].a, None);
         assert_eq!(names(&d.inputs), ["model"]);
-        // The curve is no scalar: not compared here.
+        // The curve is no single value, and the command is text: neither is compared.
         assert_eq!(names(&d.metrics), ["final_loss"]);
         assert_eq!(d.metrics[0].delta(), Some(-0.5));
         let text = d.text();
