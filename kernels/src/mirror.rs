@@ -16,14 +16,14 @@
 
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::ffi::c_void;
 use std::io::Write;
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::{Mutex, OnceLock};
 
 use crate::cuda::SOURCES;
-use crate::cuda::kernel_names::kernel_params;
+use crate::cuda::kernel_names::{kernel_names, kernel_params};
 use crate::launch::{Cuda, Geometry, Launcher};
 
 /// The variable that sends the kernels' test launches to a GPU: `cuda` or `cuda:N`.
@@ -133,6 +133,8 @@ fn allocation_of(address: usize) -> Option<(usize, usize)> {
 /// The GPU the tests' launches run on, one launch at a time.
 pub struct Mirror {
     cuda: Mutex<Cuda>,
+    /// Every kernel the GPU compiles, with its parameter declarations.
+    kernels: HashMap<String, Vec<String>>,
 }
 
 static MIRROR: OnceLock<Option<Mirror>> = OnceLock::new();
@@ -157,18 +159,20 @@ pub fn active() -> Option<&'static Mirror> {
                 "kernel tests: every launch runs on {}",
                 cuda.describe()
             );
+            let kernels = SOURCES
+                .iter()
+                .flat_map(|s| {
+                    kernel_names(s.text)
+                        .into_iter()
+                        .filter_map(|n| Some((n.clone(), kernel_params(s.text, &n)?)))
+                })
+                .collect();
             Some(Mirror {
                 cuda: Mutex::new(cuda),
+                kernels,
             })
         })
         .as_ref()
-}
-
-/// Whether `name` is a kernel of the sources the GPU compiles (not one of the shim's checks).
-pub fn compiled_for_the_gpu(name: &str) -> bool {
-    SOURCES
-        .iter()
-        .any(|s| kernel_params(s.text, name).is_some())
 }
 
 /// The bytes a by-value parameter of declaration `decl` (`int n`, `const long long s`) takes.
@@ -185,6 +189,11 @@ fn scalar_size(decl: &str) -> Option<usize> {
 }
 
 impl Mirror {
+    /// Whether `name` is a kernel of the sources the GPU compiles (not one of the shim's checks).
+    pub fn compiles(&self, name: &str) -> bool {
+        self.kernels.contains_key(name)
+    }
+
     /// [`crate::simt::launch`] on the GPU.
     ///
     /// # Safety
@@ -197,9 +206,9 @@ impl Mirror {
         block: [u32; 3],
         params: &[*mut c_void],
     ) -> Result<(), String> {
-        let decls = SOURCES
-            .iter()
-            .find_map(|s| kernel_params(s.text, name))
+        let decls = self
+            .kernels
+            .get(name)
             .ok_or_else(|| format!("{name}: no kernel of that name in the GPU's sources"))?;
         if grid.contains(&0) || block.contains(&0) {
             return Err(format!("{name}: an empty grid {grid:?} or block {block:?}"));

@@ -53,7 +53,7 @@ pub unsafe fn launch(
 ) -> Result<(), String> {
     #[cfg(test)]
     if let Some(gpu) = crate::mirror::active()
-        && crate::mirror::compiled_for_the_gpu(name)
+        && gpu.compiles(name)
     {
         // SAFETY: as this function's (the kernels' tests on a GPU: see crate::mirror).
         return unsafe { gpu.launch(name, grid, block, params) };
