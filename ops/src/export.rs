@@ -70,26 +70,21 @@ impl Op for Export {
         let dir = input(ctx, "model")?;
         let model = checkpoint::load_model(&dir)
             .map_err(|e| RunError::new(format!("cannot load the model: {e}")))?;
-        let (architecture, config, tensors, left_out) = match params.format {
+        let (architecture, config, written) = match params.format {
             Format::Llama => {
                 llama::check(&model).map_err(RunError::new)?;
-                let tensors = hf::to_theirs(&model, &llama::mapping(&model), |_| false);
-                ("Llama", llama::config(&model), tensors, 0)
+                let written = hf::to_theirs(&model, &llama::mapping(&model), |_| false);
+                ("Llama", llama::config(&model), written)
             }
             Format::NemotronH => {
                 nemotron_h::check(&model)
                     .map_err(|why| RunError::new(format!("no NemotronH equivalent: {why}")))?;
                 let mapping = nemotron_h::mapping(&model).map_err(RunError::new)?;
-                let tensors = hf::to_theirs(&model, &mapping, nemotron_h::left_out);
-                let left_out = model::checkpoint::model_tensors(&model)
-                    .map_err(|e| RunError::new(e.to_string()))?
-                    .keys()
-                    .filter(|n| nemotron_h::left_out(n))
-                    .count();
-                ("NemotronH", nemotron_h::config(&model), tensors, left_out)
+                let written = hf::to_theirs(&model, &mapping, nemotron_h::left_out);
+                ("NemotronH", nemotron_h::config(&model), written)
             }
         };
-        let tensors = tensors.map_err(|e| RunError::new(format!("export: {e}")))?;
+        let (tensors, left_out) = written.map_err(|e| RunError::new(format!("export: {e}")))?;
         let out = ctx.out_dir.join("hf");
         hf::write_dir(&out, &config, tensors).map_err(RunError::new)?;
         std::fs::copy(dir.join("tokenizer.json"), out.join("tokenizer.json"))?;

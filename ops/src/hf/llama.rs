@@ -13,7 +13,7 @@
 //! | `final_norm` | `model.norm.weight` |
 //! | `output` | `lm_head.weight` (absent with tied embeddings) |
 
-use super::{Theirs, f64_or, require_bool, usize_of};
+use super::{Theirs, f64_or, head_sizes, require_bool, usize_of};
 use model::config::{Activation, BlockKind, ModelConfig, Position};
 use model::net::Model;
 use serde_json::{Value, json};
@@ -147,19 +147,14 @@ pub fn model_config(c: &Value) -> Result<(ModelConfig, usize), String> {
     let layers = usize_of(c, "num_hidden_layers")?;
     let hidden = usize_of(c, "hidden_size")?;
     let heads = usize_of(c, "num_attention_heads")?;
-    let head_dim = match c["head_dim"].as_u64() {
-        Some(d) => d as usize,
-        None => hidden / heads.max(1),
-    };
+    let (kv_heads, head_dim) = head_sizes(c, hidden, heads);
     let vocab = usize_of(c, "vocab_size")?;
     let cfg = ModelConfig {
         pattern: "*-".repeat(layers),
         vocab,
         hidden,
         heads,
-        kv_heads: c["num_key_value_heads"]
-            .as_u64()
-            .map_or(heads, |k| k as usize),
+        kv_heads,
         head_dim,
         ffn: usize_of(c, "intermediate_size")?,
         activation: Activation::Swiglu,

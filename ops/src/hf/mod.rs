@@ -28,13 +28,13 @@ pub enum Theirs {
     Rows(Vec<(String, usize)>),
 }
 
-/// Their tensors, from our `model` through `mapping` (our name → where it goes). Every tensor
-/// of the model except those `left_out` must be in the mapping.
+/// Their tensors, from our `model` through `mapping` (our name → where it goes), and how many
+/// of ours `left_out` kept out. Every other tensor of the model must be in the mapping.
 pub fn to_theirs(
     model: &Model,
     mapping: &[(String, Theirs)],
     left_out: impl Fn(&str) -> bool,
-) -> Result<BTreeMap<String, Tensor>, String> {
+) -> Result<(BTreeMap<String, Tensor>, usize), String> {
     let ours = model_tensors(model).map_err(|e| e.to_string())?;
     let mapped: HashSet<&str> = mapping.iter().map(|(n, _)| n.as_str()).collect();
     if let Some(name) = ours
@@ -43,6 +43,7 @@ pub fn to_theirs(
     {
         return Err(format!("no place for the tensor `{name}`"));
     }
+    let kept_out = ours.keys().filter(|n| left_out(n)).count();
     let mut out = BTreeMap::new();
     for (name, theirs) in mapping {
         let t = ours
@@ -67,7 +68,7 @@ pub fn to_theirs(
             }
         }
     }
-    Ok(out)
+    Ok((out, kept_out))
 }
 
 /// Our tensors, from theirs through `mapping`. Every tensor of theirs must be used, except
@@ -217,6 +218,18 @@ pub(crate) fn usize_of(c: &Value, key: &str) -> Result<usize, String> {
         .as_u64()
         .map(|v| v as usize)
         .ok_or_else(|| format!("config.json: `{key}` is missing or not a whole number"))
+}
+
+/// `num_key_value_heads` (every head when absent) and `head_dim` (hidden / heads when absent),
+/// as transformers reads them.
+pub(crate) fn head_sizes(c: &Value, hidden: usize, heads: usize) -> (usize, usize) {
+    let kv_heads = c["num_key_value_heads"]
+        .as_u64()
+        .map_or(heads, |k| k as usize);
+    let head_dim = c["head_dim"]
+        .as_u64()
+        .map_or(hidden / heads.max(1), |d| d as usize);
+    (kv_heads, head_dim)
 }
 
 /// A config key as a number, or `default` when it is absent.

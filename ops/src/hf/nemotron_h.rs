@@ -33,7 +33,7 @@
 //! never clamp). MTP depths have no place in `NemotronHForCausalLM` (transformers ignores
 //! `mtp.*` on load): they are left out, and the export says how many tensors that was.
 
-use super::{Theirs, f64_or, require_bool, usize_of};
+use super::{Theirs, f64_or, head_sizes, require_bool, usize_of};
 use candle_core::Tensor;
 use model::checkpoint::model_tensors;
 use model::config::{Activation, BlockKind, MambaConfig, ModelConfig, MoeConfig, Position};
@@ -333,17 +333,14 @@ pub fn model_config(c: &Value) -> Result<(ModelConfig, usize), String> {
         None
     };
     let vocab = usize_of(c, "vocab_size")?;
+    let (kv_heads, head_dim) = head_sizes(c, hidden, heads);
     let cfg = ModelConfig {
         pattern,
         vocab,
         hidden,
         heads,
-        kv_heads: c["num_key_value_heads"]
-            .as_u64()
-            .map_or(heads, |k| k as usize),
-        head_dim: c["head_dim"]
-            .as_u64()
-            .map_or(hidden / heads.max(1), |d| d as usize),
+        kv_heads,
+        head_dim,
         ffn: c["intermediate_size"].as_u64().unwrap_or(0) as usize,
         activation: Activation::Relu2,
         position: Position::None,
@@ -448,7 +445,9 @@ mod tests {
     fn every_tensor_gets_its_transformers_name_and_mtp_is_left_out() {
         let m = model(json!({}));
         assert!(model_tensors(&m).unwrap().keys().any(|n| left_out(n)));
-        let theirs = super::super::to_theirs(&m, &mapping(&m).unwrap(), left_out).unwrap();
+        let (theirs, kept_out) =
+            super::super::to_theirs(&m, &mapping(&m).unwrap(), left_out).unwrap();
+        assert!(kept_out > 0);
         let names: Vec<&str> = theirs.keys().map(String::as_str).collect();
         for want in [
             "backbone.embeddings.weight",
@@ -475,7 +474,8 @@ mod tests {
         );
         // A tied head becomes an lm_head of its own.
         let tied = model(json!({"tie_embeddings": true}));
-        let theirs = super::super::to_theirs(&tied, &mapping(&tied).unwrap(), left_out).unwrap();
+        let (theirs, _) =
+            super::super::to_theirs(&tied, &mapping(&tied).unwrap(), left_out).unwrap();
         assert!(theirs.contains_key("lm_head.weight"));
     }
 
