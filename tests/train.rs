@@ -350,15 +350,8 @@ fn check_nemotron_h_export(p: &Project) {
     let m = show(p, "export_hybrid")["metrics"].clone();
     assert_eq!(m["layers"], 4, "{m}");
     assert!(m["mtp_tensors_left_out"].as_u64().unwrap() > 0, "{m}");
-    let model = load_model(&output_path(p, "hybrid", "model")).unwrap();
     // 20 tokens: more than a Mamba chunk (16), so transformers' chunked scan crosses chunks.
-    let ids: Vec<u32> = (0..20).map(|i| (i * 37 + 5) % model.vocab as u32).collect();
-    let logits = model.logits(&ids, &Layout::plain(1, ids.len())).unwrap();
-    let logits: Vec<Vec<f32>> = logits.squeeze(0).unwrap().to_vec2().unwrap();
-    let case = p.write(
-        "case_hybrid.json",
-        &json!({"ids": ids, "logits": logits}).to_string(),
-    );
+    let case = logits_case(p, "hybrid", 20, "case_hybrid.json");
     let hf = output_path(p, "export_hybrid", "hf");
     let config: Value =
         serde_json::from_str(&std::fs::read_to_string(hf.join("config.json")).unwrap()).unwrap();
@@ -378,38 +371,33 @@ fn check_nemotron_h_export(p: &Project) {
         );
         eprintln!("numpy NemotronH check: {}", out.stdout.trim());
     }
-    match std::env::var("NEMO_DAG_TORCH_PYTHON") {
-        Ok(py) => {
-            let mut c = Command::new(py);
-            let saved = p.path("saved_by_transformers");
-            c.arg(&script).arg(&hf).arg(&case).arg("--transformers");
-            c.arg("--save").arg(&saved);
-            let out = output(c);
-            assert_eq!(out.code, 0, "transformers disagrees with our logits: {out}");
-            eprintln!("transformers NemotronH check: {}", out.stdout.trim());
-            // What transformers writes itself (save_pretrained; 5.23 writes the hub's layout)
-            // imports to the same model: exported again, the same tensors as our first export.
-            p.write(
-                "saved.yaml",
-                "stages:\n  base:\n    op: import_model\n    inputs: {hf: saved_by_transformers}\n  \
-                 again:\n    op: export\n    inputs: {model: \"base:model\"}\n    params: {format: nemotron_h}\n",
-            );
-            p.ok(&["run", "saved.yaml"]);
-            let again = PathBuf::from(
-                p.json(&["show", "again", "--manifest", "saved.yaml", "--json"])["outputs"]["hf"]
-                    ["path"]
-                    .as_str()
-                    .unwrap(),
-            );
-            let tensors = |dir: &Path| std::fs::read(dir.join("model.safetensors")).unwrap();
-            assert!(
-                tensors(&again) == tensors(&hf),
-                "transformers' save_pretrained, imported and exported, changed the tensors"
-            );
-        }
-        Err(_) => eprintln!(
-            "skipping the transformers check of the NemotronH export: set NEMO_DAG_TORCH_PYTHON to a Python with torch and transformers"
-        ),
+    if let Some(py) = torch_python("the NemotronH export") {
+        let mut c = Command::new(py);
+        let saved = p.path("saved_by_transformers");
+        c.arg(&script).arg(&hf).arg(&case).arg("--transformers");
+        c.arg("--save").arg(&saved);
+        let out = output(c);
+        assert_eq!(out.code, 0, "transformers disagrees with our logits: {out}");
+        eprintln!("transformers NemotronH check: {}", out.stdout.trim());
+        // What transformers writes itself (save_pretrained; 5.23 writes the hub's layout)
+        // imports to the same model: exported again, the same tensors as our first export.
+        p.write(
+            "saved.yaml",
+            "stages:\n  base:\n    op: import_model\n    inputs: {hf: saved_by_transformers}\n  \
+             again:\n    op: export\n    inputs: {model: \"base:model\"}\n    params: {format: nemotron_h}\n",
+        );
+        p.ok(&["run", "saved.yaml"]);
+        let again = PathBuf::from(
+            p.json(&["show", "again", "--manifest", "saved.yaml", "--json"])["outputs"]["hf"]
+                ["path"]
+                .as_str()
+                .unwrap(),
+        );
+        let tensors = |dir: &Path| std::fs::read(dir.join("model.safetensors")).unwrap();
+        assert!(
+            tensors(&again) == tensors(&hf),
+            "transformers' save_pretrained, imported and exported, changed the tensors"
+        );
     }
 }
 
@@ -461,14 +449,7 @@ fn check_plot(p: &Project, sft_before: &str) {
 
 /// Our logits for a few ids, next to the exported checkpoint, checked by Python.
 fn check_export(p: &Project) {
-    let model = load_model(&output_path(p, "sft", "model")).unwrap();
-    let ids: Vec<u32> = (0..12).map(|i| (i * 37 + 5) % model.vocab as u32).collect();
-    let logits = model.logits(&ids, &Layout::plain(1, ids.len())).unwrap();
-    let logits: Vec<Vec<f32>> = logits.squeeze(0).unwrap().to_vec2().unwrap();
-    let case = p.write(
-        "case.json",
-        &json!({"ids": ids, "logits": logits}).to_string(),
-    );
+    let case = logits_case(p, "sft", 12, "case.json");
     let hf = output_path(p, "export", "hf");
     let script = crate::common::repo().join("tests/py/check_export.py");
     if let Some(py) = python() {
@@ -477,18 +458,35 @@ fn check_export(p: &Project) {
         let out = output(c);
         assert_eq!(out.code, 0, "numpy Llama disagrees with our logits: {out}");
     }
-    match std::env::var("NEMO_DAG_TORCH_PYTHON") {
-        Ok(py) => {
-            let mut c = Command::new(py);
-            c.arg(&script).arg(&hf).arg(&case).arg("--transformers");
-            let out = output(c);
-            assert_eq!(out.code, 0, "transformers disagrees with our logits: {out}");
-            eprintln!("transformers check: {}", out.stdout.trim());
-        }
-        Err(_) => eprintln!(
-            "skipping the transformers check of the exported model: set NEMO_DAG_TORCH_PYTHON to a Python with torch and transformers"
-        ),
+    if let Some(py) = torch_python("the exported model") {
+        let mut c = Command::new(py);
+        c.arg(&script).arg(&hf).arg(&case).arg("--transformers");
+        let out = output(c);
+        assert_eq!(out.code, 0, "transformers disagrees with our logits: {out}");
+        eprintln!("transformers check: {}", out.stdout.trim());
     }
+}
+
+/// Our logits for `n` fixed ids, from the model `stage` published, written to `file` for the
+/// Python checks beside an export.
+fn logits_case(p: &Project, stage: &str, n: u32, file: &str) -> PathBuf {
+    let model = load_model(&output_path(p, stage, "model")).unwrap();
+    let ids: Vec<u32> = (0..n).map(|i| (i * 37 + 5) % model.vocab as u32).collect();
+    let logits = model.logits(&ids, &Layout::plain(1, ids.len())).unwrap();
+    let logits: Vec<Vec<f32>> = logits.squeeze(0).unwrap().to_vec2().unwrap();
+    p.write(file, &json!({"ids": ids, "logits": logits}).to_string())
+}
+
+/// `NEMO_DAG_TORCH_PYTHON`, or `None` after saying that the transformers check of `what` is
+/// skipped.
+fn torch_python(what: &str) -> Option<String> {
+    let py = std::env::var("NEMO_DAG_TORCH_PYTHON").ok();
+    if py.is_none() {
+        eprintln!(
+            "skipping the transformers check of {what}: set NEMO_DAG_TORCH_PYTHON to a Python with torch and transformers"
+        );
+    }
+    py
 }
 
 #[test]

@@ -77,16 +77,20 @@ def numpy_llama(cfg, w, ids):
     return x @ head.T
 
 
-def main():
-    hf_dir, case_path = sys.argv[1], sys.argv[2]
+def load(hf_dir, case_path):
+    """The exported directory's config and tensors, and the case's ids and our logits."""
     with open(case_path) as f:
         case = json.load(f)
     with open(f"{hf_dir}/config.json") as f:
         cfg = json.load(f)
-    ids = case["ids"]
-    ours = np.array(case["logits"], dtype=np.float64)
-    results = {}
     w = read_safetensors(f"{hf_dir}/model.safetensors")
+    return cfg, w, case["ids"], np.array(case["logits"], dtype=np.float64)
+
+
+def main():
+    hf_dir, case_path = sys.argv[1], sys.argv[2]
+    cfg, w, ids, ours = load(hf_dir, case_path)
+    results = {}
     results["numpy"] = float(np.abs(numpy_llama(cfg, w, ids) - ours).max())
     if "--transformers" in sys.argv:
         import torch

@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from check_export import read_safetensors, rms_norm  # noqa: E402
+from check_export import load, rms_norm  # noqa: E402
 
 TOLERANCE = 1e-4
 
@@ -159,14 +159,8 @@ def transformers_gap(hf_dir, ids, ours, save=None):
 
 def main():
     hf_dir, case_path = sys.argv[1], sys.argv[2]
-    with open(case_path) as f:
-        case = json.load(f)
-    with open(f"{hf_dir}/config.json") as f:
-        cfg = json.load(f)
-    ids = case["ids"]
-    ours = np.array(case["logits"], dtype=np.float64)
+    cfg, w, ids, ours = load(hf_dir, case_path)
     results = {}
-    w = read_safetensors(f"{hf_dir}/model.safetensors")
     results["numpy"] = float(np.abs(numpy_nemotron_h(cfg, w, ids) - ours).max())
     if "--transformers" in sys.argv:
         save = sys.argv[sys.argv.index("--save") + 1] if "--save" in sys.argv else None
