@@ -620,7 +620,8 @@ fn a_sigterm_to_the_ranks_saves_the_iteration_in_progress_and_the_next_run_resum
     let out = megatron::run(&p, &[&args[..], &["--batch", "lab"]].concat(), &pace);
     assert_eq!(out.code, 0, "{out}");
     // Once iteration 4 is saved, Slurm signals the job's steps (the ranks, not the batch
-    // shell), as `--signal=TERM@600` does before a time limit.
+    // shell), as `--signal=TERM@…` does before a time limit (here 75 s before the profile's
+    // 5 minutes, long after the 12 s this stage takes).
     let saved = p.store().join("tmp");
     let at_4 = || !crate::common::find_named(&saved, "iter_0000004").is_empty();
     if !crate::common::wait_for(Duration::from_secs(600), at_4) {

@@ -1,12 +1,13 @@
-//! A test double for the engine's own unit tests, which build without any real op: one op
-//! named `cmd` that accepts any declaration and produces the outputs the stage declares. It
-//! is never run; the engine's tests only load, key and plan manifests with it.
+//! Test doubles for the engine's own unit tests, which build without any real op: an op named
+//! `cmd` that accepts any declaration and produces the outputs the stage declares, and
+//! `resumable`, the same but saving on SIGTERM and resuming, as a launched training op does.
+//! They are never run; the engine's tests only load, key and plan manifests with them.
 
 use nemo_dag_op::{
     AnyOp, DeclError, Metrics, Op, Outputs, Registry, RunContext, RunError, Spec, StageDecl,
 };
 
-struct DeclaredOutputs;
+struct DeclaredOutputs(&'static Spec);
 
 static SPEC: Spec = Spec {
     name: "cmd",
@@ -19,11 +20,22 @@ static SPEC: Spec = Spec {
     launched: true,
 };
 
+static RESUMABLE: Spec = Spec {
+    name: "resumable",
+    summary: "test double: the stage's declared outputs, saved on SIGTERM and resumed",
+    version: 1,
+    inputs: &[],
+    other_inputs: Some("any"),
+    outputs: Outputs::Declared,
+    resumable: true,
+    launched: true,
+};
+
 impl Op for DeclaredOutputs {
     type Params = serde_json::Value;
 
     fn spec(&self) -> &'static Spec {
-        &SPEC
+        self.0
     }
     fn check(&self, _: &Self::Params, _: &StageDecl) -> Result<(), DeclError> {
         Ok(())
@@ -34,6 +46,6 @@ impl Op for DeclaredOutputs {
 }
 
 pub fn ops() -> Registry {
-    static OPS: &[&dyn AnyOp] = &[&DeclaredOutputs];
+    static OPS: &[&dyn AnyOp] = &[&DeclaredOutputs(&SPEC), &DeclaredOutputs(&RESUMABLE)];
     Registry::new(OPS)
 }

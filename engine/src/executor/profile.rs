@@ -202,8 +202,31 @@ pub fn load(start: &Path, name: &str) -> Result<Profile, InputError> {
             format!("profile `{owner}`: {field}: {}", e.into_inner()),
         )
     })?;
+    if let Some(Err(why)) = profile
+        .time
+        .as_ref()
+        .map(|t| crate::duration::parse(&Value::String(t.clone())))
+    {
+        let owner = chain
+            .iter()
+            .find(|c| tables[c.as_str()].get("time").is_some())
+            .cloned()
+            .unwrap_or_else(|| name.to_string());
+        return Err(at(
+            &[&owner, "time"],
+            format!("profile `{owner}`: time: {why}"),
+        ));
+    }
     profile.name = name.to_string();
     Ok(profile)
+}
+
+impl Profile {
+    /// The wall-clock limit `time` sets, if any. Checked when the profile loads.
+    pub fn time_limit(&self) -> Option<std::time::Duration> {
+        let time = Value::String(self.time.clone()?);
+        crate::duration::parse(&time).ok()
+    }
 }
 
 #[cfg(test)]
@@ -261,6 +284,24 @@ mod tests {
                 .starts_with("did you mean `mycluster`?"),
             "{:?}",
             e.help
+        );
+    }
+
+    #[test]
+    fn a_time_slurm_would_refuse_is_an_error_at_the_profile_that_sets_it() {
+        let (dir, _) =
+            write_env("[base]\ntime='4h'\n[lab]\nextends='base'\n[ok]\ntime='1-00:30'\n");
+        let e = load(&dir, "lab").unwrap_err();
+        assert!(
+            e.message
+                .starts_with("profile `base`: time: `4h` is not a time limit"),
+            "{}",
+            e.message
+        );
+        let ok = load(&dir, "ok").unwrap();
+        assert_eq!(
+            ok.time_limit(),
+            Some(std::time::Duration::from_secs(86_400 + 1800))
         );
     }
 }

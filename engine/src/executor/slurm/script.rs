@@ -28,6 +28,15 @@ pub(super) fn dependency_line(after: &[String]) -> String {
     }
 }
 
+/// Seconds before the time limit that the ranks of a stage which saves on SIGTERM are told to
+/// stop: ten minutes, or a quarter of a shorter limit. Slurm sends a signal whose time has come
+/// at once, and looks only about once a minute (so up to 60 s early): `TERM@600` on a 5-minute
+/// job would stop it as soon as it starts.
+fn term_warning(limit: Option<std::time::Duration>) -> u64 {
+    const TEN_MINUTES: u64 = 600;
+    limit.map_or(TEN_MINUTES, |l| TEN_MINUTES.min(l.as_secs() / 4).max(1))
+}
+
 /// The batch script of one stage. `@AFTER@` is replaced by the dependency lines at submit time.
 pub(super) fn job_script(
     manifest: &Manifest,
@@ -83,11 +92,12 @@ pub(super) fn job_script(
     if r.requeue == Some(true) {
         s.push_str("#SBATCH --requeue\n");
     }
-    // The ranks of a stage that saves on SIGTERM hear of the time limit ten minutes ahead,
-    // time to save and stop rather than be killed after Slurm's KillWait. Not `B:`: the batch
-    // shell is `nemo-dag exec`, whose `srun` would kill the ranks on a SIGTERM of its own.
+    // The ranks of a stage that saves on SIGTERM hear of the time limit ahead of it, time to
+    // save and stop rather than be killed after Slurm's KillWait. Not `B:`: the batch shell is
+    // `nemo-dag exec`, whose `srun` would kill the ranks on a SIGTERM of its own.
     if stage.op.spec().resumable && stage.op.spec().launched {
-        s.push_str("#SBATCH --signal=TERM@600\n");
+        let limit = r.time_limit().or_else(|| profile.time_limit());
+        s.push_str(&format!("#SBATCH --signal=TERM@{}\n", term_warning(limit)));
     }
     s.push_str("@AFTER@");
     s.push_str("set -eo pipefail\n");
@@ -403,6 +413,60 @@ mod tests {
             launcher,
             "srun --nodes=2 --ntasks=8 --ntasks-per-node=4 --cpus-per-task=8 --kill-on-bad-exit=1 --container-image=img.sqsh sh -c 'export RANK=$SLURM_PROCID LOCAL_RANK=$SLURM_LOCALID WORLD_SIZE=$SLURM_NTASKS LOCAL_WORLD_SIZE=4; exec \"$@\"' nemo-dag-rank"
         );
+        std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[test]
+    fn a_stage_that_saves_on_sigterm_hears_of_its_time_limit_before_it_and_after_it_starts() {
+        let (m, dir) = manifest(
+            "stages:\n  train:\n    op: resumable\n    params: {lr: 0.1}\n    outputs: {o: o}\n  short:\n    op: resumable\n    outputs: {o: o}\n    resources: {time: '00:05:00'}\n  plain:\n    op: cmd\n    outputs: {o: o}\n    cmd: \"true\"\n",
+        );
+        let store = Store::new(dir.join(".nemo-dag"));
+        let signal = |profile_time: Option<&str>, stage: &str| {
+            let profile = Profile {
+                name: "c".into(),
+                executor: crate::executor::profile::Executor::Slurm,
+                time: profile_time.map(String::from),
+                ..Default::default()
+            };
+            let opts = SubmitOptions {
+                profile: &profile,
+                mode: Mode::Batch,
+                dry_run: true,
+                targets: &[],
+                force: &[],
+            };
+            let s = job_script(
+                &m,
+                &store,
+                &opts,
+                None,
+                Path::new("/x"),
+                stage,
+                Path::new("/l"),
+            );
+            s.lines()
+                .find_map(|l| l.strip_prefix("#SBATCH --signal="))
+                .map(String::from)
+        };
+        // Ten minutes ahead of a long limit, or of the partition's when none is given.
+        assert_eq!(
+            signal(Some("04:00:00"), "train").as_deref(),
+            Some("TERM@600")
+        );
+        assert_eq!(signal(None, "train").as_deref(), Some("TERM@600"));
+        // A quarter of a short one, the stage's over the profile's: `TERM@600` would reach a
+        // 5-minute job as soon as it starts.
+        assert_eq!(
+            signal(Some("00:20:00"), "train").as_deref(),
+            Some("TERM@300")
+        );
+        assert_eq!(
+            signal(Some("04:00:00"), "short").as_deref(),
+            Some("TERM@75")
+        );
+        // A stage that cannot save is not signalled early.
+        assert_eq!(signal(Some("00:05:00"), "plain"), None);
         std::fs::remove_dir_all(dir).unwrap();
     }
 }
