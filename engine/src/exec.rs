@@ -356,7 +356,7 @@ fn keep_failed_attempt(store: &Store, key: &str, attempt: &Path, resumable: bool
 /// A symbolic link among the outputs may only point inside them, by a relative path: a link
 /// out of the stage would let published content change after publication, and an absolute
 /// link breaks when the attempt is renamed into place.
-fn check_output_links(out_dir: &Path) -> std::result::Result<(), String> {
+pub(crate) fn check_output_links(out_dir: &Path) -> std::result::Result<(), String> {
     let root = std::fs::canonicalize(out_dir).map_err(|e| e.to_string())?;
     let mut todo = vec![out_dir.to_path_buf()];
     while let Some(dir) = todo.pop() {

@@ -29,6 +29,7 @@
 // the way out, so their size never matters on a hot path.
 #![allow(clippy::result_large_err)]
 
+pub mod cache;
 pub mod diag;
 pub mod diff;
 pub mod digest;

@@ -38,13 +38,17 @@ pub struct RunOptions {
     /// Refuse, before anything runs, a stage whose plan needs more memory than this machine
     /// has (`run --no-memory-check` turns it off).
     pub check_memory: bool,
+    /// The shared cache (`[cache]` in env.toml): a stale stage is pulled from it when one of
+    /// its read scopes has the key, and what runs here is pushed to its write scope.
+    pub cache: Option<std::sync::Arc<crate::cache::Cache>>,
 }
 
 #[derive(Debug, Clone, serde::Serialize)]
 pub struct Outcome {
     pub name: String,
     pub key: Option<String>,
-    /// `executed`, `cached`, `cutoff`, `failed` or `skipped`.
+    /// `executed`, `pulled` (from the shared cache), `cached`, `cutoff`, `failed` or
+    /// `skipped`.
     pub state: &'static str,
     pub seconds: f64,
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -447,6 +451,15 @@ async fn schedule(
     let mut cpus_in_use = 0usize;
     let mut failed = false;
     let mut tasks: JoinSet<JobOutput> = JoinSet::new();
+    // The shared cache: stages being pulled, stages it could not give (they build here), and
+    // pushes of what ran here (they finish before the run ends).
+    let mut pulls: JoinSet<(String, String, crate::cache::Pulled, f64)> = JoinSet::new();
+    let mut not_pulled: HashSet<&str> = HashSet::new();
+    let mut pushes: JoinSet<(
+        String,
+        String,
+        std::result::Result<crate::cache::Pushed, nemo_dag_remote::Error>,
+    )> = JoinSet::new();
     let mut interrupted = false;
     // Each key this run publishes is journaled at once; the record is written at the end.
     let run_id = plan::run_id(manifest);
@@ -472,7 +485,27 @@ async fn schedule(
                 store.lookup(&resolved.key, &mut digester)
             };
             match found {
-                Ok(None) => {}
+                Ok(None) => {
+                    if let Some(cache) = opts
+                        .cache
+                        .as_ref()
+                        .filter(|_| !forced && !not_pulled.contains(name))
+                    {
+                        ready.remove(&(pos, name));
+                        let (cache, store, key, name) = (
+                            cache.clone(),
+                            store.clone(),
+                            resolved.key.clone(),
+                            name.to_string(),
+                        );
+                        pulls.spawn(async move {
+                            let clock = Instant::now();
+                            let pulled = cache.pull(&store, &key).await;
+                            (name, key, pulled, clock.elapsed().as_secs_f64())
+                        });
+                        continue;
+                    }
+                }
                 Ok(Some(found)) => {
                     ready.remove(&(pos, name));
                     let cutoff = stage.deps.iter().any(|d| executed.contains(d));
@@ -521,11 +554,48 @@ async fn schedule(
             cpus_in_use += cpus;
             running.insert(name.to_string(), (pid, cpus, resolved.key.clone()));
         }
-        if tasks.is_empty() {
+        if tasks.is_empty() && pulls.is_empty() {
             break;
         }
         tokio::select! {
-            joined = tasks.join_next() => {
+            pulled = pulls.join_next(), if !pulls.is_empty() => {
+                let Some(pulled) = pulled else { continue };
+                let (name, key, pulled, seconds) = pulled.map_err(|e| miette::miette!("internal: {e}"))?;
+                let Some((&name_ref, &pos)) = position.get_key_value(name.as_str()) else { continue };
+                use crate::cache::Pulled;
+                let state = match pulled {
+                    Pulled::Pulled { scope, bytes } => {
+                        reporter.stage_line(&name, &format!("pulled {} from `{scope}` ({}) in {seconds:.2}s", short(&key), nemo_dag_op::plan::bytes(bytes)));
+                        Some("pulled")
+                    }
+                    Pulled::Here => Some("cached"),
+                    Pulled::Refused(why) => {
+                        reporter.stage_line(&name, &format!("not pulled: {why}; building here"));
+                        None
+                    }
+                    Pulled::Absent | Pulled::Off => None,
+                };
+                match (state, store.load(&key)) {
+                    (Some(state), Some(artifact)) => {
+                        if state == "pulled"
+                            && let Err(e) = store.journal(&run_id, &key)
+                        {
+                            record_error.get_or_insert(e);
+                        }
+                        outcomes.insert(name.clone(), outcome(&name, Some(&key), state, seconds));
+                        published.insert(name.clone(), Published::from(&artifact));
+                        release(name_ref, &dependents, &mut waiting, &mut ready, &position);
+                        reporter.done(&running.keys().map(String::as_str).collect::<Vec<_>>());
+                    }
+                    _ => {
+                        not_pulled.insert(name_ref);
+                        if !interrupted {
+                            ready.insert((pos, name_ref));
+                        }
+                    }
+                }
+            }
+            joined = tasks.join_next(), if !tasks.is_empty() => {
                 let Some(joined) = joined else { continue };
                 let (name, result, seconds) = joined.map_err(|e| miette::miette!("internal: {e}"))?;
                 let Some((_, cpus, key)) = running.remove(&name) else { continue };
@@ -544,6 +614,13 @@ async fn schedule(
                             executed.insert(name.clone());
                             if let Err(e) = store.journal(&run_id, &key) {
                                 record_error.get_or_insert(e);
+                            }
+                            if let Some(cache) = &opts.cache {
+                                let (cache, store, key, name) = (cache.clone(), store.clone(), key.clone(), name.clone());
+                                pushes.spawn(async move {
+                                    let pushed = cache.push(&store, &key).await;
+                                    (name, key, pushed)
+                                });
                             }
                             "executed"
                         } else {
@@ -583,8 +660,33 @@ async fn schedule(
                     unsafe { libc::kill(-(*pid as i32), libc::SIGKILL) };
                 }
                 ready.clear();
+                pulls.abort_all();
+                pushes.abort_all();
                 failed = true;
             }
+        }
+    }
+    // What ran here goes to the shared cache before the run ends: a push that fails is said,
+    // and never fails the run.
+    while let Some(pushed) = pushes.join_next().await {
+        let Ok((name, key, pushed)) = pushed else {
+            continue;
+        };
+        use crate::cache::Pushed;
+        match pushed {
+            Ok(Pushed::Pushed { bytes }) => reporter.stage_line(
+                &name,
+                &format!(
+                    "pushed {} ({} sent)",
+                    short(&key),
+                    nemo_dag_op::plan::bytes(bytes)
+                ),
+            ),
+            Ok(Pushed::Conflict(why)) => {
+                reporter.stage_line(&name, &format!("warning: not pushed: {why}"))
+            }
+            Ok(Pushed::There | Pushed::Off) => {}
+            Err(e) => reporter.stage_line(&name, &format!("warning: not pushed: {e}")),
         }
     }
     reporter.finish();
