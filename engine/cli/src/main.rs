@@ -9,6 +9,7 @@
 mod commands;
 
 use clap::{Parser, Subcommand};
+use nemo_dag_engine::cache::Transfer;
 use nemo_dag_engine::diag::Failure;
 use nemo_dag_op::Registry;
 
@@ -54,6 +55,13 @@ enum Command {
     Validate(commands::ManifestArgs),
     /// Cancel the manifest's queued and running cluster jobs
     Cancel(commands::ManifestArgs),
+    /// Push the manifest's artifacts built here to the shared cache ([cache] in env.toml)
+    Push(commands::cache::Args),
+    /// Pull the manifest's artifacts from the shared cache, without running anything
+    Pull(commands::cache::Args),
+    /// The shared cache: `status` says, per stage, where its artifact is
+    #[command(subcommand)]
+    Cache(commands::cache::CacheCommand),
     /// Remove artifacts that no recorded run or pin references
     Gc(commands::gc::Args),
     /// Keep an artifact through `gc` under a name (or `--remove` the name)
@@ -103,6 +111,7 @@ fn run(ops: Registry) -> i32 {
             | Command::Diff(_)
             | Command::Plot(_)
             | Command::Verify(_)
+            | Command::Cache(_)
             | Command::Validate(_)
             | Command::Ops
     ) {
@@ -123,6 +132,11 @@ fn run(ops: Registry) -> i32 {
         Command::Verify(a) => commands::verify::exec(a),
         Command::Validate(a) => commands::validate::exec(a, ops),
         Command::Cancel(a) => commands::cancel::exec(a, ops),
+        Command::Push(a) => commands::cache::exec(a, Transfer::Push, ops),
+        Command::Pull(a) => commands::cache::exec(a, Transfer::Pull, ops),
+        Command::Cache(commands::cache::CacheCommand::Status(a)) => {
+            commands::cache::exec(a, Transfer::Status, ops)
+        }
         Command::Gc(a) => commands::gc::exec(a),
         Command::Pin(a) => commands::pin::exec(a),
         Command::Ops => commands::ops::exec(ops),

@@ -1,6 +1,7 @@
 //! One module per subcommand: its arguments, and the engine call it makes. What they share:
 //! the arguments that name a manifest, and loading it with its store.
 
+pub mod cache;
 pub mod cancel;
 pub mod diff;
 pub mod exec;

@@ -1,6 +1,7 @@
 //! `nemo-dag run`: build every stale stage, here or on the cluster of an `env.toml` profile.
 
 use super::ManifestArgs;
+use nemo_dag_engine::cache::Cache;
 use nemo_dag_engine::diag::{Failure, Result};
 use nemo_dag_engine::executor::local::{self, Outcome, RunOptions};
 use nemo_dag_engine::executor::profile::{self, Executor};
@@ -34,6 +35,9 @@ pub struct Args {
     /// Run stages whose estimated memory exceeds this machine's (the plan may overestimate)
     #[arg(long)]
     no_memory_check: bool,
+    /// Use no shared cache: pull nothing and push nothing, even with [cache] in env.toml
+    #[arg(long)]
+    offline: bool,
     /// Submit to the cluster of this env.toml profile and follow the jobs to the end
     #[arg(
         short = 'r',
@@ -107,6 +111,11 @@ pub fn exec(a: Args, argv: Vec<String>, ops: Registry) -> Result<()> {
             .map(|n| n.get())
             .unwrap_or(1)
     });
+    let cache = if a.offline {
+        None
+    } else {
+        Cache::load(&manifest.dir)?.map(std::sync::Arc::new)
+    };
     let opts = RunOptions {
         jobs,
         keep_going: a.keep_going,
@@ -114,6 +123,7 @@ pub fn exec(a: Args, argv: Vec<String>, ops: Registry) -> Result<()> {
         force: a.force.clone(),
         argv,
         check_memory: !a.no_memory_check,
+        cache,
     };
     let outcomes = local::run(&manifest, &store, &opts)?;
     summarize(&outcomes);
@@ -131,6 +141,7 @@ fn summarize(outcomes: &[Outcome]) {
     }
     let parts: Vec<String> = [
         "executed",
+        "pulled",
         "cutoff",
         "cached",
         "submitted",
