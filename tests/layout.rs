@@ -31,7 +31,8 @@ const ALLOWED: &[(&str, &[&str])] = &[
             "nemo-dag-kernels",
         ],
     ),
-    ("nemo-dag-engine", &["nemo-dag-op"]),
+    ("nemo-dag-remote", &[]),
+    ("nemo-dag-engine", &["nemo-dag-op", "nemo-dag-remote"]),
     (
         "nemo-dag",
         &["nemo-dag-engine", "nemo-dag-op", "nemo-dag-ops"],

@@ -43,5 +43,8 @@ mod layout;
 /// `resources.launch`: a stage's command once per rank; the checks, local runs, job scripts.
 mod launch;
 
+/// The shared cache against a real S3 server: two machines, tampering, scopes, a server down.
+mod cache;
+
 /// The Slurm executor against a real single-node cluster (scripts/slurm-up).
 mod slurm;

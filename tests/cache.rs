@@ -1,0 +1,566 @@
+//! The shared cache against a real S3 server: s3s-fs on a loopback port (scripts/test builds
+//! it into target/tools), one server per test, stopped by its pid. Two projects stand for two
+//! machines; the bucket is a directory, so a test can tamper with what the server holds.
+
+use crate::common::{Out, Project, expect, states};
+use serde_json::Value;
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::time::Duration;
+
+const ACCESS_KEY: &str = "nemo-dag-test";
+const SECRET_KEY: &str = "nemo-dag-test-secret";
+const BUCKET: &str = "team";
+const PREFIX: &str = "nemo-dag";
+
+/// An s3s-fs server on 127.0.0.1, killed when dropped.
+struct Server {
+    child: Child,
+    port: u16,
+    root: PathBuf,
+}
+
+impl Server {
+    /// A server with an empty bucket, or `None` (said) where there is no s3s-fs.
+    fn start(test: &str) -> Option<Server> {
+        let Ok(bin) = std::env::var("NEMO_DAG_S3S_FS") else {
+            if std::env::var("NEMO_DAG_REQUIRE_S3").as_deref() == Ok("1") {
+                panic!("{test}: NEMO_DAG_REQUIRE_S3=1 but NEMO_DAG_S3S_FS names no s3s-fs");
+            }
+            eprintln!(
+                "skipping {test}: no S3 server (scripts/test builds s3s-fs and sets NEMO_DAG_S3S_FS)"
+            );
+            return None;
+        };
+        let root = std::env::temp_dir().join(format!("nemo-dag-s3-{test}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        std::fs::create_dir_all(root.join(BUCKET)).unwrap();
+        let port = free_port();
+        let child = Command::new(&bin)
+            .args(["--host", "127.0.0.1", "--port", &port.to_string()])
+            .args(["--access-key", ACCESS_KEY, "--secret-key", SECRET_KEY])
+            .arg(&root)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot start {bin}: {e}"));
+        let up = crate::common::wait_for(Duration::from_secs(20), || {
+            std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
+        });
+        assert!(up, "s3s-fs did not listen on port {port}");
+        Some(Server { child, port, root })
+    }
+
+    /// Where the server keeps an object of the cache.
+    fn object(&self, rel: &str) -> PathBuf {
+        self.root.join(BUCKET).join(PREFIX).join(rel)
+    }
+
+    fn record(&self, scope: &str, key: &str) -> PathBuf {
+        self.object(&format!("ac/{scope}/{key}.json"))
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.root);
+    }
+}
+
+fn free_port() -> u16 {
+    let listener = std::net::TcpListener::bind(("127.0.0.1", 0)).unwrap();
+    listener.local_addr().unwrap().port()
+}
+
+/// A "machine": a project holding the shipped `manifest` (with its variants and data), and an
+/// env.toml whose [cache] reads `read` and writes `write` at `endpoint`.
+fn machine(
+    name: &str,
+    manifest: &str,
+    endpoint: &str,
+    read: &[&str],
+    write: Option<&str>,
+) -> Project {
+    let p = Project::new(&format!("cache-{name}"));
+    let manifests = crate::common::repo().join("manifests");
+    let stem = manifest.trim_end_matches(".yaml");
+    p.write(
+        manifest,
+        &std::fs::read_to_string(manifests.join(manifest)).unwrap(),
+    );
+    for variant in std::fs::read_dir(manifests.join(stem))
+        .into_iter()
+        .flatten()
+        .flatten()
+    {
+        let rel = format!("{stem}/{}", variant.file_name().to_string_lossy());
+        p.write(&rel, &std::fs::read_to_string(variant.path()).unwrap());
+    }
+    let read: Vec<String> = read.iter().map(|s| format!("{s:?}")).collect();
+    let write = write
+        .map(|w| format!("write = {w:?}\n"))
+        .unwrap_or_default();
+    p.write(
+        "env.toml",
+        &format!(
+            "[cache]\nurl = \"s3://{BUCKET}/{PREFIX}\"\nendpoint = \"{endpoint}\"\nregion = \"us-east-1\"\nallow_http = true\nread = [{}]\n{write}",
+            read.join(", ")
+        ),
+    );
+    p.write(".git", "");
+    p
+}
+
+fn endpoint(server: &Server) -> String {
+    format!("http://127.0.0.1:{}", server.port)
+}
+
+/// The binary, with the test server's credentials in the environment, as a user has them.
+fn nd(p: &Project, args: &[&str]) -> Out {
+    let mut c = p.command(args);
+    c.env("AWS_ACCESS_KEY_ID", ACCESS_KEY)
+        .env("AWS_SECRET_ACCESS_KEY", SECRET_KEY);
+    crate::common::output(c)
+}
+
+fn run_json(p: &Project, args: &[&str]) -> (Value, Out) {
+    let out = nd(p, args);
+    assert_eq!(out.code, 0, "nemo-dag {args:?}\n{out}");
+    (out.json(), out)
+}
+
+/// Every file of every published artifact, by path under `artifacts/`, with its digest.
+fn artifacts(p: &Project) -> Vec<(String, Option<String>)> {
+    crate::common::snapshot(&p.store().join("artifacts"))
+        .into_iter()
+        .map(|(path, bytes)| (path, bytes.map(|b| blake3::hash(&b).to_hex().to_string())))
+        .collect()
+}
+
+/// The stages' outputs alone: what a stage built anywhere has in common with its pull.
+fn outputs(p: &Project) -> Vec<(String, Option<String>)> {
+    artifacts(p)
+        .into_iter()
+        .filter(|(path, _)| path.contains("/out/"))
+        .collect()
+}
+
+/// Every object the server holds under the cache, with its bytes.
+fn objects(server: &Server) -> Vec<(String, Option<Vec<u8>>)> {
+    crate::common::snapshot(&server.object(""))
+}
+
+fn all(v: &Value, state: &str) -> bool {
+    states(v).values().all(|s| s == state)
+}
+
+#[test]
+fn a_second_machine_pulls_every_stage_of_the_demo_and_data_recipes_and_runs_nothing() {
+    let Some(server) = Server::start("two-machines") else {
+        return;
+    };
+    for (manifest, variant) in [("demo.yaml", None), ("data-prep.yaml", Some("tiny"))] {
+        let e = endpoint(&server);
+        let a = machine("a", manifest, &e, &["main"], Some("main"));
+        let b = machine("b", manifest, &e, &["main"], Some("main"));
+        let mut args = vec!["run", manifest, "--json"];
+        if let Some(v) = variant {
+            args.extend(["-c", v]);
+        }
+        let (first, out) = run_json(&a, &args);
+        assert!(all(&first, "executed"), "{first}");
+        assert!(out.stderr.contains("pushed "), "{out}");
+        let (second, out) = run_json(&b, &args);
+        assert!(
+            all(&second, "pulled"),
+            "{manifest}: every stage pulled\n{out}"
+        );
+        assert!(!out.stderr.contains("started"), "nothing ran on b:\n{out}");
+        assert!(
+            out.stderr
+                .contains(&format!("stage(s): {} pulled", states(&second).len())),
+            "{out}"
+        );
+        assert_eq!(
+            artifacts(&a),
+            artifacts(&b),
+            "{manifest}: the same bytes on both machines"
+        );
+        assert_eq!(crate::common::keys(&first), crate::common::keys(&second));
+        // b's store serves them as its own: a rerun is all cached, and verify finds nothing.
+        let (third, _) = run_json(&b, &args);
+        assert!(all(&third, "cached"), "{third}");
+        let verify = nd(&b, &["verify", "--all", "--store", ".nemo-dag"]);
+        assert_eq!(verify.code, 0, "{verify}");
+    }
+}
+
+#[test]
+fn a_blob_altered_on_the_server_is_refused_and_the_stage_builds_here() {
+    let Some(server) = Server::start("tampered") else {
+        return;
+    };
+    let e = endpoint(&server);
+    let a = machine("a", "demo.yaml", &e, &["main"], Some("main"));
+    let (first, _) = run_json(&a, &["run", "demo.yaml", "--json"]);
+    // Alter the blob of `fit`'s model on the server (same length: only the digest tells).
+    let fit = crate::common::key_of(&first, "fit");
+    let record: Value =
+        serde_json::from_slice(&std::fs::read(server.record("main", &fit)).unwrap()).unwrap();
+    let entry = record["entries"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["path"] == "out/model.txt")
+        .unwrap();
+    let blob = server.object(&format!("cas/{}", entry["digest"].as_str().unwrap()));
+    let mut bytes = std::fs::read(&blob).unwrap();
+    bytes[0] ^= 1;
+    std::fs::write(&blob, &bytes).unwrap();
+
+    let b = machine("b", "demo.yaml", &e, &["main"], Some("main"));
+    let (second, out) = run_json(&b, &["run", "demo.yaml", "--json"]);
+    assert_eq!(
+        states(&second),
+        expect(&[
+            ("generate", "pulled"),
+            ("fit", "executed"),
+            ("count", "pulled"),
+            // fit built here gives a's bytes, so report's key is a's, and the cache has it.
+            ("report", "pulled")
+        ]),
+        "{out}"
+    );
+    assert!(
+        out.stderr.contains("not pulled") && out.stderr.contains("is not what its name says"),
+        "the refusal names the blob:\n{out}"
+    );
+    // What b built is what a built; nothing of the altered blob reached b's store.
+    assert_eq!(outputs(&a), outputs(&b));
+    let b_files = artifacts(&b);
+    assert!(
+        !b_files
+            .iter()
+            .any(|(_, d)| d.as_deref() == Some(blake3::hash(&bytes).to_hex().as_str())),
+        "the altered bytes are nowhere in b's store"
+    );
+}
+
+#[test]
+fn a_scope_not_read_is_ignored_and_a_record_is_never_overwritten() {
+    let Some(server) = Server::start("scopes") else {
+        return;
+    };
+    let e = endpoint(&server);
+    // alice pushes to her scope; bob, reading only main, builds everything himself.
+    let alice = machine("alice", "demo.yaml", &e, &["alice"], Some("alice"));
+    let (first, _) = run_json(&alice, &["run", "demo.yaml", "--json"]);
+    let bob = machine("bob", "demo.yaml", &e, &["main"], Some("main"));
+    let (second, out) = run_json(&bob, &["run", "demo.yaml", "--json"]);
+    assert!(all(&second, "executed"), "{out}");
+    assert_eq!(crate::common::keys(&first), crate::common::keys(&second));
+
+    // A stage that gives other bytes each time: carol's record is kept, dave's is not written.
+    let text = "stages:\n  stamp:\n    op: cmd\n    outputs: {o: o.txt}\n    cmd: \"od -An -N8 -tx8 /dev/urandom > {outputs.o}\"\n";
+    let carol = machine("carol", "demo.yaml", &e, &["other"], Some("main"));
+    carol.write("n.yaml", text);
+    let (c, _) = run_json(&carol, &["run", "n.yaml", "--json"]);
+    let key = crate::common::key_of(&c, "stamp");
+    let kept = std::fs::read(server.record("main", &key)).unwrap();
+    let dave = machine("dave", "demo.yaml", &e, &["other"], Some("main"));
+    dave.write("n.yaml", text);
+    let (d, out) = run_json(&dave, &["run", "n.yaml", "--json"]);
+    assert_eq!(states(&d), expect(&[("stamp", "executed")]));
+    assert!(
+        out.stderr.contains("not pushed") && out.stderr.contains("theirs is kept"),
+        "the conflict is reported:\n{out}"
+    );
+    assert_eq!(std::fs::read(server.record("main", &key)).unwrap(), kept);
+}
+
+#[test]
+fn a_cache_that_is_down_warns_once_and_the_run_builds_here() {
+    // Nothing listens on this port.
+    let e = format!("http://127.0.0.1:{}", free_port());
+    let p = machine("down", "demo.yaml", &e, &["main"], Some("main"));
+    let (v, out) = run_json(&p, &["run", "demo.yaml", "--json"]);
+    assert!(all(&v, "executed"), "{out}");
+    assert_eq!(
+        out.stderr.matches("warning: the shared cache").count(),
+        1,
+        "one warning:\n{out}"
+    );
+    assert!(
+        out.stderr.contains("env.toml"),
+        "it names the setting's file:\n{out}"
+    );
+    // The commands whose whole job is the cache fail instead.
+    let push = nd(&p, &["push", "demo.yaml"]);
+    assert_eq!(push.code, 1, "{push}");
+    assert!(push.stderr.contains("cannot be used"), "{push}");
+}
+
+#[test]
+fn push_pull_and_cache_status_move_artifacts_without_running_anything() {
+    let Some(server) = Server::start("commands") else {
+        return;
+    };
+    let e = endpoint(&server);
+    let a = machine("a", "demo.yaml", &e, &["main"], Some("main"));
+    a.ok(&["run", "demo.yaml", "--offline"]);
+    assert!(objects(&server).is_empty(), "--offline pushes nothing");
+    let status = |p: &Project| -> Vec<(String, bool, Option<String>)> {
+        let (v, _) = run_json(p, &["cache", "status", "demo.yaml", "--json"]);
+        v["stages"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|s| {
+                (
+                    s["name"].as_str().unwrap().to_string(),
+                    s["local"].as_bool().unwrap(),
+                    s["remote"].as_str().map(String::from),
+                )
+            })
+            .collect()
+    };
+    assert!(
+        status(&a)
+            .iter()
+            .all(|(_, local, remote)| *local && remote.is_none())
+    );
+    let (pushed, _) = run_json(&a, &["push", "demo.yaml", "--target", "fit", "--json"]);
+    let done: Vec<&str> = pushed["stages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(|s| s["done"].as_str())
+        .collect();
+    assert_eq!(
+        done,
+        ["pushed", "pushed"],
+        "fit and what it needs: {pushed}"
+    );
+    // A second push sends nothing.
+    let (again, _) = run_json(&a, &["push", "demo.yaml", "--json"]);
+    let sent: u64 = again["stages"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|s| ["generate", "fit"].contains(&s["name"].as_str().unwrap()))
+        .map(|s| s["bytes"].as_u64().unwrap())
+        .sum();
+    assert_eq!(sent, 0, "{again}");
+
+    let b = machine("b", "demo.yaml", &e, &["main"], None);
+    let before = status(&b);
+    assert!(
+        before
+            .iter()
+            .all(|(_, local, remote)| !*local && remote.as_deref() == Some("main")),
+        "every stage is in the cache, none here: {before:?}"
+    );
+    let (pulled, _) = run_json(&b, &["pull", "demo.yaml", "--json"]);
+    assert!(
+        pulled["stages"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .all(|s| s["done"] == "pulled")
+    );
+    assert_eq!(artifacts(&a), artifacts(&b));
+    let (run, _) = run_json(&b, &["run", "demo.yaml", "--json"]);
+    assert!(all(&run, "cached"), "{run}");
+    // b writes no scope: a push is refused before anything is sent.
+    let push = nd(&b, &["push", "demo.yaml"]);
+    assert_eq!(push.code, 2, "{push}");
+    assert!(push.stderr.contains("writes no scope"), "{push}");
+}
+
+#[test]
+fn cache_settings_that_cannot_work_are_errors_at_their_line_and_nothing_runs() {
+    for (setting, wanted) in [
+        (
+            "secret_access_key = \"x\"",
+            "credentials never go in env.toml",
+        ),
+        ("regoin = \"us-east-1\"", "did you mean `region`"),
+        ("read = \"main\"", "cache.read is a list"),
+        ("write = \"a/b\"", "not a scope name"),
+    ] {
+        let p = machine("bad", "demo.yaml", "http://127.0.0.1:9", &["main"], None);
+        let text = std::fs::read_to_string(p.path("env.toml")).unwrap();
+        let text = text.replace("read = [\"main\"]\n", "");
+        p.write("env.toml", &format!("{text}{setting}\n"));
+        let out = nd(&p, &["run", "demo.yaml"]);
+        assert_eq!(out.code, 2, "{setting}\n{out}");
+        assert!(out.stderr.contains(wanted), "{setting}: {wanted}\n{out}");
+        assert!(out.stderr.contains("env.toml"), "{out}");
+        assert!(
+            !p.store().join("artifacts").exists(),
+            "{setting}: nothing ran"
+        );
+    }
+    let p = machine(
+        "bad-url",
+        "demo.yaml",
+        "http://127.0.0.1:9",
+        &["main"],
+        None,
+    );
+    let text = std::fs::read_to_string(p.path("env.toml")).unwrap();
+    p.write(
+        "env.toml",
+        &text.replace("s3://team/nemo-dag", "ftp://host/x"),
+    );
+    let out = nd(&p, &["run", "demo.yaml"]);
+    assert_eq!(out.code, 2, "{out}");
+    assert!(out.stderr.contains("cache.url"), "{out}");
+}
+
+/// A TCP proxy to the server that lets `rate` bytes a second through in each direction: a slow
+/// network, so that a test can kill a transfer in the middle. Counts the bytes sent upstream.
+struct SlowLink {
+    port: u16,
+    upstream: std::sync::Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl SlowLink {
+    fn to(server: &Server, rate: u64) -> SlowLink {
+        use std::io::{Read, Write};
+        use std::sync::atomic::{AtomicU64, Ordering};
+        let listener = std::net::TcpListener::bind(("127.0.0.1", 0)).unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let target = server.port;
+        let upstream = std::sync::Arc::new(AtomicU64::new(0));
+        let counter = upstream.clone();
+        std::thread::spawn(move || {
+            for client in listener.incoming().flatten() {
+                let Ok(server) = std::net::TcpStream::connect(("127.0.0.1", target)) else {
+                    continue;
+                };
+                let pipe =
+                    move |mut from: std::net::TcpStream,
+                          mut to: std::net::TcpStream,
+                          count: Option<std::sync::Arc<AtomicU64>>| {
+                        let mut buf = vec![0u8; 16 << 10];
+                        while let Ok(n) = from.read(&mut buf) {
+                            if n == 0 || to.write_all(&buf[..n]).is_err() {
+                                break;
+                            }
+                            if let Some(c) = &count {
+                                c.fetch_add(n as u64, Ordering::SeqCst);
+                            }
+                            std::thread::sleep(Duration::from_secs_f64(n as f64 / rate as f64));
+                        }
+                        let _ = to.shutdown(std::net::Shutdown::Both);
+                    };
+                let (c2, s2) = (client.try_clone().unwrap(), server.try_clone().unwrap());
+                let counter = counter.clone();
+                std::thread::spawn(move || pipe(c2, s2, Some(counter)));
+                std::thread::spawn(move || pipe(server, client, None));
+            }
+        });
+        SlowLink { port, upstream }
+    }
+
+    fn endpoint(&self) -> String {
+        format!("http://127.0.0.1:{}", self.port)
+    }
+
+    fn sent(&self) -> u64 {
+        self.upstream.load(std::sync::atomic::Ordering::SeqCst)
+    }
+}
+
+/// A stage with one 20 MiB output: over the 16 MiB above which a file goes up in parts.
+const BIG: &str = "stages:\n  big:\n    op: cmd\n    outputs: {o: o.bin}\n    cmd: \"head -c 20971520 /dev/urandom > {outputs.o}\"\n";
+
+fn with_endpoint(p: &Project, endpoint: &str) {
+    let text = std::fs::read_to_string(p.path("env.toml")).unwrap();
+    let start = text.find("endpoint = ").unwrap();
+    let end = start + text[start..].find('\n').unwrap();
+    p.write(
+        "env.toml",
+        &format!(
+            "{}endpoint = \"{endpoint}\"{}",
+            &text[..start],
+            &text[end..]
+        ),
+    );
+}
+
+#[test]
+fn a_push_or_a_pull_killed_midway_leaves_no_partial_entry_anywhere() {
+    let Some(server) = Server::start("killed") else {
+        return;
+    };
+    let slow = SlowLink::to(&server, 4 << 20);
+    let a = machine("a", "demo.yaml", &slow.endpoint(), &["main"], Some("main"));
+    a.write("big.yaml", BIG);
+    a.ok(&["run", "big.yaml", "--offline"]);
+    let credentials = |mut c: Command| {
+        c.env("AWS_ACCESS_KEY_ID", ACCESS_KEY)
+            .env("AWS_SECRET_ACCESS_KEY", SECRET_KEY)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null());
+        c
+    };
+
+    // kill -9 a push once 4 MiB of the 20 have gone up: no record, so no reader sees anything.
+    let mut push = credentials(a.command(&["push", "big.yaml"]))
+        .spawn()
+        .unwrap();
+    assert!(crate::common::wait_for(Duration::from_secs(30), || slow
+        .sent()
+        > 4 << 20));
+    push.kill().unwrap();
+    push.wait().unwrap();
+    let records = crate::common::listing(&server.object("ac"));
+    assert!(
+        records.iter().all(|r| !r.ends_with(".json")),
+        "a killed push wrote a record: {records:?}"
+    );
+    for (path, bytes) in objects(&server) {
+        if let (Some(digest), Some(bytes)) = (path.strip_prefix("cas/"), bytes) {
+            assert_eq!(
+                blake3::hash(&bytes).to_hex().as_str(),
+                digest,
+                "a partial blob is visible"
+            );
+        }
+    }
+    // Pushed again, in full, over the fast link.
+    with_endpoint(&a, &endpoint(&server));
+    let again = nd(&a, &["push", "big.yaml"]);
+    assert_eq!(again.code, 0, "{again}");
+
+    // kill -9 a pull in the middle of the big file: nothing published; the next pull completes.
+    let b = machine("b", "demo.yaml", &slow.endpoint(), &["main"], None);
+    b.write("big.yaml", BIG);
+    let mut pull = credentials(b.command(&["pull", "big.yaml"]))
+        .spawn()
+        .unwrap();
+    let tmp = b.store().join("tmp");
+    let midway = || {
+        crate::common::find_named(&tmp, "pull-").iter().any(|d| {
+            std::fs::metadata(tmp.join(d).join("out/o.bin")).is_ok_and(|m| m.len() > 2 << 20)
+        })
+    };
+    assert!(
+        crate::common::wait_for(Duration::from_secs(30), midway),
+        "the pull never got going"
+    );
+    pull.kill().unwrap();
+    pull.wait().unwrap();
+    assert!(
+        b.artifact_dirs().is_empty(),
+        "a killed pull published {:?}",
+        b.artifact_dirs()
+    );
+    let (v, _) = run_json(&b, &["run", "big.yaml", "--json"]);
+    assert_eq!(states(&v), expect(&[("big", "pulled")]));
+    assert_eq!(outputs(&a), outputs(&b));
+}
