@@ -154,6 +154,14 @@ impl Cache {
                     .help("use https:// for a server across a network: requests carry signed credentials and the artifacts themselves"));
             }
         }
+        if allow_http && endpoint.is_none() {
+            return Err(at(
+                "allow_http",
+                "allow_http is for the loopback server `endpoint` names, and there is no endpoint"
+                    .into(),
+            )
+            .help("add `endpoint = \"http://127.0.0.1:PORT\"`, or remove allow_http"));
+        }
         let write = text("write")?;
         if let Some(w) = &write {
             check_scope(w).map_err(|why| at("write", format!("cache.write: {why}")))?;
@@ -263,13 +271,14 @@ impl Cache {
             Err(_) if !self.up() => return Pulled::Off,
             Err(e) => return Pulled::Refused(e.to_string()),
         };
-        // The key's lock, as `exec` takes it: a build of the same key elsewhere finishes first.
-        let (lock_store, lock_key) = (store.clone(), key.to_string());
-        let lock = tokio::task::spawn_blocking(move || lock_store.lock(&lock_key)).await;
-        let _lock = match lock {
-            Ok(Ok(file)) => file,
-            Ok(Err(e)) => return Pulled::Refused(format!("{e:?}")),
-            Err(e) => return Pulled::Refused(e.to_string()),
+        // The key's lock, as `exec` takes it: a build of the same key elsewhere finishes
+        // first. Polled, not waited on in a thread, so that an interrupted run ends at once.
+        let _lock = loop {
+            match store.try_lock(key) {
+                Ok(Some(file)) => break file,
+                Ok(None) => tokio::time::sleep(std::time::Duration::from_millis(100)).await,
+                Err(e) => return Pulled::Refused(format!("{e:?}")),
+            }
         };
         if store.is_published(key) {
             return Pulled::Here;
@@ -328,7 +337,13 @@ impl Cache {
         };
         std::fs::create_dir_all(dir).map_err(|e| local(dir, e))?;
         let mut files = Vec::new();
-        for entry in &record.entries {
+        // Links last, once everything else is in place ([`Record::check`] refused any entry
+        // under a link, and any link out of the outputs).
+        let (links, rest): (Vec<&Entry>, Vec<&Entry>) = record
+            .entries
+            .iter()
+            .partition(|e| matches!(e, Entry::Link { .. }));
+        for entry in rest.into_iter().chain(links) {
             let path = dir.join(entry.path());
             match entry {
                 Entry::Dir { .. } => std::fs::create_dir_all(&path).map_err(|e| local(&path, e))?,
@@ -780,6 +795,14 @@ fn verify_pulled(record: &Record, dir: &Path) -> Result<(), String> {
             "its artifact.json's outputs are not its record's ({})",
             differing(&output_digests(&artifact), &record.outputs)
         ));
+    }
+    if let Some((name, o)) = artifact.outputs.iter().find(|(_, o)| {
+        !o.path.starts_with("out/")
+            || !std::path::Path::new(&o.path)
+                .components()
+                .all(|c| matches!(c, std::path::Component::Normal(_)))
+    }) {
+        return Err(format!("its output `{name}` is at `{}`", o.path));
     }
     crate::exec::check_output_links(&dir.join("out"))?;
     let mut digester = Digester::fresh();

@@ -168,6 +168,12 @@ impl Record {
             ));
         }
         let mut seen = std::collections::HashSet::new();
+        let links: std::collections::HashSet<&str> = self
+            .entries
+            .iter()
+            .filter(|e| matches!(e, Entry::Link { .. }))
+            .map(Entry::path)
+            .collect();
         for entry in &self.entries {
             let path = entry.path();
             if !plain_relative(path) {
@@ -176,10 +182,24 @@ impl Record {
             if !seen.insert(path) {
                 return Err(format!("it names `{path}` twice"));
             }
-            if let Entry::File { digest, .. } = entry
-                && !is_digest(digest)
-            {
-                return Err(format!("`{path}` has the digest `{digest}`"));
+            // Nothing is laid out through a link: the link could point anywhere.
+            let mut parent = Path::new(path).parent();
+            while let Some(p) = parent.and_then(Path::to_str).filter(|p| !p.is_empty()) {
+                if links.contains(p) {
+                    return Err(format!("`{path}` lies under the link `{p}`"));
+                }
+                parent = Path::new(p).parent();
+            }
+            match entry {
+                Entry::File { digest, .. } if !is_digest(digest) => {
+                    return Err(format!("`{path}` has the digest `{digest}`"));
+                }
+                Entry::Link { target, .. } if !link_stays_in_outputs(path, target) => {
+                    return Err(format!(
+                        "`{path}` links to `{target}`, outside the artifact's outputs"
+                    ));
+                }
+                _ => {}
             }
         }
         Ok(())
@@ -193,6 +213,28 @@ fn plain_relative(path: &str) -> bool {
         && Path::new(path)
             .components()
             .all(|c| matches!(c, Component::Normal(_)))
+}
+
+/// A link under `out/` whose relative target, read from the link's directory, stays under
+/// `out/` (as a published artifact's links do: the engine refuses any other at publish).
+fn link_stays_in_outputs(path: &str, target: &str) -> bool {
+    if !path.starts_with("out/") || target.is_empty() || target.starts_with('/') {
+        return false;
+    }
+    let mut at: Vec<&str> = path.split('/').collect();
+    at.pop();
+    for part in target.split('/') {
+        match part {
+            "" | "." => {}
+            ".." => {
+                if at.pop().is_none() {
+                    return false;
+                }
+            }
+            name => at.push(name),
+        }
+    }
+    at.len() >= 2 && at[0] == "out"
 }
 
 fn is_digest(s: &str) -> bool {
@@ -453,7 +495,15 @@ impl Remote {
         let at = self.blob(digest);
         let local =
             |e: std::io::Error| Error::Local(format!("cannot write {}: {e}", dest.display()));
-        let got = self.store.get(&at).await.map_err(|e| classify(&at, e))?;
+        let got = match self.store.get(&at).await {
+            Ok(got) => got,
+            // Gone (a lifecycle rule, a hand clean-up): this record cannot be used; the
+            // cache as a whole still can.
+            Err(object_store::Error::NotFound { .. }) => {
+                return Err(Error::Corrupt(format!("blob {at} is missing")));
+            }
+            Err(e) => return Err(classify(&at, e)),
+        };
         let mut file = std::fs::File::create_new(dest).map_err(local)?;
         let mut hasher = blake3::Hasher::new();
         let mut stream = got.into_stream();
@@ -553,6 +603,35 @@ mod tests {
             let r = record(vec![file(bad)]);
             assert!(r.check(&key, "main").is_err(), "{bad:?} was accepted");
         }
+        // A link out, and a file laid out through a link, are refused.
+        let link = |path: &str, target: &str| Entry::Link {
+            path: path.into(),
+            target: target.into(),
+        };
+        assert_eq!(
+            record(vec![link("out/a/l", "../b")]).check(&key, "main"),
+            Ok(())
+        );
+        for (path, target) in [
+            ("out/l", "/home/u/.git/hooks"),
+            ("out/l", "../artifact.json"),
+            ("out/a/l", "../../../x"),
+            ("out", "out/x"),
+            ("log", "out/x"),
+        ] {
+            let r = record(vec![link(path, target)]);
+            assert!(
+                r.check(&key, "main").is_err(),
+                "{path} → {target} was accepted"
+            );
+        }
+        let through = record(vec![link("out/x", "y"), file("out/x/hook")]);
+        assert!(
+            through
+                .check(&key, "main")
+                .unwrap_err()
+                .contains("under the link")
+        );
         let twice = record(vec![file("a"), Entry::Dir { path: "a".into() }]);
         assert!(twice.check(&key, "main").unwrap_err().contains("twice"));
         let not_a_digest = record(vec![Entry::File {

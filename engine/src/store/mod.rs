@@ -295,6 +295,22 @@ impl Store {
 
     /// Block until this process is the only one working on `key`. Dropping the file unlocks.
     pub fn lock(&self, key: &str) -> Result<File> {
+        let (file, path) = self.lock_file(key)?;
+        file.lock().map_err(|e| io_err("cannot lock", &path, e))?;
+        Ok(file)
+    }
+
+    /// The key's lock if no other process holds it now (for a caller that must not block).
+    pub fn try_lock(&self, key: &str) -> Result<Option<File>> {
+        let (file, path) = self.lock_file(key)?;
+        match file.try_lock() {
+            Ok(()) => Ok(Some(file)),
+            Err(std::fs::TryLockError::WouldBlock) => Ok(None),
+            Err(std::fs::TryLockError::Error(e)) => Err(io_err("cannot lock", &path, e)),
+        }
+    }
+
+    fn lock_file(&self, key: &str) -> Result<(File, PathBuf)> {
         let path = self.root.join("locks").join(format!("{key}.lock"));
         let file = File::options()
             .create(true)
@@ -302,8 +318,7 @@ impl Store {
             .write(true)
             .open(&path)
             .map_err(|e| io_err("cannot open lock", &path, e))?;
-        file.lock().map_err(|e| io_err("cannot lock", &path, e))?;
-        Ok(file)
+        Ok((file, path))
     }
 
     /// Move a finished `tmp` directory into place as `artifacts/<key>`. With `replace`, an
