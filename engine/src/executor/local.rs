@@ -470,7 +470,7 @@ async fn schedule(
     loop {
         // Start (or settle from the cache) every ready stage that fits.
         while let Some(&(pos, name)) = ready.first() {
-            if failed && !opts.keep_going {
+            if interrupted || (failed && !opts.keep_going) {
                 break;
             }
             let stage = &manifest.stages[name];
@@ -559,8 +559,8 @@ async fn schedule(
         }
         tokio::select! {
             pulled = pulls.join_next(), if !pulls.is_empty() => {
-                let Some(pulled) = pulled else { continue };
-                let (name, key, pulled, seconds) = pulled.map_err(|e| miette::miette!("internal: {e}"))?;
+                // (A pull cancelled by an interrupt gave nothing.)
+                let Some(Ok((name, key, pulled, seconds))) = pulled else { continue };
                 let Some((&name_ref, &pos)) = position.get_key_value(name.as_str()) else { continue };
                 use crate::cache::Pulled;
                 let state = match pulled {
@@ -576,7 +576,7 @@ async fn schedule(
                     Pulled::Absent | Pulled::Off => None,
                 };
                 match (state, store.load(&key)) {
-                    (Some(state), Some(artifact)) => {
+                    (Some(state), Some(artifact)) if !interrupted => {
                         if state == "pulled"
                             && let Err(e) = store.journal(&run_id, &key)
                         {
@@ -668,7 +668,17 @@ async fn schedule(
     }
     // What ran here goes to the shared cache before the run ends: a push that fails is said,
     // and never fails the run.
-    while let Some(pushed) = pushes.join_next().await {
+    loop {
+        let pushed = tokio::select! {
+            pushed = pushes.join_next() => pushed,
+            signal = &mut stop, if !interrupted => {
+                interrupted = true;
+                reporter.line(format!("{signal}: the pushes still running are abandoned (a record goes up only after its blobs: nothing partial is visible)"));
+                pushes.abort_all();
+                continue;
+            }
+        };
+        let Some(pushed) = pushed else { break };
         let Ok((name, key, pushed)) = pushed else {
             continue;
         };
