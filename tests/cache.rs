@@ -2,7 +2,7 @@
 //! it into target/tools), one server per test, stopped by its pid. Two projects stand for two
 //! machines; the bucket is a directory, so a test can tamper with what the server holds.
 
-use crate::common::{Out, Project, expect, states};
+use crate::common::{Out, Project, expect, stage_list, states};
 use serde_json::Value;
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
@@ -313,9 +313,7 @@ fn push_pull_and_cache_status_move_artifacts_without_running_anything() {
     assert!(objects(&server).is_empty(), "--offline pushes nothing");
     let status = |p: &Project| -> Vec<(String, bool, Option<String>)> {
         let (v, _) = run_json(p, &["cache", "status", "demo.yaml", "--json"]);
-        v["stages"]
-            .as_array()
-            .unwrap()
+        stage_list(&v)
             .iter()
             .map(|s| {
                 (
@@ -332,9 +330,7 @@ fn push_pull_and_cache_status_move_artifacts_without_running_anything() {
             .all(|(_, local, remote)| *local && remote.is_none())
     );
     let (pushed, _) = run_json(&a, &["push", "demo.yaml", "--target", "fit", "--json"]);
-    let done: Vec<&str> = pushed["stages"]
-        .as_array()
-        .unwrap()
+    let done: Vec<&str> = stage_list(&pushed)
         .iter()
         .filter_map(|s| s["done"].as_str())
         .collect();
@@ -345,9 +341,7 @@ fn push_pull_and_cache_status_move_artifacts_without_running_anything() {
     );
     // A second push sends nothing.
     let (again, _) = run_json(&a, &["push", "demo.yaml", "--json"]);
-    let sent: u64 = again["stages"]
-        .as_array()
-        .unwrap()
+    let sent: u64 = stage_list(&again)
         .iter()
         .filter(|s| ["generate", "fit"].contains(&s["name"].as_str().unwrap()))
         .map(|s| s["bytes"].as_u64().unwrap())
@@ -363,13 +357,7 @@ fn push_pull_and_cache_status_move_artifacts_without_running_anything() {
         "every stage is in the cache, none here: {before:?}"
     );
     let (pulled, _) = run_json(&b, &["pull", "demo.yaml", "--json"]);
-    assert!(
-        pulled["stages"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .all(|s| s["done"] == "pulled")
-    );
+    assert!(stage_list(&pulled).iter().all(|s| s["done"] == "pulled"));
     assert_eq!(artifacts(&a), artifacts(&b));
     let (run, _) = run_json(&b, &["run", "demo.yaml", "--json"]);
     assert!(all(&run, "cached"), "{run}");

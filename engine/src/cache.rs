@@ -294,27 +294,22 @@ impl Cache {
                 .map(|d| d.as_nanos())
                 .unwrap_or_default()
         ));
-        match self.assemble(&record, &dir).await {
-            Ok(()) => {}
+        let laid_out = match self.assemble(&record, &dir).await {
             Err(e) => {
-                let _ = std::fs::remove_dir_all(&dir);
                 if matches!(e, Error::Unreachable(_)) {
                     self.went_down(&e);
                 }
-                return Pulled::Refused(format!(
-                    "the cache's copy (scope `{}`, made on {} at {}) was not used: {e}",
-                    record.scope, record.producer.host, record.producer.created_at
-                ));
+                Err(e.to_string())
             }
-        }
-        let published = verify_pulled(&record, &dir).and_then(|()| {
-            crate::store::seal(&dir).map_err(|e| e.to_string())?;
-            crate::store::sync_tree(&dir).map_err(|e| e.to_string())?;
-            store
-                .publish(&dir, key, false)
-                .map_err(|e| format!("{e:?}"))
-        });
-        match published {
+            Ok(()) => verify_pulled(&record, &dir).and_then(|()| {
+                crate::store::seal(&dir).map_err(|e| e.to_string())?;
+                crate::store::sync_tree(&dir).map_err(|e| e.to_string())?;
+                store
+                    .publish(&dir, key, false)
+                    .map_err(|e| format!("{e:?}"))
+            }),
+        };
+        match laid_out {
             Ok(()) => Pulled::Pulled {
                 scope: record.scope.clone(),
                 bytes: record.bytes(),

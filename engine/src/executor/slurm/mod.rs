@@ -110,11 +110,7 @@ pub fn submit(manifest: &Manifest, store: &Store, opts: &SubmitOptions) -> Resul
         .filter(|p| p.freshness != Freshness::UpToDate || opts.force.contains(&p.name))
         .map(|p| p.name.as_str())
         .collect();
-    let partition = match opts.mode {
-        Mode::Run => opts.profile.run_partition.as_ref(),
-        Mode::Batch => opts.profile.batch_partition.as_ref(),
-    }
-    .or(opts.profile.partition.as_ref());
+    let partition = partition(opts);
     for name in manifest.order.iter().filter(|n| stale.contains(n.as_str())) {
         script::check_mounts(manifest, store, opts, name).map_err(|(message, help)| {
             manifest
@@ -371,4 +367,14 @@ mod interrupt {
             FIRED.load(Ordering::SeqCst)
         }
     }
+}
+
+/// The partition a job goes to: the profile's for this mode (`run_partition`,
+/// `batch_partition`), else its `partition`.
+fn partition<'a>(opts: &SubmitOptions<'a>) -> Option<&'a String> {
+    match opts.mode {
+        Mode::Run => opts.profile.run_partition.as_ref(),
+        Mode::Batch => opts.profile.batch_partition.as_ref(),
+    }
+    .or(opts.profile.partition.as_ref())
 }

@@ -280,6 +280,26 @@ mod tests {
         (m, dir)
     }
 
+    /// The job script of `stage`, as a dry run under `profile` writes it.
+    fn script(m: &Manifest, dir: &Path, profile: &Profile, mode: Mode, stage: &str) -> String {
+        let opts = SubmitOptions {
+            profile,
+            mode,
+            dry_run: true,
+            targets: &[],
+            force: &[],
+        };
+        job_script(
+            m,
+            &Store::new(dir.join(".nemo-dag")),
+            &opts,
+            super::super::partition(&opts),
+            Path::new("/opt/nemo-dag"),
+            stage,
+            Path::new("/logs/train.log"),
+        )
+    }
+
     #[test]
     fn the_stage_owns_its_shape_and_the_profile_fills_the_rest() {
         let (m, dir) = manifest(
@@ -299,24 +319,7 @@ mod tests {
             mounts: vec!["/a:/a".into(), "/b:/b".into()],
             ..Default::default()
         };
-        let opts = SubmitOptions {
-            profile: &profile,
-            mode: Mode::Run,
-            dry_run: true,
-            targets: &[],
-            force: &[],
-        };
-        let store = Store::new(dir.join(".nemo-dag"));
-        let partition = profile.run_partition.as_ref();
-        let s = job_script(
-            &m,
-            &store,
-            &opts,
-            partition,
-            Path::new("/opt/nemo-dag"),
-            "train",
-            Path::new("/logs/train.log"),
-        );
+        let s = script(&m, &dir, &profile, Mode::Run, "train");
         assert!(s.contains("#SBATCH --partition=interactive\n"), "{s}");
         assert!(
             s.contains("#SBATCH --gpus-per-node=2\n"),
@@ -358,23 +361,7 @@ mod tests {
             container_image: Some("img.sqsh".into()),
             ..Default::default()
         };
-        let opts = SubmitOptions {
-            profile: &profile,
-            mode: Mode::Batch,
-            dry_run: true,
-            targets: &[],
-            force: &[],
-        };
-        let store = Store::new(dir.join(".nemo-dag"));
-        let s = job_script(
-            &m,
-            &store,
-            &opts,
-            None,
-            Path::new("/opt/nemo-dag"),
-            "train",
-            Path::new("/logs/train.log"),
-        );
+        let s = script(&m, &dir, &profile, Mode::Batch, "train");
         let lines: Vec<&str> = s.lines().collect();
         let at = |line: &str| {
             lines
@@ -421,7 +408,6 @@ mod tests {
         let (m, dir) = manifest(
             "stages:\n  train:\n    op: resumable\n    params: {lr: 0.1}\n    outputs: {o: o}\n  short:\n    op: resumable\n    outputs: {o: o}\n    resources: {time: '00:05:00'}\n  plain:\n    op: cmd\n    outputs: {o: o}\n    cmd: \"true\"\n",
         );
-        let store = Store::new(dir.join(".nemo-dag"));
         let signal = |profile_time: Option<&str>, stage: &str| {
             let profile = Profile {
                 name: "c".into(),
@@ -429,22 +415,7 @@ mod tests {
                 time: profile_time.map(String::from),
                 ..Default::default()
             };
-            let opts = SubmitOptions {
-                profile: &profile,
-                mode: Mode::Batch,
-                dry_run: true,
-                targets: &[],
-                force: &[],
-            };
-            let s = job_script(
-                &m,
-                &store,
-                &opts,
-                None,
-                Path::new("/x"),
-                stage,
-                Path::new("/l"),
-            );
+            let s = script(&m, &dir, &profile, Mode::Batch, stage);
             s.lines()
                 .find_map(|l| l.strip_prefix("#SBATCH --signal="))
                 .map(String::from)
