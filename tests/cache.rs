@@ -8,13 +8,13 @@ use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
 
-const ACCESS_KEY: &str = "nemo-dag-test";
-const SECRET_KEY: &str = "nemo-dag-test-secret";
-const BUCKET: &str = "team";
-const PREFIX: &str = "nemo-dag";
+pub(crate) const ACCESS_KEY: &str = "nemo-dag-test";
+pub(crate) const SECRET_KEY: &str = "nemo-dag-test-secret";
+pub(crate) const BUCKET: &str = "team";
+pub(crate) const PREFIX: &str = "nemo-dag";
 
 /// An s3s-fs server on 127.0.0.1, killed when dropped.
-struct Server {
+pub(crate) struct Server {
     child: Child,
     port: u16,
     root: PathBuf,
@@ -22,7 +22,7 @@ struct Server {
 
 impl Server {
     /// A server with an empty bucket, or `None` (said) where there is no s3s-fs.
-    fn start(test: &str) -> Option<Server> {
+    pub(crate) fn start(test: &str) -> Option<Server> {
         let Ok(bin) = std::env::var("NEMO_DAG_S3S_FS") else {
             if std::env::var("NEMO_DAG_REQUIRE_S3").as_deref() == Ok("1") {
                 panic!("{test}: NEMO_DAG_REQUIRE_S3=1 but NEMO_DAG_S3S_FS names no s3s-fs");
@@ -98,27 +98,29 @@ fn machine(
         let rel = format!("{stem}/{}", variant.file_name().to_string_lossy());
         p.write(&rel, &std::fs::read_to_string(variant.path()).unwrap());
     }
-    let read: Vec<String> = read.iter().map(|s| format!("{s:?}")).collect();
-    let write = write
-        .map(|w| format!("write = {w:?}\n"))
-        .unwrap_or_default();
-    p.write(
-        "env.toml",
-        &format!(
-            "[cache]\nurl = \"s3://{BUCKET}/{PREFIX}\"\nendpoint = \"{endpoint}\"\nregion = \"us-east-1\"\nallow_http = true\nread = [{}]\n{write}",
-            read.join(", ")
-        ),
-    );
+    p.write("env.toml", &cache_section(endpoint, read, write));
     p.write(".git", "");
     p
 }
 
-fn endpoint(server: &Server) -> String {
+/// An env.toml `[cache]` for the test server at `endpoint`.
+pub(crate) fn cache_section(endpoint: &str, read: &[&str], write: Option<&str>) -> String {
+    let read: Vec<String> = read.iter().map(|s| format!("{s:?}")).collect();
+    let write = write
+        .map(|w| format!("write = {w:?}\n"))
+        .unwrap_or_default();
+    format!(
+        "[cache]\nurl = \"s3://{BUCKET}/{PREFIX}\"\nendpoint = \"{endpoint}\"\nregion = \"us-east-1\"\nallow_http = true\nread = [{}]\n{write}",
+        read.join(", ")
+    )
+}
+
+pub(crate) fn endpoint(server: &Server) -> String {
     format!("http://127.0.0.1:{}", server.port)
 }
 
 /// The binary, with the test server's credentials in the environment, as a user has them.
-fn nd(p: &Project, args: &[&str]) -> Out {
+pub(crate) fn nd(p: &Project, args: &[&str]) -> Out {
     let mut c = p.command(args);
     c.env("AWS_ACCESS_KEY_ID", ACCESS_KEY)
         .env("AWS_SECRET_ACCESS_KEY", SECRET_KEY);
@@ -189,7 +191,11 @@ fn a_second_machine_pulls_every_stage_of_the_demo_and_data_recipes_and_runs_noth
             "{manifest}: the same bytes on both machines"
         );
         assert_eq!(crate::common::keys(&first), crate::common::keys(&second));
-        // b's store serves them as its own: a rerun is all cached, and verify finds nothing.
+        // b's store serves them as its own: its run record names them (so `gc` keeps them),
+        // a rerun is all cached, and verify finds nothing.
+        let gc = nd(&b, &["gc", "--store", ".nemo-dag"]);
+        assert_eq!(gc.code, 0, "{gc}");
+        assert!(gc.stdout.is_empty(), "gc removed pulled artifacts:\n{gc}");
         let (third, _) = run_json(&b, &args);
         assert!(all(&third, "cached"), "{third}");
         let verify = nd(&b, &["verify", "--all", "--store", ".nemo-dag"]);
@@ -300,6 +306,75 @@ fn a_cache_that_is_down_warns_once_and_the_run_builds_here() {
     let push = nd(&p, &["push", "demo.yaml"]);
     assert_eq!(push.code, 1, "{push}");
     assert!(push.stderr.contains("cannot be used"), "{push}");
+
+    // A file:// share that is not mounted here is a cache that is down, not a bad setting.
+    let p = Project::new("cache-unmounted");
+    p.write(
+        "demo.yaml",
+        &std::fs::read_to_string(crate::common::repo().join("manifests/demo.yaml")).unwrap(),
+    );
+    p.write(
+        "env.toml",
+        "[cache]\nurl = \"file:///nonexistent/nemo-dag-share\"\nread = [\"main\"]\nwrite = \"main\"\n",
+    );
+    p.write(".git", "");
+    let (v, out) = run_json(&p, &["run", "demo.yaml", "--json"]);
+    assert!(all(&v, "executed"), "{out}");
+    assert_eq!(
+        out.stderr
+            .matches("/nonexistent/nemo-dag-share is not a directory")
+            .count(),
+        1,
+        "one warning:\n{out}"
+    );
+    let push = nd(&p, &["push", "demo.yaml"]);
+    assert_eq!(push.code, 1, "{push}");
+    assert!(!std::path::Path::new("/nonexistent").exists());
+}
+
+/// A server that accepts a second create of the same name (it ignores `If-None-Match: *`)
+/// could let a record be overwritten: nemo-dag probes before its first record, finds out,
+/// and writes no record to it. The stand-in is a small S3 server of the tests' own
+/// (tests/py/lax_s3.py): s3s-fs honours the header, and a proxy that dropped it would break
+/// the request's signature.
+#[test]
+fn a_server_that_ignores_create_only_writes_gets_no_record() {
+    let python = std::env::var("NEMO_DAG_PYTHON").unwrap_or_else(|_| "python3".into());
+    let root = std::env::temp_dir().join(format!("nemo-dag-lax-s3-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&root);
+    std::fs::create_dir_all(root.join(BUCKET)).unwrap();
+    let port = free_port();
+    let mut child = Command::new(&python)
+        .arg(crate::common::repo().join("tests/py/lax_s3.py"))
+        .arg(port.to_string())
+        .arg(&root)
+        .spawn()
+        .unwrap_or_else(|e| panic!("cannot start {python}: {e}"));
+    let up = crate::common::wait_for(Duration::from_secs(20), || {
+        std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
+    });
+    let e = format!("http://127.0.0.1:{port}");
+    let p = machine("lax", "demo.yaml", &e, &["main"], Some("main"));
+    let run = up.then(|| run_json(&p, &["run", "demo.yaml", "--json"]));
+    let push = up.then(|| nd(&p, &["push", "demo.yaml"]));
+    let written = crate::common::snapshot(&root);
+    let _ = child.kill();
+    let _ = child.wait();
+    let _ = std::fs::remove_dir_all(&root);
+    assert!(up, "the stand-in server did not listen on port {port}");
+    let (v, out) = run.unwrap();
+    assert!(all(&v, "executed"), "the run builds here:\n{out}");
+    let why = "ignores `If-None-Match: *`";
+    assert_eq!(out.stderr.matches(why).count(), 1, "said once:\n{out}");
+    let push = push.unwrap();
+    assert_eq!(push.code, 1, "{push}");
+    assert!(push.stderr.contains(why), "{push}");
+    let records: Vec<&String> = written
+        .iter()
+        .map(|(path, _)| path)
+        .filter(|path| path.contains("/ac/"))
+        .collect();
+    assert!(records.is_empty(), "records written: {records:?}");
 }
 
 #[test]
@@ -359,6 +434,14 @@ fn push_pull_and_cache_status_move_artifacts_without_running_anything() {
     let (pulled, _) = run_json(&b, &["pull", "demo.yaml", "--json"]);
     assert!(stage_list(&pulled).iter().all(|s| s["done"] == "pulled"));
     assert_eq!(artifacts(&a), artifacts(&b));
+    // The pull is recorded as the manifest's state: `gc` keeps it, `show` finds it by name.
+    let gc = nd(&b, &["gc", "--store", ".nemo-dag"]);
+    assert!(
+        gc.code == 0 && gc.stdout.is_empty(),
+        "gc removed pulled artifacts:\n{gc}"
+    );
+    let show = nd(&b, &["show", "fit", "--manifest", "demo.yaml"]);
+    assert_eq!(show.code, 0, "{show}");
     let (run, _) = run_json(&b, &["run", "demo.yaml", "--json"]);
     assert!(all(&run, "cached"), "{run}");
     // b writes no scope: a push is refused before anything is sent.

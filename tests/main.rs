@@ -44,7 +44,7 @@ mod layout;
 mod launch;
 
 /// The shared cache against a real S3 server: two machines, tampering, scopes, a server down.
-mod cache;
+pub(crate) mod cache;
 
 /// The Slurm executor against a real single-node cluster (scripts/slurm-up).
 mod slurm;

@@ -200,12 +200,16 @@ impl Cache {
         };
         let remote =
             Remote::open(settings).map_err(|why| at("url", format!("cache.url: {why}")))?;
-        Ok(Some(Cache {
+        let cache = Cache {
             remote,
             file: path,
             down: Mutex::new(None),
             writable: tokio::sync::OnceCell::new(),
-        }))
+        };
+        if let Some(why) = cache.remote.unreachable.clone() {
+            cache.went_down(&Error::Unreachable(why));
+        }
+        Ok(Some(cache))
     }
 
     /// Whether the cache is still in use this run.
@@ -655,6 +659,24 @@ pub fn transfer(
         }
     }
     let _ = digester.save(&store.memo_file());
+    if what == Transfer::Pull {
+        // What is here now is this manifest's state: its run record names it, so that `gc`
+        // keeps what was pulled, and `show` finds it by stage name.
+        let outcomes: Vec<crate::executor::local::Outcome> = rows
+            .iter()
+            .filter(|r| r.local)
+            .map(|r| crate::executor::local::Outcome {
+                name: r.name.clone(),
+                key: r.key.clone(),
+                state: if r.done.is_some() { "pulled" } else { "cached" },
+                seconds: 0.0,
+                error: None,
+                log: None,
+            })
+            .collect();
+        let argv: Vec<String> = std::env::args().collect();
+        crate::executor::local::record_run(manifest, store, &argv, &outcomes)?;
+    }
     if let Some(why) = cache.write_refusal() {
         return Err(miette::miette!(
             help = format!("[cache] in {}", cache.file.display()),

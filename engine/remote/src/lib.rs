@@ -258,6 +258,10 @@ pub struct Remote {
     store: Arc<dyn ObjectStore>,
     prefix: Location,
     pub settings: Settings,
+    /// Why the cache cannot be reached at all, found without asking it: a `file://` directory
+    /// that is not there (a share that is not mounted). Like a server that is down, a run
+    /// then builds here.
+    pub unreachable: Option<String>,
 }
 
 impl Remote {
@@ -267,6 +271,7 @@ impl Remote {
         let (scheme, rest) = settings.url.split_once("://").ok_or_else(|| {
             "write `s3://bucket/prefix` or `file:///a/shared/directory`".to_string()
         })?;
+        let mut unreachable = None;
         let (store, prefix): (Arc<dyn ObjectStore>, String) = match scheme {
             "s3" => {
                 let (bucket, prefix) = rest.split_once('/').unwrap_or((rest, ""));
@@ -308,11 +313,14 @@ impl Remote {
                             .into(),
                     );
                 }
-                if !Path::new(rest).is_dir() {
-                    return Err(format!("{rest} is not a directory"));
+                if Path::new(rest).is_dir() {
+                    let store =
+                        LocalFileSystem::new_with_prefix(rest).map_err(|e| e.to_string())?;
+                    (Arc::new(store), String::new())
+                } else {
+                    unreachable = Some(format!("{rest} is not a directory (is it mounted here?)"));
+                    (Arc::new(LocalFileSystem::new()), rest.to_string())
                 }
-                let store = LocalFileSystem::new_with_prefix(rest).map_err(|e| e.to_string())?;
-                (Arc::new(store), String::new())
             }
             other => {
                 return Err(format!(
@@ -326,6 +334,7 @@ impl Remote {
             store,
             prefix,
             settings,
+            unreachable,
         })
     }
 

@@ -57,6 +57,13 @@ pub struct Outcome {
     pub log: Option<String>,
 }
 
+impl Outcome {
+    /// Whether the stage's artifact is in the store after this run (its run record names it).
+    pub fn published(&self) -> bool {
+        matches!(self.state, "executed" | "pulled" | "cached" | "cutoff")
+    }
+}
+
 /// The stages `--target` selects: the targets and everything upstream of them.
 pub fn select(manifest: &Manifest, targets: &[String]) -> Result<BTreeSet<String>, InputError> {
     check_names(manifest, targets, "--target")?;
@@ -1012,7 +1019,7 @@ pub fn record_run(
         .and_then(|b| serde_json::from_slice::<RunRecord>(&b).ok())
         .unwrap_or_default();
     for o in outcomes {
-        if let (Some(key), "executed" | "cached" | "cutoff") = (&o.key, o.state) {
+        if let (Some(key), true) = (&o.key, o.published()) {
             record.stages.insert(o.name.clone(), key.clone());
         }
     }
@@ -1026,9 +1033,7 @@ pub fn record_run(
     record.finished_at = crate::store::timestamp();
     let bytes = serde_json::to_vec_pretty(&record).map_err(|e| miette::miette!("{e}"))?;
     crate::store::write_atomic(&path, &bytes, false).map_err(|e| {
-        let published = outcomes
-            .iter()
-            .any(|o| matches!(o.state, "executed" | "cached" | "cutoff"));
+        let published = outcomes.iter().any(Outcome::published);
         let consequence = if published {
             ". Until a run record names this run's artifacts, `gc` may delete them; run again once it can be written (they will be found cached)"
         } else {
