@@ -262,6 +262,8 @@ pub struct Remote {
     /// that is not there (a share that is not mounted). Like a server that is down, a run
     /// then builds here.
     pub unreachable: Option<String>,
+    /// Bytes of blobs sent and received so far, as they move: what a progress line shows.
+    pub moved: Arc<std::sync::atomic::AtomicU64>,
 }
 
 impl Remote {
@@ -335,7 +337,13 @@ impl Remote {
             prefix,
             settings,
             unreachable,
+            moved: Default::default(),
         })
+    }
+
+    fn count(&self, bytes: u64) {
+        self.moved
+            .fetch_add(bytes, std::sync::atomic::Ordering::Relaxed);
     }
 
     fn at(&self, rel: &str) -> Location {
@@ -471,7 +479,8 @@ impl Remote {
             {
                 Ok(_) | Err(object_store::Error::AlreadyExists { .. }) => Ok(true),
                 Err(e) => Err(classify(&at, e)),
-            };
+            }
+            .inspect(|_| self.count(bytes));
         }
         // In parts: S3 completes a multipart upload atomically, so a killed upload leaves no
         // object, only parts the bucket's lifecycle rules clean up.
@@ -492,6 +501,8 @@ impl Remote {
                 .wait_for_capacity(PARTS_IN_FLIGHT)
                 .await
                 .map_err(|e| classify(&at, e))?;
+            // Counted as it is handed over; parts still in flight are within eight parts.
+            self.count(n as u64);
             writer.put(Bytes::from(chunk));
         }
         writer.finish().await.map_err(|e| classify(&at, e))?;
@@ -526,6 +537,7 @@ impl Remote {
                 }
             };
             received += chunk.len() as u64;
+            self.count(chunk.len() as u64);
             hasher.update(&chunk);
             if let Err(e) = file.write_all(&chunk) {
                 let _ = std::fs::remove_file(dest);

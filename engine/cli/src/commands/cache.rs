@@ -33,7 +33,10 @@ pub fn exec(a: Args, what: Transfer, ops: Registry) -> Result<()> {
             "add [cache] with `url`, `read` and `write` to the env.toml beside the manifest (docs/cache.md)",
         )
     })?;
-    let rows = cache::transfer(&manifest, &store, &cache, &a.targets, what)?;
+    let progress = (what != Transfer::Status).then(|| Progress::start(&cache, what));
+    let rows = cache::transfer(&manifest, &store, &cache, &a.targets, what);
+    drop(progress);
+    let rows = rows?;
     let width = rows.iter().map(|r| r.name.len()).max().unwrap_or(4);
     for r in &rows {
         eprintln!("{:<width$}  {}", r.name, describe(r));
@@ -91,4 +94,64 @@ fn describe(r: &Row) -> String {
         .map(|p| format!(" · {p}"))
         .unwrap_or_default();
     format!("{short}  {place}{done}{problem}")
+}
+
+/// A line on a terminal's stderr, redrawn as blobs move: how much, and how fast.
+struct Progress {
+    stop: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Progress {
+    fn start(cache: &Cache, what: Transfer) -> Option<Progress> {
+        use std::io::IsTerminal;
+        use std::sync::atomic::Ordering;
+        if !std::io::stderr().is_terminal() {
+            return None;
+        }
+        let moved = cache.remote.moved.clone();
+        let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let verb = if what == Transfer::Push {
+            "pushed"
+        } else {
+            "pulled"
+        };
+        let thread = std::thread::spawn({
+            let stop = stop.clone();
+            move || {
+                let clock = std::time::Instant::now();
+                let mut shown = false;
+                while !stop.load(Ordering::Relaxed) {
+                    std::thread::sleep(std::time::Duration::from_millis(200));
+                    let bytes = moved.load(Ordering::Relaxed);
+                    if bytes == 0 {
+                        continue;
+                    }
+                    let rate = bytes as f64 / clock.elapsed().as_secs_f64().max(1e-3);
+                    eprint!(
+                        "\r\x1b[2K{verb} {} · {}/s",
+                        nemo_dag_op::plan::bytes(bytes),
+                        nemo_dag_op::plan::bytes(rate as u64)
+                    );
+                    shown = true;
+                }
+                if shown {
+                    eprint!("\r\x1b[2K");
+                }
+            }
+        });
+        Some(Progress {
+            stop,
+            thread: Some(thread),
+        })
+    }
+}
+
+impl Drop for Progress {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        if let Some(thread) = self.thread.take() {
+            let _ = thread.join();
+        }
+    }
 }
