@@ -306,6 +306,106 @@ stages:
     }
 }
 
+/// A cluster whose nodes do not see the submitting store: each job gets an empty store of its
+/// own (`node_store` with `$SLURM_JOB_ID`), pulls its inputs from the shared cache and pushes
+/// what it builds; `--run` brings the results back, and another machine pulls them all.
+#[test]
+fn jobs_with_stores_of_their_own_pull_their_inputs_and_push_what_they_build() {
+    use crate::cache::{Server, cache_section, endpoint, nd};
+    if !cluster_up("slurm_node_store") {
+        return;
+    }
+    let Some(server) = Server::start("slurm-node-store") else {
+        return;
+    };
+    let machine = |name: &str| {
+        let p = Project::new(&format!("slurm-node-store-{name}"));
+        let nodes = p.dir.join("nodes").display().to_string();
+        p.write(
+            "env.toml",
+            &format!(
+                "[lab]\nexecutor = \"slurm\"\ntime = \"00:05:00\"\nnode_store = \"{nodes}/job-$SLURM_JOB_ID\"\n\n{}",
+                cache_section(&endpoint(&server), &["main"], Some("main"))
+            ),
+        );
+        p.write(".git", "");
+        p.write("d.yaml", DIAMOND);
+        p
+    };
+    let a = machine("a");
+    let out = nd(&a, &["run", "d.yaml", "--run", "lab", "--json"]);
+    assert_eq!(out.code, 0, "{out}");
+    let cluster: Value = out.json();
+    assert!(
+        stages(&cluster).iter().all(|(_, s, _)| s == "executed"),
+        "{cluster}"
+    );
+    // One store per job, each built from nothing: `total` pulled both of its inputs.
+    let job_stores = std::fs::read_dir(a.dir.join("nodes")).unwrap().count();
+    assert_eq!(job_stores, 4, "a store of its own for each of the 4 jobs");
+    let slurm = a.store().join("slurm");
+    let logs = crate::common::find_named(&slurm, "total.log");
+    assert_eq!(logs.len(), 1, "{logs:?}");
+    let total_log = std::fs::read_to_string(slurm.join(&logs[0])).unwrap();
+    for input in ["double", "square"] {
+        assert!(
+            total_log.contains(&format!("pulled `{input}`")),
+            "total's job pulled {input}: {total_log}"
+        );
+    }
+    assert!(total_log.contains("pushed `total`"), "{total_log}");
+    // The results came back here: up to date, with the keys a local run gives.
+    let record = a.json(&["status", "d.yaml", "--json"]);
+    assert!(
+        stages(&record).iter().all(|(_, s, _)| s == "up-to-date"),
+        "{record}"
+    );
+    let local = a.json(&[
+        "run",
+        "d.yaml",
+        "--json",
+        "--store",
+        "local-store",
+        "--offline",
+    ]);
+    let mut here = stages(&record);
+    let mut there = stages(&local);
+    here.sort();
+    there.sort();
+    for ((name, _, k1), (_, _, k2)) in here.iter().zip(&there) {
+        assert_eq!(k1, k2, "stage {name}: the cluster's key is a local run's");
+    }
+    // Another machine submits nothing: the cache has it all.
+    let b = machine("b");
+    let out = nd(&b, &["run", "d.yaml", "--run", "lab", "--json"]);
+    assert_eq!(out.code, 0, "{out}");
+    assert!(out.stderr.contains("submitted 0 job(s)"), "{out}");
+    let pulled: Value = out.json();
+    assert!(
+        stages(&pulled).iter().all(|(_, s, _)| s == "pulled"),
+        "{pulled}"
+    );
+    assert!(!b.dir.join("nodes").exists(), "no job ran for b");
+    // Without a cache to carry them, node stores are refused before anything is submitted.
+    let offline = nd(
+        &b,
+        &[
+            "run",
+            "d.yaml",
+            "--run",
+            "lab",
+            "--offline",
+            "--force",
+            "gen",
+        ],
+    );
+    assert_eq!(offline.code, 2, "{offline}");
+    assert!(
+        offline.stderr.contains("node_store") || offline.stderr.contains("on the node"),
+        "{offline}"
+    );
+}
+
 #[test]
 fn dry_run_prints_every_script_and_the_chain_and_submits_nothing() {
     if !cluster_up("slurm_dry_run") {

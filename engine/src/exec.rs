@@ -13,6 +13,7 @@
 //! nothing; a resumable op's attempt stays in `tmp/` (its checkpoints) with a copy of the log in
 //! `failed/<key>/`.
 
+use crate::cache::{Cache, Pushed, Transfer};
 use crate::diag::InputError;
 use crate::diag::{Failure, Result, io_err};
 use crate::digest::Digester;
@@ -520,6 +521,8 @@ pub enum JobSource {
         /// What starts a launched stage's ranks in this job (the job script's words after
         /// `--`, from [`Launch::slurm_command`]); empty for a stage without `launch`.
         launcher: Vec<String>,
+        /// Use no shared cache (`run --offline`): pull nothing, push nothing.
+        offline: bool,
     },
 }
 
@@ -529,6 +532,7 @@ pub enum JobSource {
 pub fn exec_command(source: Option<JobSource>, ops: Registry) -> i32 {
     take_the_group_down_on_termination();
     let mut recorded: Option<(Manifest, Store, String)> = None;
+    let mut cache: Option<Cache> = None;
     let spec = match source {
         Some(JobSource::Spec(path)) => read_spec(&path),
         Some(JobSource::Stage {
@@ -536,9 +540,16 @@ pub fn exec_command(source: Option<JobSource>, ops: Registry) -> i32 {
             manifest,
             store,
             launcher,
+            offline,
         }) => Manifest::load(&manifest)
             .map_err(Failure::from)
             .and_then(|manifest| {
+                if !offline {
+                    cache = Cache::load(&manifest.dir)?;
+                }
+                if let Some(cache) = &cache {
+                    pull_for_job(&manifest, &store, cache, &stage);
+                }
                 let mut spec = local::spec_for_stage(&manifest, &store, &stage)?;
                 spec.launcher = launcher;
                 recorded = Some((manifest, store, stage));
@@ -560,6 +571,11 @@ pub fn exec_command(source: Option<JobSource>, ops: Registry) -> i32 {
             log: None,
         },
     };
+    if let (Some(cache), Some((_, store, stage)), Some(key)) = (&cache, &recorded, &result.key)
+        && result.state == "executed"
+    {
+        push_for_job(store, cache, stage, key);
+    }
     if let Some((manifest, store, stage)) = &recorded
         && result.state != "failed"
     {
@@ -589,6 +605,55 @@ pub fn exec_command(source: Option<JobSource>, ops: Registry) -> i32 {
     }
     println!("{}", serde_json::to_string(&result).unwrap_or_default());
     if result.state == "failed" { 1 } else { 0 }
+}
+
+/// A cluster job with a shared cache: bring in what the stage needs that this node's store
+/// lacks (its upstream artifacts, and the stage itself when someone built it already). A cache
+/// that cannot help is said in the job's log; the stage then needs its inputs here.
+fn pull_for_job(manifest: &Manifest, store: &Store, cache: &Cache, stage: &str) {
+    match crate::cache::transfer(manifest, store, cache, &[stage.to_string()], Transfer::Pull) {
+        Ok(rows) => {
+            for row in rows {
+                if let Some(scope) = row.remote.as_ref().filter(|_| row.done.is_some()) {
+                    eprintln!(
+                        "nemo-dag exec: pulled `{}` ({} bytes) from the shared cache (scope {scope})",
+                        row.name, row.bytes
+                    );
+                }
+                if let Some(problem) = row.problem {
+                    eprintln!("nemo-dag exec: `{}` not pulled: {problem}", row.name);
+                }
+            }
+        }
+        Err(e) => eprintln!("nemo-dag exec: warning: {e:?}"),
+    }
+}
+
+/// A cluster job with a shared cache: what it built goes to the write scope before the job
+/// ends, so that the next job, on any node, finds it.
+fn push_for_job(store: &Store, cache: &Cache, stage: &str, key: &str) {
+    let pushed = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(|e| e.to_string())
+        .and_then(|rt| {
+            rt.block_on(cache.push(store, key))
+                .map_err(|e| e.to_string())
+        });
+    match pushed {
+        Ok(Pushed::Pushed { bytes }) => eprintln!(
+            "nemo-dag exec: pushed `{stage}` ({bytes} bytes) to the shared cache {}",
+            cache.remote.settings.url
+        ),
+        Ok(Pushed::There) => {}
+        Ok(Pushed::Conflict(why)) => eprintln!("nemo-dag exec: warning: `{stage}`: {why}"),
+        Ok(Pushed::Off) => {
+            if let Some(why) = cache.write_refusal().or_else(|| cache.down_reason()) {
+                eprintln!("nemo-dag exec: warning: `{stage}` was not pushed: {why}");
+            }
+        }
+        Err(why) => eprintln!("nemo-dag exec: warning: `{stage}` was not pushed: {why}"),
+    }
 }
 
 fn read_spec(path: &Path) -> Result<JobSpec> {

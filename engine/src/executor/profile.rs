@@ -73,6 +73,10 @@ pub struct Profile {
     pub startup_commands: Vec<String>,
     #[serde(default)]
     pub env_vars: BTreeMap<String, String>,
+    /// The store a job uses on its node, where the nodes do not see the submitting store: the
+    /// job pulls its inputs from the shared cache (`[cache]`) and pushes what it builds. The
+    /// job's shell expands it, so `$TMPDIR`, `$USER` and `$SLURM_JOB_ID` may be used.
+    pub node_store: Option<String>,
 }
 
 /// Where `env.toml` is for a manifest in `start`.
@@ -217,8 +221,39 @@ pub fn load(start: &Path, name: &str) -> Result<Profile, InputError> {
             format!("profile `{owner}`: time: {why}"),
         ));
     }
+    if let Some(Err(why)) = profile.node_store.as_deref().map(check_node_store) {
+        let owner = chain
+            .iter()
+            .find(|c| tables[c.as_str()].get("node_store").is_some())
+            .cloned()
+            .unwrap_or_else(|| name.to_string());
+        return Err(at(
+            &[&owner, "node_store"],
+            format!("profile `{owner}`: node_store: {why}"),
+        ));
+    }
     profile.name = name.to_string();
     Ok(profile)
+}
+
+/// A node store is an absolute path, or one that starts with a variable the job's shell
+/// expands (`$TMPDIR/nemo-dag`), with nothing in it the shell would read as more than that.
+fn check_node_store(path: &str) -> Result<(), String> {
+    if !(path.starts_with('/') || path.starts_with('$')) {
+        return Err(format!(
+            "`{path}` is neither an absolute path nor one under a variable such as $TMPDIR"
+        ));
+    }
+    match path
+        .chars()
+        .find(|c| matches!(c, '"' | '`' | '\\' | '\n' | '\r' | '(' | ')' | ';'))
+    {
+        Some(c) => Err(format!(
+            "`{}` may not be in it: the job's shell expands only its variables",
+            c.escape_default()
+        )),
+        None => Ok(()),
+    }
 }
 
 impl Profile {
@@ -285,6 +320,33 @@ mod tests {
             "{:?}",
             e.help
         );
+    }
+
+    #[test]
+    fn a_node_store_is_an_absolute_path_or_under_a_variable_and_nothing_more() {
+        let (dir, _) = write_env(
+            "[ok]\nnode_store='/raid/nemo-dag'\n[tmp]\nnode_store='$TMPDIR/nd-$SLURM_JOB_ID'\n[rel]\nnode_store='scratch'\n[sub]\nnode_store='/tmp/$(whoami)'\n[quote]\nnode_store='/tmp/a\"b'\n",
+        );
+        assert_eq!(
+            load(&dir, "ok").unwrap().node_store.as_deref(),
+            Some("/raid/nemo-dag")
+        );
+        assert!(load(&dir, "tmp").is_ok());
+        let e = load(&dir, "rel").unwrap_err();
+        assert!(
+            e.message.contains("neither an absolute path"),
+            "{}",
+            e.message
+        );
+        for bad in ["sub", "quote"] {
+            let e = load(&dir, bad).unwrap_err();
+            assert!(
+                e.message
+                    .contains("may not be in it: the job's shell expands only its variables"),
+                "{bad}: {}",
+                e.message
+            );
+        }
     }
 
     #[test]

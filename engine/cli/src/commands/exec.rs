@@ -22,6 +22,9 @@ pub struct Args {
     variant: Option<String>,
     #[arg(long, value_name = "DIR")]
     store: Option<PathBuf>,
+    /// With --stage: use no shared cache, even with [cache] in env.toml
+    #[arg(long, requires = "stage")]
+    offline: bool,
     /// With --stage: what starts a launched stage's ranks (`srun …`), the stage's command
     /// following it; the job script writes it
     #[arg(last = true, value_name = "LAUNCHER")]
@@ -44,6 +47,7 @@ pub fn exec(a: Args, ops: Registry) -> i32 {
                 manifest,
                 store,
                 launcher: a.launcher,
+                offline: a.offline,
             })
         }
         _ => None,

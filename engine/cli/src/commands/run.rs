@@ -58,6 +58,11 @@ pub fn exec(a: Args, argv: Vec<String>, ops: Registry) -> Result<()> {
         (_, Some(p)) => Some((p, slurm::Mode::Batch)),
         _ => None,
     };
+    let cache = if a.offline {
+        None
+    } else {
+        Cache::load(&manifest.dir)?.map(std::sync::Arc::new)
+    };
     if let Some((name, mode)) = cluster {
         let profile = profile::load(&manifest.dir, name)?;
         if profile.executor == Executor::Slurm {
@@ -67,6 +72,8 @@ pub fn exec(a: Args, argv: Vec<String>, ops: Registry) -> Result<()> {
                 dry_run: a.dry_run,
                 targets: &a.targets,
                 force: &a.force,
+                cache: cache.as_deref(),
+                offline: a.offline,
             };
             let outcomes = slurm::submit(&manifest, &store, &opts)?;
             if a.dry_run {
@@ -111,11 +118,6 @@ pub fn exec(a: Args, argv: Vec<String>, ops: Registry) -> Result<()> {
             .map(|n| n.get())
             .unwrap_or(1)
     });
-    let cache = if a.offline {
-        None
-    } else {
-        Cache::load(&manifest.dir)?.map(std::sync::Arc::new)
-    };
     let opts = RunOptions {
         jobs,
         keep_going: a.keep_going,

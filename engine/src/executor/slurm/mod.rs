@@ -17,7 +17,8 @@
 //! (without it they pend forever). Job ids are recorded in `<store>/slurm/<run-id>.json`, which
 //! `status` reconciles with `squeue` (and `sacct` where accounting exists) and `cancel` reads.
 
-use crate::diag::{Failure, Result, io_err};
+use crate::cache::{Cache, Transfer};
+use crate::diag::{Failure, InputError, Result, io_err};
 use crate::digest::Digester;
 use crate::executor::local::{self, Outcome};
 use crate::executor::profile::Profile;
@@ -69,6 +70,11 @@ pub struct SubmitOptions<'a> {
     pub dry_run: bool,
     pub targets: &'a [String],
     pub force: &'a [String],
+    /// The shared cache (`[cache]` in env.toml): what it has is pulled here instead of
+    /// submitted, and the jobs pull their inputs from it and push what they build.
+    pub cache: Option<&'a Cache>,
+    /// `run --offline`: no cache here or in the jobs.
+    pub offline: bool,
 }
 
 /// One job to submit: its script and the stages it waits for.
@@ -96,6 +102,12 @@ pub fn load_record(store: &Store, manifest: &Manifest) -> Option<SlurmRecord> {
 pub fn submit(manifest: &Manifest, store: &Store, opts: &SubmitOptions) -> Result<Vec<Outcome>> {
     let selected = local::select(manifest, opts.targets)?;
     local::check_names(manifest, opts.force, "--force")?;
+    check_node_store(opts)?;
+    // What the cache has is not built again: pulled here, it is up to date below.
+    let pulled = match opts.cache {
+        Some(cache) if !opts.dry_run => pull_here(manifest, store, cache, opts.targets),
+        _ => BTreeSet::new(),
+    };
     let plans = plan::plan(manifest, store, &mut Digester::load(&store.memo_file()))?;
     let previous = load_record(store, manifest).unwrap_or_default();
     let previous_states = if opts.dry_run {
@@ -296,7 +308,11 @@ pub fn submit(manifest: &Manifest, store: &Store, opts: &SubmitOptions) -> Resul
         .map(|p| Outcome {
             name: p.name.clone(),
             key: p.key.clone(),
-            state: "cached",
+            state: if pulled.contains(&p.name) {
+                "pulled"
+            } else {
+                "cached"
+            },
             seconds: 0.0,
             error: None,
             log: None,
@@ -320,7 +336,80 @@ pub fn submit(manifest: &Manifest, store: &Store, opts: &SubmitOptions) -> Resul
         Mode::Run => {
             let mut out = up_to_date;
             out.extend(follow(manifest, store, &record)?);
+            // Built in the nodes' own stores: what they pushed comes here.
+            if let (Some(cache), Some(_)) = (opts.cache, &opts.profile.node_store) {
+                pull_here(manifest, store, cache, opts.targets);
+            }
             Ok(order(manifest, out))
+        }
+    }
+}
+
+/// A profile whose jobs keep their own store on the node needs a cache that carries artifacts
+/// both ways: one it writes, and reads back.
+fn check_node_store(opts: &SubmitOptions) -> Result<()> {
+    let Some(node) = &opts.profile.node_store else {
+        return Ok(());
+    };
+    let profile = &opts.profile.name;
+    let refuse = |message: String, help: &str| Err(InputError::new(message).help(help).into());
+    let Some(cache) = opts.cache.filter(|_| !opts.offline) else {
+        return refuse(
+            format!(
+                "profile `{profile}` keeps its jobs' artifacts in a store on the node ({node}), and {}: the jobs could neither get their inputs nor give back what they build",
+                if opts.offline {
+                    "--offline turns the shared cache off"
+                } else {
+                    "no [cache] is configured in env.toml"
+                }
+            ),
+            "give env.toml a [cache] that writes a scope it reads (docs/cache.md), or remove `node_store` where the nodes see this store",
+        );
+    };
+    let settings = &cache.remote.settings;
+    match &settings.write {
+        Some(scope) if settings.read.contains(scope) => Ok(()),
+        Some(scope) => refuse(
+            format!(
+                "profile `{profile}` keeps its jobs' artifacts on the node, and [cache] in {} writes scope `{scope}` without reading it: a job would never find what the job before it pushed",
+                cache.file.display()
+            ),
+            "add the write scope to `read`",
+        ),
+        None => refuse(
+            format!(
+                "profile `{profile}` keeps its jobs' artifacts on the node, and [cache] in {} writes no scope: what a job builds could not leave its node",
+                cache.file.display()
+            ),
+            "set `write = \"SCOPE\"` in [cache], a scope `read` lists too",
+        ),
+    }
+}
+
+/// Pull what the cache has of the selected stages into this store; the names pulled. A cache
+/// that cannot be used is a warning: the jobs build what it would have given.
+fn pull_here(
+    manifest: &Manifest,
+    store: &Store,
+    cache: &Cache,
+    targets: &[String],
+) -> BTreeSet<String> {
+    match crate::cache::transfer(manifest, store, cache, targets, Transfer::Pull) {
+        Ok(rows) => rows
+            .into_iter()
+            .filter_map(|row| {
+                if let Some(problem) = &row.problem {
+                    eprintln!("{} │ not pulled: {problem}", row.name);
+                }
+                row.done.is_some().then(|| {
+                    eprintln!("{} │ pulled from the shared cache", row.name);
+                    row.name
+                })
+            })
+            .collect(),
+        Err(e) => {
+            eprintln!("nemo-dag: warning: {e:?}");
+            BTreeSet::new()
         }
     }
 }

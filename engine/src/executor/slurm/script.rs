@@ -37,6 +37,9 @@ fn term_warning(limit: Option<std::time::Duration>) -> u64 {
     limit.map_or(TEN_MINUTES, |l| TEN_MINUTES.min(l.as_secs() / 4).max(1))
 }
 
+/// Where the store's path is in the job's `nemo-dag exec` command line.
+const STORE_WORD: usize = 5;
+
 /// The batch script of one stage. `@AFTER@` is replaced by the dependency lines at submit time.
 pub(super) fn job_script(
     manifest: &Manifest,
@@ -119,6 +122,9 @@ pub(super) fn job_script(
             .display()
             .to_string(),
     ];
+    if opts.offline {
+        argv.push("--offline".into());
+    }
     if let Some(v) = &manifest.variant {
         argv.push("-c".into());
         argv.push(v.display().to_string());
@@ -130,7 +136,12 @@ pub(super) fn job_script(
         argv.push("--".into());
         argv.extend(launcher(manifest, opts, name));
     }
-    let command: Vec<String> = argv.iter().map(|a| quote(a)).collect();
+    let mut command: Vec<String> = argv.iter().map(|a| quote(a)).collect();
+    // A node's own store: in double quotes, so that the job's shell expands its variables
+    // (the profile refuses anything else the shell would read).
+    if let Some(node_store) = &profile.node_store {
+        command[STORE_WORD] = format!("\"{node_store}\"");
+    }
     match &profile.container_image {
         Some(image) if launch.is_none() => {
             let mut srun = format!("srun --container-image={}", quote(image));
@@ -204,7 +215,13 @@ pub(super) fn check_mounts(
             (host == inside).then_some(Path::new(host))
         })
         .collect();
-    let mut needed = vec![std::path::absolute(&store.root).unwrap_or_else(|_| store.root.clone())];
+    // With a node store, the artifacts travel through the shared cache, and a store inside the
+    // image is as good as any; where the path is fixed, it is the one to mount.
+    let mut needed = match &opts.profile.node_store {
+        None => vec![std::path::absolute(&store.root).unwrap_or_else(|_| store.root.clone())],
+        Some(node) if !node.contains('$') => vec![std::path::PathBuf::from(node)],
+        Some(_) => Vec::new(),
+    };
     needed.extend(
         manifest.stages[name]
             .inputs
@@ -288,6 +305,8 @@ mod tests {
             dry_run: true,
             targets: &[],
             force: &[],
+            cache: None,
+            offline: false,
         };
         job_script(
             m,
@@ -344,6 +363,43 @@ mod tests {
             "overrides travel to the job: {s}"
         );
         std::fs::remove_dir_all(dir).unwrap();
+    }
+
+    #[test]
+    fn a_node_store_is_left_for_the_jobs_shell_to_expand_and_offline_reaches_the_job() {
+        let (m, dir) = manifest(
+            "stages:\n  train:\n    op: cmd\n    params: {lr: 0.1}\n    outputs: {o: o}\n    cmd: \"echo {params.lr} > {outputs.o}\"\n",
+        );
+        let profile = Profile {
+            name: "c".into(),
+            executor: crate::executor::profile::Executor::Slurm,
+            node_store: Some("$TMPDIR/nd-$SLURM_JOB_ID".into()),
+            ..Default::default()
+        };
+        let s = script(&m, &dir, &profile, Mode::Batch, "train");
+        assert!(
+            s.contains("exec --stage train --store \"$TMPDIR/nd-$SLURM_JOB_ID\" "),
+            "{s}"
+        );
+        let opts = SubmitOptions {
+            profile: &profile,
+            mode: Mode::Batch,
+            dry_run: true,
+            targets: &[],
+            force: &[],
+            cache: None,
+            offline: true,
+        };
+        let s = job_script(
+            &m,
+            &Store::new(dir.join(".nemo-dag")),
+            &opts,
+            None,
+            Path::new("/opt/nemo-dag"),
+            "train",
+            Path::new("/logs/train.log"),
+        );
+        assert!(s.contains("\" --offline "), "{s}");
     }
 
     #[test]
