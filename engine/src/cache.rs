@@ -26,6 +26,8 @@ use std::sync::Mutex;
 const KEYS: [&str; 6] = ["url", "endpoint", "region", "allow_http", "read", "write"];
 /// Blobs of one artifact moving at once.
 const BLOBS_IN_FLIGHT: usize = 8;
+/// Stages of one wave of `push`, `pull` or `cache status` moving at once.
+const STAGES_IN_FLIGHT: usize = 8;
 
 /// One blob moving, boxed so that a run's tasks can hold several (and stay `Send`).
 type Moving<'a, T> = std::pin::Pin<Box<dyn Future<Output = Result<T, Error>> + Send + 'a>>;
@@ -575,77 +577,72 @@ pub fn transfer(
     let mut published: std::collections::HashMap<String, crate::store::Published> =
         Default::default();
     let mut rows = Vec::new();
-    for name in manifest.order.iter().filter(|n| selected.contains(*n)) {
-        let stage = &manifest.stages[name];
-        let mut row = Row {
-            name: name.clone(),
-            key: None,
-            local: false,
-            remote: None,
-            done: None,
-            bytes: 0,
-            problem: None,
-        };
-        let Some(resolved) = crate::plan::resolve(manifest, stage, &published, &mut digester)?
-        else {
-            rows.push(row);
-            continue;
-        };
-        let key = resolved.key.clone();
-        row.key = Some(key.clone());
-        match store.lookup(&key, &mut digester) {
-            Ok(Some(found)) => {
-                row.local = true;
-                published.insert(name.clone(), found);
-            }
-            Ok(None) => {}
-            Err(damage) => row.problem = Some(damage),
-        }
-        runtime.block_on(async {
-            match what {
-                Transfer::Push if row.local => match cache.push(store, &key).await {
-                    Ok(Pushed::Pushed { bytes }) => {
-                        row.done = Some("pushed");
-                        row.bytes = bytes;
-                        row.remote = cache.remote.settings.write.clone();
-                    }
-                    Ok(Pushed::There) => row.remote = cache.remote.settings.write.clone(),
-                    Ok(Pushed::Conflict(why)) => row.problem = Some(why),
-                    Ok(Pushed::Off) => {}
-                    Err(e) => row.problem = Some(e.to_string()),
-                },
-                Transfer::Pull if !row.local && row.problem.is_none() => {
-                    match cache.pull(store, &key).await {
-                        Pulled::Pulled { scope, bytes } => {
-                            row.done = Some("pulled");
-                            row.bytes = bytes;
-                            row.remote = Some(scope);
-                        }
-                        Pulled::Refused(why) => row.problem = Some(why),
-                        Pulled::Here | Pulled::Absent | Pulled::Off => {}
-                    }
-                    if let Some(artifact) = store.load(&key) {
-                        row.local = true;
-                        published.insert(name.clone(), crate::store::Published::from(&artifact));
-                    }
-                }
-                _ => match cache.find(&key).await {
-                    Ok(Some(record)) => {
-                        row.remote = Some(record.scope.clone());
-                        // Keyed from the record, the stages downstream can be looked up too.
-                        published
-                            .entry(name.clone())
-                            .or_insert(crate::store::Published {
-                                key: key.clone(),
-                                outputs: record.outputs.clone(),
-                            });
-                    }
-                    Ok(None) => {}
-                    Err(e) => row.problem = Some(e.to_string()),
-                },
-            }
+    // In waves: the stages whose upstream stages are all settled are keyed here, one after
+    // another (from the store, or the records found in the wave before), then moved several
+    // at once. A pipeline of independent stages is one wave.
+    let mut pending: Vec<&String> = manifest
+        .order
+        .iter()
+        .filter(|n| selected.contains(*n))
+        .collect();
+    let mut settled: std::collections::HashSet<&str> = Default::default();
+    while !pending.is_empty() {
+        let (wave, rest): (Vec<&String>, Vec<&String>) = pending.into_iter().partition(|n| {
+            manifest.stages[n.as_str()]
+                .deps
+                .iter()
+                .all(|d| !selected.contains(d) || settled.contains(d.as_str()))
         });
-        rows.push(row);
+        pending = rest;
+        if wave.is_empty() {
+            return Err(
+                miette::miette!("internal: the stages {pending:?} wait on each other").into(),
+            );
+        }
+        let mut keyed = Vec::new();
+        for name in &wave {
+            let stage = &manifest.stages[name.as_str()];
+            let mut row = Row {
+                name: name.to_string(),
+                key: None,
+                local: false,
+                remote: None,
+                done: None,
+                bytes: 0,
+                problem: None,
+            };
+            let Some(resolved) = crate::plan::resolve(manifest, stage, &published, &mut digester)?
+            else {
+                rows.push(row);
+                continue;
+            };
+            row.key = Some(resolved.key.clone());
+            match store.lookup(&resolved.key, &mut digester) {
+                Ok(Some(found)) => {
+                    row.local = true;
+                    published.insert(name.to_string(), found);
+                }
+                Ok(None) => {}
+                Err(damage) => row.problem = Some(damage),
+            }
+            keyed.push((row, resolved.key));
+        }
+        let moved: Vec<(Row, Option<crate::store::Published>)> = runtime.block_on(
+            futures::stream::iter(
+                keyed
+                    .into_iter()
+                    .map(|(row, key)| move_one(cache, store, what, row, key)),
+            )
+            .buffer_unordered(STAGES_IN_FLIGHT)
+            .collect(),
+        );
+        for (row, found) in moved {
+            if let Some(found) = found {
+                published.entry(row.name.clone()).or_insert(found);
+            }
+            rows.push(row);
+        }
+        settled.extend(wave.iter().map(|n| n.as_str()));
         if let Some(why) = cache.down_reason() {
             return Err(miette::miette!(
                 help = format!(
@@ -658,6 +655,13 @@ pub fn transfer(
             .into());
         }
     }
+    let position: std::collections::HashMap<&str, usize> = manifest
+        .order
+        .iter()
+        .enumerate()
+        .map(|(i, n)| (n.as_str(), i))
+        .collect();
+    rows.sort_by_key(|r| position.get(r.name.as_str()).copied());
     let _ = digester.save(&store.memo_file());
     if what == Transfer::Pull {
         // What is here now is this manifest's state: its run record names it, so that `gc`
@@ -686,6 +690,59 @@ pub fn transfer(
         .into());
     }
     Ok(rows)
+}
+
+/// Push, pull or look up one keyed stage of [`transfer`]; what it leaves published (or, for
+/// `cache status`, what its record says), so that the stages after it can be keyed.
+async fn move_one(
+    cache: &Cache,
+    store: &Store,
+    what: Transfer,
+    mut row: Row,
+    key: String,
+) -> (Row, Option<crate::store::Published>) {
+    let mut found = None;
+    match what {
+        Transfer::Push if row.local => match cache.push(store, &key).await {
+            Ok(Pushed::Pushed { bytes }) => {
+                row.done = Some("pushed");
+                row.bytes = bytes;
+                row.remote = cache.remote.settings.write.clone();
+            }
+            Ok(Pushed::There) => row.remote = cache.remote.settings.write.clone(),
+            Ok(Pushed::Conflict(why)) => row.problem = Some(why),
+            Ok(Pushed::Off) => {}
+            Err(e) => row.problem = Some(e.to_string()),
+        },
+        Transfer::Pull if !row.local && row.problem.is_none() => {
+            match cache.pull(store, &key).await {
+                Pulled::Pulled { scope, bytes } => {
+                    row.done = Some("pulled");
+                    row.bytes = bytes;
+                    row.remote = Some(scope);
+                }
+                Pulled::Refused(why) => row.problem = Some(why),
+                Pulled::Here | Pulled::Absent | Pulled::Off => {}
+            }
+            if let Some(artifact) = store.load(&key) {
+                row.local = true;
+                found = Some(crate::store::Published::from(&artifact));
+            }
+        }
+        _ => match cache.find(&key).await {
+            Ok(Some(record)) => {
+                row.remote = Some(record.scope.clone());
+                // Keyed from the record, the stages downstream can be looked up too.
+                found = Some(crate::store::Published {
+                    key: key.clone(),
+                    outputs: record.outputs.clone(),
+                });
+            }
+            Ok(None) => {}
+            Err(e) => row.problem = Some(e.to_string()),
+        },
+    }
+    (row, found)
 }
 
 /// `127.0.0.1`, `localhost` or `[::1]`, with any port.
