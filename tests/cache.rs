@@ -377,6 +377,122 @@ fn a_server_that_ignores_create_only_writes_gets_no_record() {
     assert!(records.is_empty(), "records written: {records:?}");
 }
 
+/// Azurite (the Azure Storage emulator, from npm; scripts/test installs it into target/tools)
+/// on a loopback port with one container, killed when dropped.
+struct Azurite {
+    child: Child,
+    port: u16,
+    root: PathBuf,
+}
+
+/// The emulator's published development account.
+const AZURE_ACCOUNT: &str = "devstoreaccount1";
+const AZURE_KEY: &str =
+    "Eby8vdM02xNOcqFlqUwJPLlmEtlCDXJ1OUzFT50uSRZ6IFsuFq2UVErCz4I6tq/K1SZFPTOtr/KBHBeksoGMGw==";
+
+impl Azurite {
+    fn start(test: &str) -> Option<Azurite> {
+        let Ok(bin) = std::env::var("NEMO_DAG_AZURITE") else {
+            if std::env::var("NEMO_DAG_REQUIRE_AZURITE").as_deref() == Ok("1") {
+                panic!(
+                    "{test}: NEMO_DAG_REQUIRE_AZURITE=1 but NEMO_DAG_AZURITE names no azurite-blob"
+                );
+            }
+            eprintln!(
+                "skipping {test}: no Azurite (scripts/test installs it and sets NEMO_DAG_AZURITE)"
+            );
+            return None;
+        };
+        let root =
+            std::env::temp_dir().join(format!("nemo-dag-azurite-{test}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        std::fs::create_dir_all(&root).unwrap();
+        let port = free_port();
+        let child = Command::new(&bin)
+            .args([
+                "--blobHost",
+                "127.0.0.1",
+                "--blobPort",
+                &port.to_string(),
+                "--silent",
+            ])
+            .arg("--location")
+            .arg(&root)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot start {bin}: {e}"));
+        let azurite = Azurite { child, port, root };
+        let up = crate::common::wait_for(Duration::from_secs(30), || {
+            std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
+        });
+        assert!(up, "Azurite did not listen on port {port}");
+        let python = std::env::var("NEMO_DAG_PYTHON").unwrap_or_else(|_| "python3".into());
+        let made = Command::new(&python)
+            .arg(crate::common::repo().join("tests/py/azurite_container.py"))
+            .args([&port.to_string(), BUCKET])
+            .status()
+            .unwrap_or_else(|e| panic!("cannot run {python}: {e}"));
+        assert!(made.success(), "could not create the container");
+        Some(azurite)
+    }
+}
+
+impl Drop for Azurite {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.root);
+    }
+}
+
+/// `az://` works as `s3://` does: the same commands against Azurite move the demo recipe and a
+/// 40 MB output (uploaded in parts) from one machine to another, identical, and the probe finds
+/// that Azure refuses a second create.
+#[test]
+fn an_azure_container_carries_artifacts_between_machines() {
+    let Some(azurite) = Azurite::start("azure") else {
+        return;
+    };
+    let manifest = format!(
+        "{}  big:\n    op: cmd\n    outputs: {{o: big.txt}}\n    cmd: \"yes nemo-dag | head -c 40000000 > {{outputs.o}}\"\n",
+        std::fs::read_to_string(crate::common::repo().join("manifests/demo.yaml")).unwrap()
+    );
+    let machine = |name: &str| {
+        let p = Project::new(&format!("cache-azure-{name}"));
+        p.write("demo.yaml", &manifest);
+        p.write(
+            "env.toml",
+            &format!(
+                "[cache]\nurl = \"az://{BUCKET}/{PREFIX}\"\nendpoint = \"http://127.0.0.1:{}/{AZURE_ACCOUNT}\"\nallow_http = true\nread = [\"main\"]\nwrite = \"main\"\n",
+                azurite.port
+            ),
+        );
+        p.write(".git", "");
+        p
+    };
+    let az = |p: &Project, args: &[&str]| {
+        let mut c = p.command(args);
+        c.env("AZURE_STORAGE_ACCOUNT_NAME", AZURE_ACCOUNT)
+            .env("AZURE_STORAGE_ACCOUNT_KEY", AZURE_KEY);
+        crate::common::output(c)
+    };
+    let (a, b) = (machine("a"), machine("b"));
+    let first = az(&a, &["run", "demo.yaml", "--json"]);
+    assert_eq!(first.code, 0, "{first}");
+    assert!(all(&first.json(), "executed"), "{first}");
+    assert_eq!(first.stderr.matches("pushed ").count(), 5, "{first}");
+    assert!(!first.stderr.contains("warning"), "{first}");
+    let second = az(&b, &["run", "demo.yaml", "--json"]);
+    assert_eq!(second.code, 0, "{second}");
+    assert!(all(&second.json(), "pulled"), "{second}");
+    assert_eq!(
+        artifacts(&a),
+        artifacts(&b),
+        "the same bytes on both machines"
+    );
+}
+
 #[test]
 fn push_pull_and_cache_status_move_artifacts_without_running_anything() {
     let Some(server) = Server::start("commands") else {

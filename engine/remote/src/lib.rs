@@ -22,6 +22,8 @@
 use bytes::Bytes;
 use futures::StreamExt;
 use object_store::aws::{AmazonS3Builder, S3ConditionalPut};
+use object_store::azure::MicrosoftAzureBuilder;
+use object_store::gcp::GoogleCloudStorageBuilder;
 use object_store::local::LocalFileSystem;
 use object_store::path::Path as Location;
 use object_store::{
@@ -271,24 +273,46 @@ impl Remote {
     /// `url` setting.
     pub fn open(settings: Settings) -> Result<Remote, String> {
         let (scheme, rest) = settings.url.split_once("://").ok_or_else(|| {
-            "write `s3://bucket/prefix` or `file:///a/shared/directory`".to_string()
+            "write `s3://bucket/prefix`, `gs://bucket/prefix`, `az://container/prefix` or `file:///a/shared/directory`".to_string()
         })?;
         let mut unreachable = None;
+        let client = ClientOptions::new()
+            .with_allow_http(settings.allow_http)
+            .with_connect_timeout(Duration::from_secs(5))
+            .with_timeout(Duration::from_secs(300));
+        let retry = RetryConfig {
+            max_retries: 2,
+            retry_timeout: Duration::from_secs(30),
+            ..RetryConfig::default()
+        };
+        // `s3://bucket/prefix`, `gs://bucket/prefix`, `az://container/prefix`.
+        let bucket_and_prefix = || {
+            let (bucket, prefix) = rest.split_once('/').unwrap_or((rest, ""));
+            match bucket.is_empty() {
+                true => Err(format!(
+                    "a {scheme}:// URL names its {}: `{scheme}://{}/prefix`",
+                    if scheme == "az" {
+                        "container"
+                    } else {
+                        "bucket"
+                    },
+                    if scheme == "az" {
+                        "container"
+                    } else {
+                        "bucket"
+                    }
+                )),
+                false => Ok((bucket, prefix)),
+            }
+        };
+        if settings.region.is_some() && scheme != "s3" {
+            return Err(format!(
+                "`region` is for s3:// caches; a {scheme}:// cache takes its place from the URL and `endpoint`"
+            ));
+        }
         let (store, prefix): (Arc<dyn ObjectStore>, String) = match scheme {
             "s3" => {
-                let (bucket, prefix) = rest.split_once('/').unwrap_or((rest, ""));
-                if bucket.is_empty() {
-                    return Err("an s3:// URL names its bucket: `s3://bucket/prefix`".into());
-                }
-                let client = ClientOptions::new()
-                    .with_allow_http(settings.allow_http)
-                    .with_connect_timeout(Duration::from_secs(5))
-                    .with_timeout(Duration::from_secs(300));
-                let retry = RetryConfig {
-                    max_retries: 2,
-                    retry_timeout: Duration::from_secs(30),
-                    ..RetryConfig::default()
-                };
+                let (bucket, prefix) = bucket_and_prefix()?;
                 // Credentials from the environment (AWS_ACCESS_KEY_ID, AWS_SECRET_ACCESS_KEY,
                 // AWS_SESSION_TOKEN, web identity) or the instance's metadata: never from here.
                 let mut builder = AmazonS3Builder::from_env()
@@ -304,6 +328,46 @@ impl Remote {
                 }
                 if let Some(region) = &settings.region {
                     builder = builder.with_region(region);
+                }
+                let store = builder.build().map_err(|e| e.to_string())?;
+                (Arc::new(store), prefix.to_string())
+            }
+            // Credentials from the environment: AZURE_STORAGE_ACCOUNT_NAME with
+            // AZURE_STORAGE_ACCOUNT_KEY, a SAS, a client secret, or a managed identity.
+            // Create-only writes are `If-None-Match: *`, which Azure honours.
+            "az" => {
+                let (container, prefix) = bucket_and_prefix()?;
+                let mut builder = MicrosoftAzureBuilder::from_env()
+                    .with_container_name(container)
+                    .with_client_options(client)
+                    .with_retry(retry)
+                    .with_allow_http(settings.allow_http);
+                if let Some(endpoint) = &settings.endpoint {
+                    builder = builder.with_endpoint(endpoint.clone());
+                }
+                match builder.build() {
+                    Ok(store) => (Arc::new(store), prefix.to_string()),
+                    // Like missing S3 credentials: the run builds here, and says why once.
+                    Err(e) if std::env::var_os("AZURE_STORAGE_ACCOUNT_NAME").is_none() => {
+                        unreachable = Some(format!(
+                            "{e} (no AZURE_STORAGE_ACCOUNT_NAME in the environment)"
+                        ));
+                        (Arc::new(LocalFileSystem::new()), prefix.to_string())
+                    }
+                    Err(e) => return Err(e.to_string()),
+                }
+            }
+            // Credentials from the environment: GOOGLE_APPLICATION_CREDENTIALS or
+            // GOOGLE_SERVICE_ACCOUNT, else the instance's metadata. Create-only writes are
+            // `x-goog-if-generation-match: 0`.
+            "gs" => {
+                let (bucket, prefix) = bucket_and_prefix()?;
+                let mut builder = GoogleCloudStorageBuilder::from_env()
+                    .with_bucket_name(bucket)
+                    .with_client_options(client)
+                    .with_retry(retry);
+                if let Some(endpoint) = &settings.endpoint {
+                    builder = builder.with_base_url(endpoint);
                 }
                 let store = builder.build().map_err(|e| e.to_string())?;
                 (Arc::new(store), prefix.to_string())
@@ -326,7 +390,7 @@ impl Remote {
             }
             other => {
                 return Err(format!(
-                    "`{other}://` is not a cache this nemo-dag can reach: write `s3://bucket/prefix` (also for S3-compatible servers, with `endpoint`) or `file:///a/shared/directory`"
+                    "`{other}://` is not a cache this nemo-dag can reach: write `s3://bucket/prefix` (also for S3-compatible servers, with `endpoint`), `gs://bucket/prefix`, `az://container/prefix` or `file:///a/shared/directory`"
                 ));
             }
         };
@@ -665,5 +729,43 @@ mod tests {
         // Another key's or another scope's record is not this one.
         assert!(record(vec![]).check(&"j".repeat(64), "main").is_err());
         assert!(record(vec![]).check(&key, "alice").is_err());
+    }
+
+    fn settings(url: &str, region: Option<&str>) -> Settings {
+        Settings {
+            url: url.into(),
+            endpoint: None,
+            region: region.map(str::to_string),
+            allow_http: false,
+            read: vec!["main".into()],
+            write: None,
+        }
+    }
+
+    #[test]
+    fn each_kind_of_url_opens_a_client_and_a_malformed_one_says_what_it_lacks() {
+        for url in ["s3://team/nemo-dag", "gs://team/nemo-dag", "gs://team"] {
+            let remote = Remote::open(settings(url, None)).unwrap_or_else(|e| panic!("{url}: {e}"));
+            assert_eq!(remote.unreachable, None, "{url}");
+        }
+        // An Azure client needs its account from the environment; without it the cache is
+        // down (said once, the run builds), not a bad setting.
+        let azure = Remote::open(settings("az://team/nemo-dag", None)).unwrap();
+        if std::env::var_os("AZURE_STORAGE_ACCOUNT_NAME").is_none() {
+            let why = azure.unreachable.unwrap_or_default();
+            assert!(why.contains("AZURE_STORAGE_ACCOUNT_NAME"), "{why}");
+        }
+        let refusal = |url: &str, region: Option<&str>| match Remote::open(settings(url, region)) {
+            Ok(_) => panic!("{url} opened"),
+            Err(e) => e,
+        };
+        assert!(refusal("gs:///prefix", None).contains("names its bucket"));
+        assert!(refusal("az:///prefix", None).contains("names its container"));
+        assert!(refusal("gs://team/x", Some("eu")).contains("`region` is for s3://"));
+        assert!(refusal("ftp://team/x", None).contains("`az://container/prefix`"));
+        assert!(refusal("team/x", None).contains("`gs://bucket/prefix`"));
+        // A share that is not mounted is reachable later, not a bad setting.
+        let unmounted = Remote::open(settings("file:///nonexistent/nemo-dag", None)).unwrap();
+        assert!(unmounted.unreachable.is_some());
     }
 }
