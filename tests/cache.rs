@@ -493,6 +493,51 @@ fn an_azure_container_carries_artifacts_between_machines() {
     );
 }
 
+/// A run that finds hundreds of stages in the cache pulls a few at a time. Each pull holds the
+/// key's lock, its connections and the files it writes: 200 at once ran out of file
+/// descriptors under a limit of 128, and stages the cache had were built again.
+#[test]
+fn many_stages_are_pulled_a_few_at_a_time() {
+    let Some(server) = Server::start("many") else {
+        return;
+    };
+    let mut manifest = String::from("stages:\n");
+    for i in 0..200 {
+        manifest.push_str(&format!(
+            "  s{i:03}:\n    op: cmd\n    outputs: {{o: o.txt}}\n    cmd: \"echo {i} > {{outputs.o}}\"\n"
+        ));
+    }
+    let machine = |name: &str| {
+        let p = Project::new(&format!("cache-many-{name}"));
+        p.write("many.yaml", &manifest);
+        p.write(
+            "env.toml",
+            &cache_section(&endpoint(&server), &["main"], Some("main")),
+        );
+        p.write(".git", "");
+        p
+    };
+    let (a, b) = (machine("a"), machine("b"));
+    let (built, out) = run_json(&a, &["run", "many.yaml", "--json"]);
+    assert!(all(&built, "executed"), "{out}");
+    // B runs under a limit of 128 open files: 8 pulls at a time need about 60.
+    let mut c = Command::new("sh");
+    c.current_dir(&b.dir)
+        .arg("-c")
+        .arg(format!(
+            "ulimit -n 128 && exec {} run many.yaml --json",
+            crate::common::BIN
+        ))
+        .env_remove("NEMO_DAG_STORE")
+        .env("NO_COLOR", "1")
+        .stdin(Stdio::null())
+        .env("AWS_ACCESS_KEY_ID", ACCESS_KEY)
+        .env("AWS_SECRET_ACCESS_KEY", SECRET_KEY);
+    let out = crate::common::output(c);
+    assert_eq!(out.code, 0, "{out}");
+    assert!(all(&out.json(), "pulled"), "every stage pulled:\n{out}");
+}
+
 #[test]
 fn push_pull_and_cache_status_move_artifacts_without_running_anything() {
     let Some(server) = Server::start("commands") else {

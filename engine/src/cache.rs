@@ -283,14 +283,14 @@ impl Cache {
             match store.try_lock(key) {
                 Ok(Some(file)) => break file,
                 Ok(None) => tokio::time::sleep(std::time::Duration::from_millis(100)).await,
-                Err(e) => return Pulled::Refused(format!("{e:?}")),
+                Err(e) => return Pulled::Refused(e.to_string()),
             }
         };
         if store.is_published(key) {
             return Pulled::Here;
         }
         if let Err(e) = store.set_aside_invalid(key) {
-            return Pulled::Refused(format!("{e:?}"));
+            return Pulled::Refused(e.to_string());
         }
         let dir = store.root.join("tmp").join(format!(
             "pull-{key}.{}-{}",
@@ -310,9 +310,7 @@ impl Cache {
             Ok(()) => verify_pulled(&record, &dir).and_then(|()| {
                 crate::store::seal(&dir).map_err(|e| e.to_string())?;
                 crate::store::sync_tree(&dir).map_err(|e| e.to_string())?;
-                store
-                    .publish(&dir, key, false)
-                    .map_err(|e| format!("{e:?}"))
+                store.publish(&dir, key, false).map_err(|e| e.to_string())
             }),
         };
         match laid_out {

@@ -270,6 +270,18 @@ pub enum Failure {
     Other(miette::Report),
 }
 
+/// The failure in one line, for a message that quotes it (a stage's line, a warning).
+impl std::fmt::Display for Failure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Failure::Input(e) => f.write_str(&e.message),
+            Failure::Stage(s) => f.write_str(s),
+            Failure::Interrupted => f.write_str("interrupted"),
+            Failure::Other(r) => write!(f, "{r}"),
+        }
+    }
+}
+
 impl From<InputError> for Failure {
     fn from(e: InputError) -> Self {
         Failure::Input(Box::new(e))

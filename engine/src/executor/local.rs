@@ -64,6 +64,9 @@ impl Outcome {
     }
 }
 
+/// Stages pulled from the shared cache at once.
+const PULLS_IN_FLIGHT: usize = 8;
+
 /// The stages `--target` selects: the targets and everything upstream of them.
 pub fn select(manifest: &Manifest, targets: &[String]) -> Result<BTreeSet<String>, InputError> {
     check_names(manifest, targets, "--target")?;
@@ -498,6 +501,11 @@ async fn schedule(
                         .as_ref()
                         .filter(|_| !forced && !not_pulled.contains(name))
                     {
+                        // Each pull holds the key's lock, a connection and a file: a few at
+                        // a time, the rest wait in the ready set.
+                        if pulls.len() >= PULLS_IN_FLIGHT {
+                            break;
+                        }
                         ready.remove(&(pos, name));
                         let (cache, store, key, name) = (
                             cache.clone(),
