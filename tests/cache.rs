@@ -252,6 +252,25 @@ fn a_blob_altered_on_the_server_is_refused_and_the_stage_builds_here() {
             .any(|(_, d)| d.as_deref() == Some(blake3::hash(&bytes).to_hex().as_str())),
         "the altered bytes are nowhere in b's store"
     );
+
+    // A blob gone from the server (a lifecycle rule, a hand clean-up) refuses its stage only:
+    // the cache stays in use for the others.
+    std::fs::remove_file(&blob).unwrap();
+    let c = machine("c", "demo.yaml", &e, &["main"], None);
+    let (third, out) = run_json(&c, &["run", "demo.yaml", "--json"]);
+    assert_eq!(
+        states(&third),
+        expect(&[
+            ("generate", "pulled"),
+            ("fit", "executed"),
+            ("count", "pulled"),
+            ("report", "pulled")
+        ]),
+        "{out}"
+    );
+    assert!(out.stderr.contains("is missing"), "{out}");
+    assert!(!out.stderr.contains("warning"), "{out}");
+    assert_eq!(outputs(&a), outputs(&c));
 }
 
 #[test]
@@ -795,4 +814,42 @@ fn a_push_or_a_pull_killed_midway_leaves_no_partial_entry_anywhere() {
     let (v, _) = run_json(&b, &["run", "big.yaml", "--json"]);
     assert_eq!(states(&v), expect(&[("big", "pulled")]));
     assert_eq!(outputs(&a), outputs(&b));
+
+    // Ctrl-C during a run's pull: the run ends at once as interrupted, publishes nothing and
+    // builds nothing; the next run pulls.
+    let c = machine("c", "demo.yaml", &slow.endpoint(), &["main"], None);
+    c.write("big.yaml", BIG);
+    let mut cmd = c.command(&["run", "big.yaml"]);
+    cmd.env("AWS_ACCESS_KEY_ID", ACCESS_KEY)
+        .env("AWS_SECRET_ACCESS_KEY", SECRET_KEY)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    let run = cmd.spawn().unwrap();
+    let tmp = c.store().join("tmp");
+    let midway = || {
+        crate::common::find_named(&tmp, "pull-").iter().any(|d| {
+            std::fs::metadata(tmp.join(d).join("out/o.bin")).is_ok_and(|m| m.len() > 2 << 20)
+        })
+    };
+    assert!(
+        crate::common::wait_for(Duration::from_secs(30), midway),
+        "the pull never got going"
+    );
+    // SAFETY: signalling the child this test started.
+    unsafe { libc::kill(run.id() as i32, libc::SIGINT) };
+    let clock = std::time::Instant::now();
+    let out = crate::common::child_output(run);
+    assert!(
+        clock.elapsed() < Duration::from_secs(3),
+        "the run took {:?} to stop:\n{out}",
+        clock.elapsed()
+    );
+    assert_eq!(out.code, 130, "{out}");
+    assert!(!out.stderr.contains("started"), "nothing was built:\n{out}");
+    assert!(
+        c.artifact_dirs().is_empty(),
+        "an interrupted pull published"
+    );
+    let (v, _) = run_json(&c, &["run", "big.yaml", "--json"]);
+    assert_eq!(states(&v), expect(&[("big", "pulled")]));
 }
