@@ -671,11 +671,13 @@ fn cache_settings_that_cannot_work_are_errors_at_their_line_and_nothing_runs() {
     assert!(out.stderr.contains("cache.url"), "{out}");
 }
 
-/// A TCP proxy to the server that lets `rate` bytes a second through in each direction: a slow
-/// network, so that a test can kill a transfer in the middle. Counts the bytes sent upstream.
+/// A TCP proxy to the server that lets `rate` bytes a second through each connection, each
+/// way: a slow network, so that a test can kill a transfer in the middle. Counts the bytes
+/// that go each way.
 struct SlowLink {
     port: u16,
     upstream: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    downstream: std::sync::Arc<std::sync::atomic::AtomicU64>,
 }
 
 impl SlowLink {
@@ -686,35 +688,37 @@ impl SlowLink {
         let port = listener.local_addr().unwrap().port();
         let target = server.port;
         let upstream = std::sync::Arc::new(AtomicU64::new(0));
-        let counter = upstream.clone();
+        let downstream = std::sync::Arc::new(AtomicU64::new(0));
+        let (up, down) = (upstream.clone(), downstream.clone());
         std::thread::spawn(move || {
             for client in listener.incoming().flatten() {
                 let Ok(server) = std::net::TcpStream::connect(("127.0.0.1", target)) else {
                     continue;
                 };
-                let pipe =
-                    move |mut from: std::net::TcpStream,
-                          mut to: std::net::TcpStream,
-                          count: Option<std::sync::Arc<AtomicU64>>| {
-                        let mut buf = vec![0u8; 16 << 10];
-                        while let Ok(n) = from.read(&mut buf) {
-                            if n == 0 || to.write_all(&buf[..n]).is_err() {
-                                break;
-                            }
-                            if let Some(c) = &count {
-                                c.fetch_add(n as u64, Ordering::SeqCst);
-                            }
-                            std::thread::sleep(Duration::from_secs_f64(n as f64 / rate as f64));
+                let pipe = move |mut from: std::net::TcpStream,
+                                 mut to: std::net::TcpStream,
+                                 count: std::sync::Arc<AtomicU64>| {
+                    let mut buf = vec![0u8; 16 << 10];
+                    while let Ok(n) = from.read(&mut buf) {
+                        if n == 0 || to.write_all(&buf[..n]).is_err() {
+                            break;
                         }
-                        let _ = to.shutdown(std::net::Shutdown::Both);
-                    };
+                        count.fetch_add(n as u64, Ordering::SeqCst);
+                        std::thread::sleep(Duration::from_secs_f64(n as f64 / rate as f64));
+                    }
+                    let _ = to.shutdown(std::net::Shutdown::Both);
+                };
                 let (c2, s2) = (client.try_clone().unwrap(), server.try_clone().unwrap());
-                let counter = counter.clone();
-                std::thread::spawn(move || pipe(c2, s2, Some(counter)));
-                std::thread::spawn(move || pipe(server, client, None));
+                let (up, down) = (up.clone(), down.clone());
+                std::thread::spawn(move || pipe(c2, s2, up));
+                std::thread::spawn(move || pipe(server, client, down));
             }
         });
-        SlowLink { port, upstream }
+        SlowLink {
+            port,
+            upstream,
+            downstream,
+        }
     }
 
     fn endpoint(&self) -> String {
@@ -723,6 +727,10 @@ impl SlowLink {
 
     fn sent(&self) -> u64 {
         self.upstream.load(std::sync::atomic::Ordering::SeqCst)
+    }
+
+    fn received(&self) -> u64 {
+        self.downstream.load(std::sync::atomic::Ordering::SeqCst)
     }
 }
 
@@ -788,20 +796,21 @@ fn a_push_or_a_pull_killed_midway_leaves_no_partial_entry_anywhere() {
     let again = nd(&a, &["push", "big.yaml"]);
     assert_eq!(again.code, 0, "{again}");
 
-    // kill -9 a pull in the middle of the big file: nothing published; the next pull completes.
-    let b = machine("b", "demo.yaml", &slow.endpoint(), &["main"], None);
+    // kill -9 a pull in the middle of the big file (4 MiB of 20 down, over a link of 1 MiB/s
+    // a connection: the file comes in ranged parts, several at once): nothing published; the
+    // next pull completes.
+    let slower = SlowLink::to(&server, 1 << 20);
+    let midway = |since: u64| {
+        let slower = &slower;
+        move || slower.received() > since + (4 << 20)
+    };
+    let b = machine("b", "demo.yaml", &slower.endpoint(), &["main"], None);
     b.write("big.yaml", BIG);
     let mut pull = credentials(b.command(&["pull", "big.yaml"]))
         .spawn()
         .unwrap();
-    let tmp = b.store().join("tmp");
-    let midway = || {
-        crate::common::find_named(&tmp, "pull-").iter().any(|d| {
-            std::fs::metadata(tmp.join(d).join("out/o.bin")).is_ok_and(|m| m.len() > 2 << 20)
-        })
-    };
     assert!(
-        crate::common::wait_for(Duration::from_secs(30), midway),
+        crate::common::wait_for(Duration::from_secs(30), midway(0)),
         "the pull never got going"
     );
     pull.kill().unwrap();
@@ -811,28 +820,24 @@ fn a_push_or_a_pull_killed_midway_leaves_no_partial_entry_anywhere() {
         "a killed pull published {:?}",
         b.artifact_dirs()
     );
+    with_endpoint(&b, &endpoint(&server));
     let (v, _) = run_json(&b, &["run", "big.yaml", "--json"]);
     assert_eq!(states(&v), expect(&[("big", "pulled")]));
     assert_eq!(outputs(&a), outputs(&b));
 
     // Ctrl-C during a run's pull: the run ends at once as interrupted, publishes nothing and
     // builds nothing; the next run pulls.
-    let c = machine("c", "demo.yaml", &slow.endpoint(), &["main"], None);
+    let c = machine("c", "demo.yaml", &slower.endpoint(), &["main"], None);
     c.write("big.yaml", BIG);
+    let since = slower.received();
     let mut cmd = c.command(&["run", "big.yaml"]);
     cmd.env("AWS_ACCESS_KEY_ID", ACCESS_KEY)
         .env("AWS_SECRET_ACCESS_KEY", SECRET_KEY)
         .stdout(Stdio::piped())
         .stderr(Stdio::piped());
     let run = cmd.spawn().unwrap();
-    let tmp = c.store().join("tmp");
-    let midway = || {
-        crate::common::find_named(&tmp, "pull-").iter().any(|d| {
-            std::fs::metadata(tmp.join(d).join("out/o.bin")).is_ok_and(|m| m.len() > 2 << 20)
-        })
-    };
     assert!(
-        crate::common::wait_for(Duration::from_secs(30), midway),
+        crate::common::wait_for(Duration::from_secs(30), midway(since)),
         "the pull never got going"
     );
     // SAFETY: signalling the child this test started.
@@ -850,6 +855,7 @@ fn a_push_or_a_pull_killed_midway_leaves_no_partial_entry_anywhere() {
         c.artifact_dirs().is_empty(),
         "an interrupted pull published"
     );
+    with_endpoint(&c, &endpoint(&server));
     let (v, _) = run_json(&c, &["run", "big.yaml", "--json"]);
     assert_eq!(states(&v), expect(&[("big", "pulled")]));
 }

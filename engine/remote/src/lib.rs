@@ -42,6 +42,28 @@ pub const RECORD_SCHEMA: u32 = 1;
 
 /// Files up to this size go up in one request; larger ones in parts of this size.
 const PART_BYTES: usize = 16 << 20;
+/// A downloaded blob's bytes, in order: hashed, counted and written.
+struct Sink<'a> {
+    file: &'a mut std::fs::File,
+    hasher: blake3::Hasher,
+    received: u64,
+    moved: &'a std::sync::atomic::AtomicU64,
+}
+
+impl Sink<'_> {
+    fn take(&mut self, chunk: &[u8], dest: &Path) -> Result<(), Error> {
+        self.received += chunk.len() as u64;
+        self.moved
+            .fetch_add(chunk.len() as u64, std::sync::atomic::Ordering::Relaxed);
+        self.hasher.update(chunk);
+        self.file
+            .write_all(chunk)
+            .map_err(|e| Error::Local(format!("cannot write {}: {e}", dest.display())))
+    }
+}
+
+/// The size of a ranged part of a download (a blob up to this size is one GET).
+const DOWNLOAD_PART_BYTES: u64 = 8 << 20;
 /// Parts of one file in flight at once.
 const PARTS_IN_FLIGHT: usize = 8;
 
@@ -574,50 +596,75 @@ impl Remote {
     }
 
     /// Download blob `digest` into a new file at `dest`, hashing it as it streams: a blob whose
-    /// bytes are not its digest is refused (and `dest` removed).
+    /// bytes are not its digest is refused (and `dest` removed). A blob over one part comes in
+    /// ranged parts, several at once, hashed and written in order.
     pub async fn download(&self, digest: &str, bytes: u64, dest: &Path) -> Result<(), Error> {
         let at = self.blob(digest);
-        let local =
-            |e: std::io::Error| Error::Local(format!("cannot write {}: {e}", dest.display()));
-        let got = match self.store.get(&at).await {
-            Ok(got) => got,
+        let missing = |e: object_store::Error| match e {
             // Gone (a lifecycle rule, a hand clean-up): this record cannot be used; the
             // cache as a whole still can.
-            Err(object_store::Error::NotFound { .. }) => {
-                return Err(Error::Corrupt(format!("blob {at} is missing")));
-            }
-            Err(e) => return Err(classify(&at, e)),
+            object_store::Error::NotFound { .. } => Error::Corrupt(format!("blob {at} is missing")),
+            e => classify(&at, e),
         };
-        let mut file = std::fs::File::create_new(dest).map_err(local)?;
-        let mut hasher = blake3::Hasher::new();
-        let mut stream = got.into_stream();
-        let mut received = 0u64;
-        while let Some(chunk) = stream.next().await {
-            let chunk = match chunk {
-                Ok(chunk) => chunk,
-                Err(e) => {
-                    let _ = std::fs::remove_file(dest);
-                    return Err(classify(&at, e));
+        let mut file = std::fs::File::create_new(dest)
+            .map_err(|e| Error::Local(format!("cannot write {}: {e}", dest.display())))?;
+        let mut sink = Sink {
+            file: &mut file,
+            hasher: blake3::Hasher::new(),
+            received: 0,
+            moved: &self.moved,
+        };
+        let streamed = if bytes <= DOWNLOAD_PART_BYTES {
+            match self.store.get(&at).await {
+                Ok(got) => {
+                    let mut stream = got.into_stream();
+                    let mut result = Ok(());
+                    while let Some(chunk) = stream.next().await {
+                        result = chunk
+                            .map_err(|e| classify(&at, e))
+                            .and_then(|c| sink.take(&c, dest));
+                        if result.is_err() {
+                            break;
+                        }
+                    }
+                    result
                 }
-            };
-            received += chunk.len() as u64;
-            self.count(chunk.len() as u64);
-            hasher.update(&chunk);
-            if let Err(e) = file.write_all(&chunk) {
-                let _ = std::fs::remove_file(dest);
-                return Err(local(e));
+                Err(e) => Err(missing(e)),
             }
-        }
-        let got = hasher.finalize().to_hex();
-        if got.as_str() != digest || received != bytes {
+        } else {
+            let store = &self.store;
+            let at = &at;
+            let parts = (0..bytes)
+                .step_by(DOWNLOAD_PART_BYTES as usize)
+                .map(|start| start..(start + DOWNLOAD_PART_BYTES).min(bytes))
+                .map(|range| async move { store.get_range(at, range).await });
+            let mut parts = futures::stream::iter(parts).buffered(PARTS_IN_FLIGHT);
+            let mut result = Ok(());
+            while let Some(part) = parts.next().await {
+                result = part.map_err(missing).and_then(|p| sink.take(&p, dest));
+                if result.is_err() {
+                    break;
+                }
+            }
+            result
+        };
+        let (hash, received) = (sink.hasher.finalize().to_hex(), sink.received);
+        let verdict = streamed.and_then(|()| {
+            if hash.as_str() == digest && received == bytes {
+                Ok(())
+            } else {
+                Err(Error::Corrupt(format!(
+                    "blob {at} is not what its name says: {received} bytes hashing to {}, not {bytes} bytes hashing to {}",
+                    short(hash.as_str()),
+                    short(digest)
+                )))
+            }
+        });
+        if verdict.is_err() {
+            drop(file);
             let _ = std::fs::remove_file(dest);
-            return Err(Error::Corrupt(format!(
-                "blob {at} is not what its name says: {received} bytes hashing to {}, not {bytes} bytes hashing to {}",
-                short(got.as_str()),
-                short(digest)
-            )));
         }
-        Ok(())
+        verdict
     }
 }
 
