@@ -279,7 +279,7 @@ impl Cache {
         };
         // The key's lock, as `exec` takes it: a build of the same key elsewhere finishes
         // first. Polled, not waited on in a thread, so that an interrupted run ends at once.
-        let _lock = loop {
+        let lock = loop {
             match store.try_lock(key) {
                 Ok(Some(file)) => break file,
                 Ok(None) => tokio::time::sleep(std::time::Duration::from_millis(100)).await,
@@ -307,11 +307,23 @@ impl Cache {
                 }
                 Err(e.to_string())
             }
-            Ok(()) => verify_pulled(&record, &dir).and_then(|()| {
-                crate::store::seal(&dir).map_err(|e| e.to_string())?;
-                crate::store::sync_tree(&dir).map_err(|e| e.to_string())?;
-                store.publish(&dir, key, false).map_err(|e| e.to_string())
-            }),
+            // Hashing, syncing and the rename are blocking work: off the run's own thread,
+            // which meanwhile starts stages and shows their output. The key's lock goes with
+            // it: a pull cancelled meanwhile still holds the key until its rename is done.
+            Ok(()) => {
+                let (record, dir, store, key) =
+                    (record.clone(), dir.clone(), store.clone(), key.to_string());
+                tokio::task::spawn_blocking(move || {
+                    let _lock = lock;
+                    verify_pulled(&record, &dir).and_then(|()| {
+                        crate::store::seal(&dir).map_err(|e| e.to_string())?;
+                        crate::store::sync_tree(&dir).map_err(|e| e.to_string())?;
+                        store.publish(&dir, &key, false).map_err(|e| e.to_string())
+                    })
+                })
+                .await
+                .unwrap_or_else(|e| Err(format!("internal: the check of the pull failed: {e}")))
+            }
         };
         match laid_out {
             Ok(()) => Pulled::Pulled {
@@ -438,7 +450,13 @@ impl Cache {
             return Ok(Pushed::Off);
         }
         let dir = store.artifact_dir(key);
-        let entries = entries_of(&dir).map_err(Error::Local)?;
+        let entries = {
+            let dir = dir.clone();
+            tokio::task::spawn_blocking(move || entries_of(&dir))
+                .await
+                .map_err(|e| Error::Local(format!("internal: hashing the artifact failed: {e}")))?
+                .map_err(Error::Local)?
+        };
         let mut seen = std::collections::HashSet::new();
         let blobs: Vec<(String, u64, PathBuf)> = entries
             .iter()
