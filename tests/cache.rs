@@ -565,6 +565,77 @@ fn between_machines(name: &str, settings: &str, env: &[(&str, &str)]) {
     );
 }
 
+/// A large blob cut short on the server (its parts would ask for bytes past its end) is that
+/// record's fault: its stage builds here, and the cache stays in use.
+#[test]
+fn a_large_blob_cut_short_on_the_server_refuses_its_stage_only() {
+    let Some(server) = Server::start("cut-short") else {
+        return;
+    };
+    let e = endpoint(&server);
+    let a = machine("a", "demo.yaml", &e, &["main"], Some("main"));
+    let both = format!(
+        "{BIG}{}",
+        &BIG["stages:\n".len()..]
+            .replace("big", "other")
+            .replace("20971520", "1024")
+    );
+    a.write("big.yaml", &both);
+    let (first, _) = run_json(&a, &["run", "big.yaml", "--json"]);
+    let key = crate::common::key_of(&first, "big");
+    let record: Value =
+        serde_json::from_slice(&std::fs::read(server.record("main", &key)).unwrap()).unwrap();
+    let digest = record["entries"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|e| e["path"] == "out/o.bin")
+        .and_then(|e| e["digest"].as_str())
+        .unwrap()
+        .to_string();
+    let blob = server.object(&format!("cas/{digest}"));
+    let bytes = std::fs::read(&blob).unwrap();
+    std::fs::write(&blob, &bytes[..bytes.len() - (1 << 20)]).unwrap();
+
+    let b = machine("b", "demo.yaml", &e, &["main"], None);
+    b.write("big.yaml", &both);
+    let (second, out) = run_json(&b, &["run", "big.yaml", "--json"]);
+    assert_eq!(
+        states(&second),
+        expect(&[("big", "executed"), ("other", "pulled")]),
+        "{out}"
+    );
+    assert!(out.stderr.contains("bytes, not 20971520"), "{out}");
+    assert!(!out.stderr.contains("warning"), "{out}");
+}
+
+/// A profile whose jobs keep their own store submits nothing when the cache that would carry
+/// their inputs cannot be used: every job would fail after its wait in the queue. (Refused
+/// before `sbatch`, so no cluster is needed.)
+#[test]
+fn jobs_with_their_own_store_are_not_submitted_when_the_cache_is_down() {
+    let e = format!("http://127.0.0.1:{}", free_port());
+    let p = machine("node-store-down", "demo.yaml", &e, &["main"], Some("main"));
+    let env = std::fs::read_to_string(p.path("env.toml")).unwrap();
+    p.write(
+        "env.toml",
+        &format!("[lab]\nexecutor = \"slurm\"\nnode_store = \"/tmp/nd-$SLURM_JOB_ID\"\n\n{env}"),
+    );
+    let out = nd(&p, &["run", "demo.yaml", "--batch", "lab"]);
+    assert_eq!(out.code, 2, "{out}");
+    assert!(
+        out.stderr.contains("the shared cache cannot be used")
+            && out.stderr.contains("nothing was submitted"),
+        "{out}"
+    );
+    assert_eq!(
+        out.stderr.matches("warning").count(),
+        1,
+        "said once, then refused:\n{out}"
+    );
+    assert!(!p.store().join("slurm").exists(), "a job was submitted");
+}
+
 /// A run that finds hundreds of stages in the cache pulls a few at a time. Each pull holds the
 /// key's lock, its connections and the files it writes: 200 at once ran out of file
 /// descriptors under a limit of 128, and stages the cache had were built again.

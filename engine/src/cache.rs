@@ -227,7 +227,8 @@ impl Cache {
         if down.is_none() {
             // Without credentials in the environment, object_store asks the instance's metadata
             // service, and the failure names only that.
-            let hint = if why.to_string().contains("169.254.169.254")
+            let hint = if self.remote.settings.url.starts_with("s3://")
+                && why.to_string().contains("169.254.169.254")
                 && std::env::var_os("AWS_ACCESS_KEY_ID").is_none()
             {
                 " (no AWS_ACCESS_KEY_ID in the environment, and no instance credentials here)"
@@ -659,16 +660,8 @@ pub fn transfer(
             rows.push(row);
         }
         settled.extend(wave.iter().map(|n| n.as_str()));
-        if let Some(why) = cache.down_reason() {
-            return Err(miette::miette!(
-                help = format!(
-                    "check [cache] in {}, and that the server is up",
-                    cache.file.display()
-                ),
-                "the shared cache {} cannot be used: {why}",
-                cache.remote.settings.url
-            )
-            .into());
+        if cache.down_reason().is_some() {
+            break;
         }
     }
     let position: std::collections::HashMap<&str, usize> = manifest
@@ -696,6 +689,17 @@ pub fn transfer(
             .collect();
         let argv: Vec<String> = std::env::args().collect();
         crate::executor::local::record_run(manifest, store, &argv, &outcomes)?;
+    }
+    if let Some(why) = cache.down_reason() {
+        return Err(miette::miette!(
+            help = format!(
+                "check [cache] in {}, and that the server is up",
+                cache.file.display()
+            ),
+            "the shared cache {} cannot be used: {why}",
+            cache.remote.settings.url
+        )
+        .into());
     }
     if let Some(why) = cache.write_refusal() {
         return Err(miette::miette!(

@@ -523,6 +523,8 @@ pub enum JobSource {
         launcher: Vec<String>,
         /// Use no shared cache (`run --offline`): pull nothing, push nothing.
         offline: bool,
+        /// The store is the node's own (a profile's `node_store`): a stage not pushed fails.
+        must_push: bool,
     },
 }
 
@@ -533,6 +535,7 @@ pub fn exec_command(source: Option<JobSource>, ops: Registry) -> i32 {
     take_the_group_down_on_termination();
     let mut recorded: Option<(Manifest, Store, String)> = None;
     let mut cache: Option<Cache> = None;
+    let mut must_push = false;
     let spec = match source {
         Some(JobSource::Spec(path)) => read_spec(&path),
         Some(JobSource::Stage {
@@ -541,9 +544,11 @@ pub fn exec_command(source: Option<JobSource>, ops: Registry) -> i32 {
             store,
             launcher,
             offline,
+            must_push: must,
         }) => Manifest::load(&manifest)
             .map_err(Failure::from)
             .and_then(|manifest| {
+                must_push = must;
                 if !offline {
                     cache = Cache::load(&manifest.dir)?;
                 }
@@ -571,10 +576,28 @@ pub fn exec_command(source: Option<JobSource>, ops: Registry) -> i32 {
             log: None,
         },
     };
-    if let (Some(cache), Some((_, store, stage)), Some(key)) = (&cache, &recorded, &result.key)
-        && result.state == "executed"
-    {
-        push_for_job(store, cache, stage, key);
+    let pushed = match (&cache, &recorded, &result.key) {
+        (Some(cache), Some((_, store, stage)), Some(key)) if result.state == "executed" => {
+            push_for_job(store, cache, stage, key, must_push)
+        }
+        (None, Some((_, _, stage)), _) if must_push && result.state == "executed" => Err(format!(
+            "`{stage}` was built in this node's own store (the profile's node_store), and there is no shared cache to take it to the other jobs"
+        )),
+        _ => Ok(()),
+    };
+    if let Err(why) = pushed {
+        eprintln!("nemo-dag exec: {why}");
+        println!(
+            "{}",
+            serde_json::to_string(&JobResult {
+                state: "failed".into(),
+                key: result.key.clone(),
+                error: Some(why),
+                log: result.log.clone(),
+            })
+            .unwrap_or_default()
+        );
+        return 1;
     }
     if let Some((manifest, store, stage)) = &recorded
         && result.state != "failed"
@@ -625,13 +648,22 @@ fn pull_for_job(manifest: &Manifest, store: &Store, cache: &Cache, stage: &str) 
                 }
             }
         }
-        Err(e) => eprintln!("nemo-dag exec: warning: {e:?}"),
+        // A cache that is down was said when it went down.
+        Err(e) if cache.down_reason().is_none() => eprintln!("nemo-dag exec: warning: {e}"),
+        Err(_) => {}
     }
 }
 
 /// A cluster job with a shared cache: what it built goes to the write scope before the job
-/// ends, so that the next job, on any node, finds it.
-fn push_for_job(store: &Store, cache: &Cache, stage: &str, key: &str) {
+/// ends, so that the next job, on any node, finds it. `Err` (with `must`: the job keeps its
+/// store on its node, and what is not pushed is lost) says why it is not in the cache.
+fn push_for_job(
+    store: &Store,
+    cache: &Cache,
+    stage: &str,
+    key: &str,
+    must: bool,
+) -> Result<(), String> {
     let pushed = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -640,20 +672,37 @@ fn push_for_job(store: &Store, cache: &Cache, stage: &str, key: &str) {
             rt.block_on(cache.push(store, key))
                 .map_err(|e| e.to_string())
         });
-    match pushed {
-        Ok(Pushed::Pushed { bytes }) => eprintln!(
-            "nemo-dag exec: pushed `{stage}` ({bytes} bytes) to the shared cache {}",
-            cache.remote.settings.url
-        ),
-        Ok(Pushed::There) => {}
-        Ok(Pushed::Conflict(why)) => eprintln!("nemo-dag exec: warning: `{stage}`: {why}"),
-        Ok(Pushed::Off) => {
-            if let Some(why) = cache.write_refusal().or_else(|| cache.down_reason()) {
-                eprintln!("nemo-dag exec: warning: `{stage}` was not pushed: {why}");
-            }
+    let missing = match pushed {
+        Ok(Pushed::Pushed { bytes }) => {
+            eprintln!(
+                "nemo-dag exec: pushed `{stage}` ({bytes} bytes) to the shared cache {}",
+                cache.remote.settings.url
+            );
+            return Ok(());
         }
-        Err(why) => eprintln!("nemo-dag exec: warning: `{stage}` was not pushed: {why}"),
+        // Theirs is kept, and the next job uses theirs: as good as ours.
+        Ok(Pushed::There) => return Ok(()),
+        Ok(Pushed::Conflict(why)) => {
+            eprintln!("nemo-dag exec: warning: `{stage}`: {why}");
+            return Ok(());
+        }
+        Ok(Pushed::Off) => cache
+            .write_refusal()
+            .or_else(|| cache.down_reason())
+            .unwrap_or_else(|| "the cache writes no scope".into()),
+        Err(why) => why,
+    };
+    let why = format!("`{stage}` was not pushed to the shared cache: {missing}");
+    if must {
+        return Err(format!(
+            "{why}; it was built in this node's own store (the profile's node_store), so no other job can use it"
+        ));
     }
+    // A cache that is down was said when it went down.
+    if cache.down_reason().is_none() {
+        eprintln!("nemo-dag exec: warning: {why}");
+    }
+    Ok(())
 }
 
 fn read_spec(path: &Path) -> Result<JobSpec> {

@@ -25,6 +25,7 @@ use object_store::aws::{AmazonS3Builder, S3ConditionalPut};
 use object_store::azure::MicrosoftAzureBuilder;
 use object_store::gcp::GoogleCloudStorageBuilder;
 use object_store::local::LocalFileSystem;
+use object_store::memory::InMemory;
 use object_store::path::Path as Location;
 use object_store::{
     ClientOptions, ObjectStore, ObjectStoreExt, PutMode, PutOptions, PutPayload, RetryConfig,
@@ -61,6 +62,9 @@ impl Sink<'_> {
             .map_err(|e| Error::Local(format!("cannot write {}: {e}", dest.display())))
     }
 }
+
+/// The memory all transfers of one process may buffer at once, in MiB.
+const BUFFER_MIB: u32 = 512;
 
 /// The size of a ranged part of a download (a blob up to this size is one GET).
 const DOWNLOAD_PART_BYTES: u64 = 8 << 20;
@@ -288,6 +292,9 @@ pub struct Remote {
     pub unreachable: Option<String>,
     /// Bytes of blobs sent and received so far, as they move: what a progress line shows.
     pub moved: Arc<std::sync::atomic::AtomicU64>,
+    /// The memory transfers may hold at once, in MiB: what a blob's transfer buffers (a small
+    /// file read whole, a large one's parts in flight) is taken from it first.
+    buffers: Arc<tokio::sync::Semaphore>,
 }
 
 impl Remote {
@@ -374,7 +381,7 @@ impl Remote {
                         unreachable = Some(format!(
                             "{e} (no AZURE_STORAGE_ACCOUNT_NAME in the environment)"
                         ));
-                        (Arc::new(LocalFileSystem::new()), prefix.to_string())
+                        (Arc::new(InMemory::new()), prefix.to_string())
                     }
                     Err(e) => return Err(e.to_string()),
                 }
@@ -391,8 +398,15 @@ impl Remote {
                 if let Some(endpoint) = &settings.endpoint {
                     builder = builder.with_base_url(endpoint);
                 }
-                let store = builder.build().map_err(|e| e.to_string())?;
-                (Arc::new(store), prefix.to_string())
+                match builder.build() {
+                    Ok(store) => (Arc::new(store), prefix.to_string()),
+                    // Credentials that cannot be read here (a key file missing on this node):
+                    // the cache is down, as for a server that does not answer.
+                    Err(e) => {
+                        unreachable = Some(format!("cannot use the Google credentials: {e}"));
+                        (Arc::new(InMemory::new()), prefix.to_string())
+                    }
+                }
             }
             "file" => {
                 if !rest.starts_with('/') {
@@ -407,7 +421,7 @@ impl Remote {
                     (Arc::new(store), String::new())
                 } else {
                     unreachable = Some(format!("{rest} is not a directory (is it mounted here?)"));
-                    (Arc::new(LocalFileSystem::new()), rest.to_string())
+                    (Arc::new(InMemory::new()), rest.to_string())
                 }
             }
             other => {
@@ -424,7 +438,17 @@ impl Remote {
             settings,
             unreachable,
             moved: Default::default(),
+            buffers: Arc::new(tokio::sync::Semaphore::new(BUFFER_MIB as usize)),
         })
+    }
+
+    /// Room for `bytes` of buffers among all transfers, waited for.
+    async fn budget(&self, bytes: u64) -> Result<tokio::sync::SemaphorePermit<'_>, Error> {
+        let mib = bytes.div_ceil(1 << 20).clamp(1, u64::from(BUFFER_MIB)) as u32;
+        self.buffers
+            .acquire_many(mib)
+            .await
+            .map_err(|e| Error::Local(format!("internal: {e}")))
     }
 
     fn count(&self, bytes: u64) {
@@ -550,6 +574,13 @@ impl Remote {
         let at = self.blob(digest);
         let local =
             |e: std::io::Error| Error::Local(format!("cannot read {}: {e}", path.display()));
+        // A small file is read whole; a large one holds its parts in flight and one being read.
+        let buffered = if bytes as usize <= PART_BYTES {
+            bytes
+        } else {
+            ((PARTS_IN_FLIGHT + 1) * PART_BYTES) as u64
+        };
+        let _budget = self.budget(buffered).await?;
         let mut file = std::fs::File::open(path).map_err(local)?;
         if bytes as usize <= PART_BYTES {
             let mut buf = Vec::with_capacity(bytes as usize);
@@ -605,6 +636,23 @@ impl Remote {
             // cache as a whole still can.
             object_store::Error::NotFound { .. } => Error::Corrupt(format!("blob {at} is missing")),
             e => classify(&at, e),
+        };
+        let _budget = if bytes > DOWNLOAD_PART_BYTES {
+            // Its size first: a blob cut short on the server is its record's fault, not the
+            // server's, and its last parts would ask for bytes past its end.
+            let meta = self.store.head(&at).await.map_err(missing)?;
+            if meta.size != bytes {
+                return Err(Error::Corrupt(format!(
+                    "blob {at} is {} bytes, not {bytes}",
+                    meta.size
+                )));
+            }
+            Some(
+                self.budget(PARTS_IN_FLIGHT as u64 * DOWNLOAD_PART_BYTES)
+                    .await?,
+            )
+        } else {
+            None
         };
         let mut file = std::fs::File::create_new(dest)
             .map_err(|e| Error::Local(format!("cannot write {}: {e}", dest.display())))?;
@@ -693,7 +741,7 @@ fn classify(at: &Location, e: object_store::Error) -> Error {
     use object_store::Error as E;
     match e {
         E::PermissionDenied { .. } | E::Unauthenticated { .. } => Error::Refused(format!(
-            "refused {at}: {e} (credentials come from AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, web identity or the instance's metadata)"
+            "refused {at}: {e} (credentials come from the environment: docs/cache.md lists what each kind of URL reads)"
         )),
         E::NotImplemented { .. } | E::NotSupported { .. } | E::Precondition { .. } => {
             Error::Refused(format!("{at}: {e}"))

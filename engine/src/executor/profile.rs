@@ -246,7 +246,7 @@ fn check_node_store(path: &str) -> Result<(), String> {
     }
     match path
         .chars()
-        .find(|c| matches!(c, '"' | '`' | '\\' | '\n' | '\r' | '(' | ')' | ';'))
+        .find(|c| matches!(c, '"' | '`' | '\\' | '\n' | '\r' | '(' | ')' | ';' | '@'))
     {
         Some(c) => Err(format!(
             "`{}` may not be in it: the job's shell expands only its variables",

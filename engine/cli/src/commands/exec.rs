@@ -25,6 +25,9 @@ pub struct Args {
     /// With --stage: use no shared cache, even with [cache] in env.toml
     #[arg(long, requires = "stage")]
     offline: bool,
+    /// With --stage: the store is the node's own, so a stage the cache does not take fails
+    #[arg(long, requires = "stage", conflicts_with = "offline")]
+    must_push: bool,
     /// With --stage: what starts a launched stage's ranks (`srun …`), the stage's command
     /// following it; the job script writes it
     #[arg(last = true, value_name = "LAUNCHER")]
@@ -35,6 +38,13 @@ pub fn exec(a: Args, ops: Registry) -> i32 {
     let source = match (a.spec, a.stage, a.manifest) {
         (Some(path), _, _) => Some(JobSource::Spec(path)),
         (None, Some(stage), Some(manifest)) => {
+            // A node_store whose variable is not set on the node renders as `--store ""`.
+            if a.store.as_ref().is_some_and(|s| s.as_os_str().is_empty()) {
+                eprintln!(
+                    "nemo-dag exec: --store is empty (is a variable in the profile's node_store unset on this node?)"
+                );
+                return 2;
+            }
             let m = ManifestArgs {
                 manifest,
                 overrides: a.overrides,
@@ -48,6 +58,7 @@ pub fn exec(a: Args, ops: Registry) -> i32 {
                 store,
                 launcher: a.launcher,
                 offline: a.offline,
+                must_push: a.must_push,
             })
         }
         _ => None,

@@ -108,6 +108,18 @@ pub fn submit(manifest: &Manifest, store: &Store, opts: &SubmitOptions) -> Resul
         Some(cache) if !opts.dry_run => pull_here(manifest, store, cache, opts.targets),
         _ => BTreeSet::new(),
     };
+    // Jobs that keep their own store cannot run without the cache.
+    if let (Some(node), Some(why)) = (
+        &opts.profile.node_store,
+        opts.cache.and_then(Cache::down_reason),
+    ) {
+        return Err(InputError::new(format!(
+            "profile `{}` keeps its jobs' artifacts on the node ({node}), and the shared cache cannot be used: {why}",
+            opts.profile.name
+        ))
+        .help("nothing was submitted: every job would fail for want of its inputs; check [cache] and that the server is up")
+        .into());
+    }
     let plans = plan::plan(manifest, store, &mut Digester::load(&store.memo_file()))?;
     let previous = load_record(store, manifest).unwrap_or_default();
     let previous_states = if opts.dry_run {
@@ -408,7 +420,10 @@ fn pull_here(
             })
             .collect(),
         Err(e) => {
-            eprintln!("nemo-dag: warning: {e:?}");
+            // A cache that is down was said when it went down.
+            if cache.down_reason().is_none() {
+                eprintln!("nemo-dag: warning: {e}");
+            }
             BTreeSet::new()
         }
     }

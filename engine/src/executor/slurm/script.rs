@@ -125,6 +125,10 @@ pub(super) fn job_script(
     if opts.offline {
         argv.push("--offline".into());
     }
+    if profile.node_store.is_some() {
+        argv.push("--must-push".into());
+    }
+    debug_assert_eq!(argv[STORE_WORD - 1], "--store");
     if let Some(v) = &manifest.variant {
         argv.push("-c".into());
         argv.push(v.display().to_string());
@@ -217,9 +221,23 @@ pub(super) fn check_mounts(
         .collect();
     // With a node store, the artifacts travel through the shared cache, and a store inside the
     // image is as good as any; where the path is fixed, it is the one to mount.
+    let launched = manifest.stages[name].resources.launch().is_some();
     let mut needed = match &opts.profile.node_store {
         None => vec![std::path::absolute(&store.root).unwrap_or_else(|_| store.root.clone())],
         Some(node) if !node.contains('$') => vec![std::path::PathBuf::from(node)],
+        // The ranks of a launched stage read and write the node store from inside the image,
+        // at a path only the job's shell knows.
+        Some(node) if launched => {
+            return Err((
+                format!(
+                    "stage `{name}` starts its ranks in image `{image}`, which must see the node store at the same path, and node_store `{node}` is known only when the job runs"
+                ),
+                format!(
+                    "give profile `{}` a node_store without variables, and mount it: mounts = [\"/scratch/nemo-dag:/scratch/nemo-dag\"]",
+                    opts.profile.name
+                ),
+            ));
+        }
         Some(_) => Vec::new(),
     };
     needed.extend(
@@ -400,6 +418,45 @@ mod tests {
             Path::new("/logs/train.log"),
         );
         assert!(s.contains("\" --offline "), "{s}");
+        // With a node store, a stage the cache does not take fails its job.
+        assert!(s.contains(" --must-push "), "{s}");
+    }
+
+    #[test]
+    fn a_launched_stage_in_an_image_needs_a_node_store_it_can_mount() {
+        let (m, dir) = manifest(
+            "stages:\n  train:\n    op: cmd\n    params: {lr: 0.1}\n    outputs: {o: o}\n    cmd: \"echo {params.lr} > {outputs.o}\"\n    resources: {launch: srun, nodes: 2, gpus: 4}\n",
+        );
+        let check = |node_store: &str, mounts: &[&str]| {
+            let profile = Profile {
+                name: "c".into(),
+                executor: crate::executor::profile::Executor::Slurm,
+                container_image: Some("img.sqsh".into()),
+                node_store: Some(node_store.into()),
+                mounts: mounts.iter().map(|m| m.to_string()).collect(),
+                ..Default::default()
+            };
+            let opts = SubmitOptions {
+                profile: &profile,
+                mode: Mode::Batch,
+                dry_run: true,
+                targets: &[],
+                force: &[],
+                cache: None,
+                offline: false,
+            };
+            check_mounts(&m, &Store::new(dir.join(".nemo-dag")), &opts, "train")
+        };
+        let (message, _) = check("$TMPDIR/nd", &[]).unwrap_err();
+        assert!(
+            message.contains("known only when the job runs"),
+            "{message}"
+        );
+        let (message, _) = check("/scratch/nd", &[]).unwrap_err();
+        assert!(message.contains("/scratch/nd is not mounted"), "{message}");
+        let dir_text = dir.display().to_string();
+        let project = format!("{dir_text}:{dir_text}");
+        assert!(check("/scratch/nd", &["/scratch:/scratch", &project]).is_ok());
     }
 
     #[test]
