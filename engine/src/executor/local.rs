@@ -250,6 +250,54 @@ impl Reporter {
             bar.finish_and_clear();
         }
     }
+
+    /// A live line for the shared cache's transfers, on a terminal: the bytes pulled and
+    /// pushed so far and the rate, once any have moved. Cleared when the task is aborted.
+    fn transfers(&self, cache: &crate::cache::Cache) -> Option<tokio::task::JoinHandle<()>> {
+        let multi = self.multi.clone()?;
+        let moved = cache.remote.moved.clone();
+        Some(tokio::spawn(async move {
+            let clock = Instant::now();
+            let mut shown = 0;
+            let mut line: Option<ClearOnDrop> = None;
+            loop {
+                tokio::time::sleep(std::time::Duration::from_millis(250)).await;
+                let bytes = moved.load(std::sync::atomic::Ordering::Relaxed);
+                if bytes == shown {
+                    continue;
+                }
+                shown = bytes;
+                let bar = &line
+                    .get_or_insert_with(|| {
+                        let bar = multi.add(indicatif::ProgressBar::new_spinner());
+                        bar.set_style(
+                            indicatif::ProgressStyle::with_template(
+                                "{spinner} shared cache: {wide_msg}",
+                            )
+                            .unwrap_or_else(|_| indicatif::ProgressStyle::default_spinner()),
+                        );
+                        ClearOnDrop(bar)
+                    })
+                    .0;
+                let rate = bytes as f64 / clock.elapsed().as_secs_f64().max(1e-3);
+                bar.set_message(format!(
+                    "{} moved · {}/s",
+                    nemo_dag_op::plan::bytes(bytes),
+                    nemo_dag_op::plan::bytes(rate as u64)
+                ));
+                bar.tick();
+            }
+        }))
+    }
+}
+
+/// Clears its line when the task that shows it ends.
+struct ClearOnDrop(indicatif::ProgressBar);
+
+impl Drop for ClearOnDrop {
+    fn drop(&mut self) {
+        self.0.finish_and_clear();
+    }
 }
 
 /// A line on stderr that does not tear the live bars.
@@ -434,6 +482,7 @@ async fn schedule(
         .collect();
     let width = order.iter().map(|n| n.len()).max().unwrap_or(4).min(24);
     let reporter = Reporter::new(order.len(), width);
+    let transfers = opts.cache.as_ref().and_then(|c| reporter.transfers(c));
 
     let mut waiting: HashMap<&str, usize> = order
         .iter()
@@ -713,6 +762,10 @@ async fn schedule(
             Ok(Pushed::There | Pushed::Off) => {}
             Err(e) => reporter.stage_line(&name, &format!("warning: not pushed: {e}")),
         }
+    }
+    if let Some(t) = transfers {
+        t.abort();
+        let _ = t.await;
     }
     reporter.finish();
     let _ = digester.save(&store.memo_file());
