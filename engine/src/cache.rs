@@ -13,11 +13,11 @@
 use crate::diag::{InputError, Source};
 use crate::digest::Digester;
 use crate::doc::{self, Format};
-use crate::store::{Artifact, Store, short};
+use crate::store::{Artifact, Published, Store, short};
 use futures::StreamExt;
 use nemo_dag_remote::{Entry, Error, Producer, RECORD_SCHEMA, Record, Remote, Settings, Written};
 use serde_json::Value;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::sync::Mutex;
@@ -569,6 +569,42 @@ pub fn transfer(
     targets: &[String],
     what: Transfer,
 ) -> crate::diag::Result<Vec<Row>> {
+    walk(manifest, store, cache, targets, what, None).map(|(rows, _)| rows)
+}
+
+/// What a cluster job needs to build `stage` in a store of its own: the stage's direct inputs
+/// and the stage itself are pulled where this store lacks them; the stages further up are
+/// keyed from the cache's records and stay where they are. The rows, and every upstream
+/// stage's key and outputs, for [`crate::executor::local::spec_for_stage`].
+pub fn pull_inputs(
+    manifest: &crate::manifest::Manifest,
+    store: &Store,
+    cache: &Cache,
+    stage: &str,
+) -> crate::diag::Result<(Vec<Row>, HashMap<String, Published>)> {
+    let mut needed: std::collections::BTreeSet<String> =
+        manifest.stages[stage].deps.iter().cloned().collect();
+    needed.insert(stage.to_string());
+    walk(
+        manifest,
+        store,
+        cache,
+        &[stage.to_string()],
+        Transfer::Pull,
+        Some(&needed),
+    )
+}
+
+/// [`transfer`], where `pulled_only` (for a pull) limits what is pulled: the other stages are
+/// only keyed, from this store or the cache's records.
+fn walk(
+    manifest: &crate::manifest::Manifest,
+    store: &Store,
+    cache: &Cache,
+    targets: &[String],
+    what: Transfer,
+    pulled_only: Option<&std::collections::BTreeSet<String>>,
+) -> crate::diag::Result<(Vec<Row>, HashMap<String, Published>)> {
     let selected = crate::executor::local::select(manifest, targets)?;
     if what == Transfer::Push && cache.remote.settings.write.is_none() {
         return Err(InputError::new(format!(
@@ -591,8 +627,7 @@ pub fn transfer(
         .enable_all()
         .build()
         .map_err(|e| miette::miette!("cannot start the transfer: {e}"))?;
-    let mut published: std::collections::HashMap<String, crate::store::Published> =
-        Default::default();
+    let mut published: HashMap<String, Published> = Default::default();
     let mut rows = Vec::new();
     // In waves: the stages whose upstream stages are all settled are keyed here, one after
     // another (from the store, or the records found in the wave before), then moved several
@@ -642,13 +677,24 @@ pub fn transfer(
                 Ok(None) => {}
                 Err(damage) => row.problem = Some(damage),
             }
-            keyed.push((row, resolved.key));
+            // Outside what is to be pulled, a stage only needs its key and outputs.
+            let what = match pulled_only {
+                Some(needed) if !needed.contains(name.as_str()) => {
+                    if row.local {
+                        rows.push(row);
+                        continue;
+                    }
+                    Transfer::Status
+                }
+                _ => what,
+            };
+            keyed.push((row, resolved.key, what));
         }
         let moved: Vec<(Row, Option<crate::store::Published>)> = runtime.block_on(
             futures::stream::iter(
                 keyed
                     .into_iter()
-                    .map(|(row, key)| move_one(cache, store, what, row, key)),
+                    .map(|(row, key, what)| move_one(cache, store, what, row, key)),
             )
             .buffer_unordered(STAGES_IN_FLIGHT)
             .collect(),
@@ -709,7 +755,7 @@ pub fn transfer(
         )
         .into());
     }
-    Ok(rows)
+    Ok((rows, published))
 }
 
 /// Push, pull or look up one keyed stage of [`transfer`]; what it leaves published (or, for

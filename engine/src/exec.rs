@@ -13,7 +13,7 @@
 //! nothing; a resumable op's attempt stays in `tmp/` (its checkpoints) with a copy of the log in
 //! `failed/<key>/`.
 
-use crate::cache::{Cache, Pushed, Transfer};
+use crate::cache::{Cache, Pushed};
 use crate::diag::InputError;
 use crate::diag::{Failure, Result, io_err};
 use crate::digest::Digester;
@@ -552,10 +552,11 @@ pub fn exec_command(source: Option<JobSource>, ops: Registry) -> i32 {
                 if !offline {
                     cache = Cache::load(&manifest.dir)?;
                 }
-                if let Some(cache) = &cache {
-                    pull_for_job(&manifest, &store, cache, &stage);
-                }
-                let mut spec = local::spec_for_stage(&manifest, &store, &stage)?;
+                let known = match &cache {
+                    Some(cache) => pull_for_job(&manifest, &store, cache, &stage),
+                    None => Default::default(),
+                };
+                let mut spec = local::spec_for_stage(&manifest, &store, &stage, &known)?;
                 spec.launcher = launcher;
                 recorded = Some((manifest, store, stage));
                 Ok(spec)
@@ -631,11 +632,18 @@ pub fn exec_command(source: Option<JobSource>, ops: Registry) -> i32 {
 }
 
 /// A cluster job with a shared cache: bring in what the stage needs that this node's store
-/// lacks (its upstream artifacts, and the stage itself when someone built it already). A cache
-/// that cannot help is said in the job's log; the stage then needs its inputs here.
-fn pull_for_job(manifest: &Manifest, store: &Store, cache: &Cache, stage: &str) {
-    match crate::cache::transfer(manifest, store, cache, &[stage.to_string()], Transfer::Pull) {
-        Ok(rows) => {
+/// lacks (its direct inputs, and the stage itself when someone built it already); the stages
+/// further up are keyed from the cache's records. A cache that cannot help is said in the
+/// job's log; the stage then needs its upstream here. Every upstream stage's key and outputs,
+/// as the cache knows them.
+fn pull_for_job(
+    manifest: &Manifest,
+    store: &Store,
+    cache: &Cache,
+    stage: &str,
+) -> std::collections::HashMap<String, crate::store::Published> {
+    match crate::cache::pull_inputs(manifest, store, cache, stage) {
+        Ok((rows, known)) => {
             for row in rows {
                 if let Some(scope) = row.remote.as_ref().filter(|_| row.done.is_some()) {
                     eprintln!(
@@ -647,10 +655,15 @@ fn pull_for_job(manifest: &Manifest, store: &Store, cache: &Cache, stage: &str) 
                     eprintln!("nemo-dag exec: `{}` not pulled: {problem}", row.name);
                 }
             }
+            known
         }
-        // A cache that is down was said when it went down.
-        Err(e) if cache.down_reason().is_none() => eprintln!("nemo-dag exec: warning: {e}"),
-        Err(_) => {}
+        Err(e) => {
+            // A cache that is down was said when it went down.
+            if cache.down_reason().is_none() {
+                eprintln!("nemo-dag exec: warning: {e}");
+            }
+            Default::default()
+        }
     }
 }
 

@@ -820,8 +820,15 @@ fn release<'a>(
 }
 
 /// The job spec of one stage, resolved against what is already published: every stage it
-/// depends on must be in the store. This is how a cluster job finds its key when it starts.
-pub fn spec_for_stage(manifest: &Manifest, store: &Store, name: &str) -> Result<JobSpec> {
+/// depends on must be in the store, or in `known` (the shared cache's records of the stages
+/// further up, which a cluster job keys from without pulling them). This is how a cluster job
+/// finds its key when it starts.
+pub fn spec_for_stage(
+    manifest: &Manifest,
+    store: &Store,
+    name: &str,
+    known: &HashMap<String, Published>,
+) -> Result<JobSpec> {
     let wanted = select(manifest, &[name.to_string()])?;
     let mut digester = Digester::load(&store.memo_file());
     let mut published: HashMap<String, Published> = HashMap::new();
@@ -835,6 +842,14 @@ pub fn spec_for_stage(manifest: &Manifest, store: &Store, name: &str) -> Result<
         let artifact = store
             .lookup(&resolved.key, &mut digester)
             .map_err(Failure::Stage)?
+            .or_else(|| {
+                // Not a direct input (those are pulled), so only its key and outputs matter.
+                known
+                    .get(stage_name)
+                    .filter(|k| k.key == resolved.key)
+                    .filter(|_| !manifest.stages[name].deps.contains(stage_name))
+                    .cloned()
+            })
             .ok_or_else(|| {
                 Failure::Stage(format!(
                     "stage `{name}` needs `{stage_name}`, which is not in the store (key {}); run it first",
