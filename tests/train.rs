@@ -274,6 +274,7 @@ fn a_recipe_pretrains_fine_tunes_and_exports_a_model_transformers_reads() {
 
     // The exported Llama gives our logits, and so does the hybrid exported as NemotronH.
     check_plot(&p, &sft_before);
+    check_report(&p);
     check_export(&p);
     check_nemotron_h_export(&p);
 
@@ -445,6 +446,181 @@ fn check_plot(p: &Project, sft_before: &str) {
     ]);
     assert_eq!(none.code, 2, "{none}");
     assert!(none.stderr.contains("has no `rewad`"), "{none}");
+}
+
+/// `report` draws every training stage's curves, one chart per metric its points carry, with a
+/// point per curve point; it is one file with nothing to fetch; and a real browser (headless
+/// Chromium, which scripts/test installs) loads it without a console message, finds the same
+/// charts, and paints it.
+fn check_report(p: &Project) {
+    let out = p.ok(&[
+        "report",
+        "recipe.yaml",
+        "stages.sft.params.lr=2e-3",
+        "-o",
+        "report.html",
+    ]);
+    assert!(out.stderr.contains("wrote report.html"), "{out}");
+    let html = std::fs::read_to_string(p.path("report.html")).unwrap();
+    for fetch in [
+        "<script",
+        "<link",
+        "src=",
+        "href=\"http",
+        "@import",
+        "url(http",
+    ] {
+        assert!(
+            !html.contains(fetch),
+            "the report is not self-contained: {fetch}"
+        );
+    }
+    // What each training stage's charts must hold: a polyline of one point per curve point.
+    let mut expected: Vec<(String, String, usize)> = Vec::new();
+    let status = p.json(&[
+        "status",
+        "recipe.yaml",
+        "stages.sft.params.lr=2e-3",
+        "--json",
+    ]);
+    for stage in states(&status).keys() {
+        let Some(curve) = show(p, stage)["metrics"]["curve"].as_array().cloned() else {
+            continue;
+        };
+        // Each metric, with the number of points that carry it.
+        let mut metrics: std::collections::BTreeMap<String, usize> = Default::default();
+        for point in &curve {
+            for map in [point.as_object(), point["metrics"].as_object()]
+                .into_iter()
+                .flatten()
+            {
+                for (k, v) in map {
+                    if v.is_number() && k != "step" {
+                        *metrics.entry(k.clone()).or_default() += 1;
+                    }
+                }
+            }
+        }
+        for (m, points) in metrics {
+            expected.push((stage.to_string(), m, points));
+        }
+    }
+    for must in ["reward", "preference_loss", "grad_norm", "lr"] {
+        assert!(
+            expected.iter().any(|(_, m, _)| m == must),
+            "no {must} curve: {expected:?}"
+        );
+    }
+    let charts = |doc: &str| -> Vec<(String, String, usize)> {
+        doc.split("<div class=\"chart\" data-stage=\"")
+            .skip(1)
+            .map(|c| {
+                let stage = c.split('"').next().unwrap().to_string();
+                let metric = c
+                    .split("data-metric=\"")
+                    .nth(1)
+                    .unwrap()
+                    .split('"')
+                    .next()
+                    .unwrap();
+                let points = c
+                    .split("points=\"")
+                    .nth(1)
+                    .unwrap()
+                    .split('"')
+                    .next()
+                    .unwrap();
+                (stage, metric.to_string(), points.split_whitespace().count())
+            })
+            .collect()
+    };
+    let mut drawn = charts(&html);
+    drawn.sort();
+    expected.sort();
+    assert_eq!(
+        drawn, expected,
+        "the charts, by stage and metric, with their points"
+    );
+    assert!(
+        html.contains("<table class=\"metrics\" data-stage=\"eval_sft\">"),
+        "eval table"
+    );
+    assert_eq!(
+        html.matches("<g class=\"stage\"").count(),
+        18,
+        "a box per stage"
+    );
+
+    let Some(chromium) = chromium("report") else {
+        return;
+    };
+    let url = format!("file://{}", p.path("report.html").display());
+    let headless = |args: &[&str]| {
+        let o = std::process::Command::new(&chromium)
+            .args([
+                "--headless",
+                "--no-sandbox",
+                "--disable-gpu",
+                "--enable-logging=stderr",
+                "--v=0",
+            ])
+            .args(args)
+            .arg(&url)
+            .output()
+            .unwrap_or_else(|e| panic!("cannot run {chromium}: {e}"));
+        assert!(
+            o.status.success(),
+            "{chromium} failed: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        (
+            String::from_utf8_lossy(&o.stdout).into_owned(),
+            String::from_utf8_lossy(&o.stderr).into_owned(),
+        )
+    };
+    let (dom, log) = headless(&["--dump-dom"]);
+    assert!(!log.contains(":CONSOLE("), "console messages:\n{log}");
+    let mut seen = charts(&dom);
+    seen.sort();
+    assert_eq!(seen, expected, "the browser's document has the same charts");
+    let shot = p.path("report.png");
+    headless(&[
+        "--hide-scrollbars",
+        "--window-size=1280,2000",
+        &format!("--screenshot={}", shot.display()),
+    ]);
+    let python = std::env::var("NEMO_DAG_PYTHON").unwrap_or_else(|_| "python3".into());
+    let ink = std::process::Command::new(&python)
+        .arg(crate::common::repo().join("tests/py/png_ink.py"))
+        .arg(&shot)
+        .output()
+        .unwrap();
+    let ink: f64 = String::from_utf8_lossy(&ink.stdout)
+        .trim()
+        .parse()
+        .unwrap_or(0.0);
+    assert!(
+        ink > 0.02,
+        "the screenshot is nearly blank: {ink} of its pixels are not white"
+    );
+}
+
+/// Headless Chromium, if there is one: `NEMO_DAG_CHROMIUM`, else `chromium` on the PATH.
+/// `NEMO_DAG_REQUIRE_CHROMIUM=1` (scripts/test) turns a missing one into a failure.
+fn chromium(test: &str) -> Option<String> {
+    let candidate = std::env::var("NEMO_DAG_CHROMIUM").unwrap_or_else(|_| "chromium".into());
+    let ok = std::process::Command::new(&candidate)
+        .arg("--version")
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if ok {
+        return Some(candidate);
+    }
+    if std::env::var("NEMO_DAG_REQUIRE_CHROMIUM").as_deref() == Ok("1") {
+        panic!("{test}: NEMO_DAG_REQUIRE_CHROMIUM=1 but {candidate} does not run");
+    }
+    eprintln!("skipping the browser check of {test}: no chromium (scripts/test installs it)");
+    None
 }
 
 /// Our logits for a few ids, next to the exported checkpoint, checked by Python.

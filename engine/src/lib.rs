@@ -44,6 +44,7 @@ pub mod launch;
 pub mod manifest;
 pub mod plan;
 pub mod plot;
+pub mod report;
 pub mod stage_log;
 pub mod store;
 #[cfg(test)]

@@ -7,6 +7,7 @@
 //! plotting library, no fonts, no scripts; any browser or image viewer shows it.
 
 use crate::diff::{diff, flatten};
+use crate::graph::escape;
 use crate::store::{Artifact, short};
 use serde_json::Value;
 use std::collections::BTreeSet;
@@ -28,7 +29,7 @@ fn value(point: &Value, metric: &str) -> Option<f64> {
 }
 
 /// The metrics a curve point carries.
-fn names(point: &Value) -> BTreeSet<String> {
+pub fn names(point: &Value) -> BTreeSet<String> {
     let mut out = BTreeSet::new();
     for map in [point.as_object(), point["metrics"].as_object()]
         .into_iter()
@@ -136,13 +137,6 @@ fn label(v: f64) -> String {
             .to_string();
     }
     format!("{v:.2e}")
-}
-
-fn escape(text: &str) -> String {
-    text.replace('&', "&amp;")
-        .replace('<', "&lt;")
-        .replace('>', "&gt;")
-        .replace('"', "&quot;")
 }
 
 /// The chart of `series` as an SVG document: `metric` against the step.

@@ -49,6 +49,8 @@ enum Command {
     Diff(commands::diff::Args),
     /// Overlay one metric of several artifacts' training curves in an SVG chart
     Plot(commands::plot::Args),
+    /// Write the manifest's state as one self-contained HTML file: graph, stages, curves
+    Report(commands::report::Args),
     /// Re-read published artifacts and report any that changed after publication
     Verify(commands::verify::Args),
     /// Check a manifest without running anything
@@ -129,6 +131,7 @@ fn run(ops: Registry) -> i32 {
         Command::Lineage(a) => commands::lineage::exec(a),
         Command::Diff(a) => commands::diff::exec(a),
         Command::Plot(a) => commands::plot::exec(a),
+        Command::Report(a) => commands::report::exec(a, ops),
         Command::Verify(a) => commands::verify::exec(a),
         Command::Validate(a) => commands::validate::exec(a, ops),
         Command::Cancel(a) => commands::cancel::exec(a, ops),

@@ -13,6 +13,7 @@ enum Format {
     Dot,
     Mermaid,
     Json,
+    Svg,
 }
 
 #[derive(clap::Args, Debug)]
@@ -31,6 +32,7 @@ pub fn exec(a: Args, ops: Registry) -> Result<()> {
         Format::Dot => graph::Format::Dot,
         Format::Mermaid => graph::Format::Mermaid,
         Format::Json => graph::Format::Json,
+        Format::Svg => graph::Format::Svg,
     };
     println!("{}", graph::render(&manifest, &plans, format));
     Ok(())

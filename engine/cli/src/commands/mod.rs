@@ -12,6 +12,7 @@ pub mod lineage;
 pub mod ops;
 pub mod pin;
 pub mod plot;
+pub mod report;
 pub mod run;
 pub mod show;
 pub mod status;

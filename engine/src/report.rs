@@ -1,0 +1,310 @@
+//! `nemo-dag report`: a manifest's state as one self-contained HTML file, for people who would
+//! rather look than read. In the spirit of Snakemake's `--report` and Nextflow's
+//! `-with-report`, offline and from the store alone: no script, no font, no fetch.
+//!
+//! It holds, top to bottom: the pipeline drawn as SVG, each stage in the colour of its state;
+//! a table of the stages (state, key, when and how long it ran, its peak memory, and why it
+//! would run again); every training stage's curves, one chart per metric; each stage's final
+//! metrics (an eval stage's scores among them); and the lineage of each final stage.
+//!
+//! A stage that is not up to date is shown from the artifact of the manifest's last run, where
+//! there is one, and says so.
+
+use crate::graph::{self, escape};
+use crate::manifest::Manifest;
+use crate::plan::{Freshness, StagePlan};
+use crate::store::{Artifact, RunRecord, Store, short};
+use serde_json::Value;
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+
+/// One stage as the report shows it: its plan, and the artifact it is shown from.
+struct Shown<'a> {
+    plan: &'a StagePlan,
+    artifact: Option<Artifact>,
+    /// The artifact is the last run's, not the stage's current key.
+    from_last_run: bool,
+}
+
+/// The report of `manifest` against `store`, as one HTML document.
+pub fn html(manifest: &Manifest, store: &Store, plans: &[StagePlan], record: &RunRecord) -> String {
+    let shown: Vec<Shown> = plans
+        .iter()
+        .map(|plan| {
+            let current = plan
+                .key
+                .as_deref()
+                .filter(|_| plan.freshness == Freshness::UpToDate)
+                .and_then(|k| store.load(k));
+            let last = || record.stages.get(&plan.name).and_then(|k| store.load(k));
+            match current {
+                Some(a) => Shown {
+                    plan,
+                    artifact: Some(a),
+                    from_last_run: false,
+                },
+                None => Shown {
+                    plan,
+                    artifact: last(),
+                    from_last_run: true,
+                },
+            }
+        })
+        .collect();
+
+    let mut h = String::new();
+    let title = manifest.path.display().to_string();
+    let _ = write!(
+        h,
+        "<!DOCTYPE html>\n<html lang=\"en\">\n<head>\n<meta charset=\"utf-8\">\n<title>nemo-dag report: {}</title>\n<style>{STYLE}</style>\n</head>\n<body>\n",
+        escape(&title)
+    );
+    let _ = writeln!(h, "<h1>{}</h1>", escape(&title));
+    let mut about = Vec::new();
+    if let Some(v) = &manifest.variant {
+        about.push(format!(
+            "variant <code>{}</code>",
+            escape(&v.display().to_string())
+        ));
+    }
+    if !manifest.overrides.is_empty() {
+        about.push(format!(
+            "overrides <code>{}</code>",
+            escape(&manifest.overrides.join(" "))
+        ));
+    }
+    about.push(format!(
+        "store <code>{}</code>",
+        escape(&store.root.display().to_string())
+    ));
+    if !record.finished_at.is_empty() {
+        about.push(format!("last run finished {}", escape(&record.finished_at)));
+    }
+    let mut counts: BTreeMap<&str, usize> = BTreeMap::new();
+    for p in plans {
+        *counts.entry(p.freshness.as_str()).or_default() += 1;
+    }
+    let counts: Vec<String> = counts.iter().map(|(s, n)| format!("{n} {s}")).collect();
+    about.push(format!("{} stage(s): {}", plans.len(), counts.join(", ")));
+    let _ = writeln!(h, "<p class=\"about\">{}</p>", about.join(" · "));
+
+    let _ = writeln!(h, "<h2>Pipeline</h2>");
+    let _ = writeln!(
+        h,
+        "<div class=\"figure\">{}</div>",
+        graph::render(manifest, plans, graph::Format::Svg)
+    );
+
+    stages_table(&mut h, manifest, &shown);
+    curves(&mut h, &shown);
+    final_metrics(&mut h, &shown);
+    lineage(&mut h, manifest, &shown);
+
+    h.push_str("</body>\n</html>\n");
+    h
+}
+
+const STYLE: &str = "body{font-family:sans-serif;margin:24px;color:#212121;max-width:1200px}\
+h1{font-size:22px;margin-bottom:4px}h2{font-size:18px;margin-top:32px;border-bottom:1px solid #ccc}\
+h3{font-size:15px;margin-bottom:4px}.about{color:#555}code{background:#f3f3f3;padding:1px 4px}\
+table{border-collapse:collapse;font-size:13px}td,th{border:1px solid #ddd;padding:4px 8px;text-align:left;vertical-align:top}\
+th{background:#f5f5f5}td.num{text-align:right;font-variant-numeric:tabular-nums}\
+.up-to-date{background:#c8e6c9}.stale{background:#ffe0b2}.pending-upstream{background:#e0e0e0}\
+.note{color:#777;font-size:12px}.figure svg{max-width:100%;height:auto}.charts{display:flex;flex-wrap:wrap;gap:12px}.chart svg{width:380px;height:auto}";
+
+fn stages_table(h: &mut String, manifest: &Manifest, shown: &[Shown]) {
+    let _ = writeln!(h, "<h2>Stages</h2>\n<table class=\"stages\">");
+    let _ = writeln!(
+        h,
+        "<tr><th>stage</th><th>op</th><th>state</th><th>key</th><th>ran</th><th>seconds</th><th>peak memory</th><th>why it would run</th></tr>"
+    );
+    for s in shown {
+        let p = s.plan;
+        let key = p.key.as_deref().map(short).unwrap_or("-");
+        let (ran, seconds, peak) = match &s.artifact {
+            Some(a) => (
+                format!(
+                    "{}{}",
+                    escape(&a.started_at),
+                    if s.from_last_run {
+                        format!(
+                            "<br><span class=\"note\">last run, key {}</span>",
+                            short(&a.key)
+                        )
+                    } else {
+                        String::new()
+                    }
+                ),
+                format!("{:.2}", a.seconds),
+                a.resources
+                    .as_ref()
+                    .map(|r| nemo_dag_op::plan::bytes(r.peak_rss_bytes))
+                    .unwrap_or_default(),
+            ),
+            None => ("never".into(), String::new(), String::new()),
+        };
+        let why = if p.reasons.is_empty() {
+            String::new()
+        } else {
+            p.reasons
+                .iter()
+                .map(|r| escape(r))
+                .collect::<Vec<_>>()
+                .join("<br>")
+        };
+        let _ = writeln!(
+            h,
+            "<tr><td>{}</td><td>{}</td><td class=\"{state}\">{state}</td><td><code>{key}</code></td><td>{ran}</td><td class=\"num\">{seconds}</td><td class=\"num\">{peak}</td><td>{why}</td></tr>",
+            escape(&p.name),
+            manifest.stages[&p.name].op.name(),
+            state = p.freshness.as_str(),
+        );
+    }
+    h.push_str("</table>\n");
+}
+
+/// The metrics a curve's points carry, the loss first.
+fn curve_metrics(curve: &[Value]) -> Vec<String> {
+    let mut names = std::collections::BTreeSet::new();
+    for point in curve {
+        names.extend(crate::plot::names(point));
+    }
+    let mut names: Vec<String> = names.into_iter().collect();
+    names.sort_by_key(|n| (n != "loss", n.clone()));
+    names
+}
+
+fn curves(h: &mut String, shown: &[Shown]) {
+    let trained: Vec<&Shown> = shown
+        .iter()
+        .filter(|s| {
+            s.artifact
+                .as_ref()
+                .and_then(|a| a.metrics.get("curve"))
+                .and_then(Value::as_array)
+                .is_some_and(|c| !c.is_empty())
+        })
+        .collect();
+    if trained.is_empty() {
+        return;
+    }
+    let _ = writeln!(h, "<h2>Training curves</h2>");
+    for s in trained {
+        let Some(a) = &s.artifact else { continue };
+        let curve = a.metrics["curve"].as_array().cloned().unwrap_or_default();
+        let _ = writeln!(
+            h,
+            "<h3>{} <code>{}</code>{}</h3>\n<div class=\"charts\">",
+            escape(&s.plan.name),
+            short(&a.key),
+            if s.from_last_run {
+                " <span class=\"note\">(last run)</span>"
+            } else {
+                ""
+            }
+        );
+        for metric in curve_metrics(&curve) {
+            if let Ok(series) = crate::plot::series(std::slice::from_ref(a), &metric) {
+                let _ = writeln!(
+                    h,
+                    "<div class=\"chart\" data-stage=\"{}\" data-metric=\"{}\">{}</div>",
+                    escape(&s.plan.name),
+                    escape(&metric),
+                    crate::plot::svg(&series, &metric)
+                );
+            }
+        }
+        h.push_str("</div>\n");
+    }
+}
+
+/// A metric worth a table cell: a number, a boolean, or a short text.
+fn cell(v: &Value) -> Option<String> {
+    match v {
+        Value::Number(n) => Some(match n.as_f64() {
+            Some(f) if f.fract() != 0.0 => format!("{f:.6}")
+                .trim_end_matches('0')
+                .trim_end_matches('.')
+                .to_string(),
+            _ => n.to_string(),
+        }),
+        Value::Bool(b) => Some(b.to_string()),
+        Value::String(s) if s.len() <= 80 => Some(escape(s)),
+        _ => None,
+    }
+}
+
+fn final_metrics(h: &mut String, shown: &[Shown]) {
+    let mut opened = false;
+    for s in shown {
+        let Some(a) = &s.artifact else { continue };
+        // Nested metrics (an eval's `perplexity.ppl`) by their dotted path.
+        let mut flat = BTreeMap::new();
+        for (k, v) in a.metrics.iter().filter(|(k, _)| k.as_str() != "curve") {
+            crate::diff::flatten(k, v, &mut flat);
+        }
+        let rows: Vec<(String, String)> = flat
+            .iter()
+            .filter_map(|(k, v)| cell(v).map(|c| (escape(k), c)))
+            .collect();
+        if rows.is_empty() {
+            continue;
+        }
+        if !opened {
+            let _ = writeln!(h, "<h2>Final metrics</h2>");
+            opened = true;
+        }
+        let _ = writeln!(
+            h,
+            "<h3>{} <code>{}</code></h3>\n<table class=\"metrics\" data-stage=\"{}\">",
+            escape(&s.plan.name),
+            short(&a.key),
+            escape(&s.plan.name)
+        );
+        for (k, v) in rows {
+            let _ = writeln!(h, "<tr><th>{k}</th><td class=\"num\">{v}</td></tr>");
+        }
+        h.push_str("</table>\n");
+    }
+}
+
+/// For each stage nothing else consumes: the stages it comes from, in order, with their keys.
+fn lineage(h: &mut String, manifest: &Manifest, shown: &[Shown]) {
+    let by_name: BTreeMap<&str, &Shown> = shown.iter().map(|s| (s.plan.name.as_str(), s)).collect();
+    let consumed: std::collections::BTreeSet<&str> = manifest
+        .stages
+        .values()
+        .flat_map(|s| s.deps.iter().map(String::as_str))
+        .collect();
+    let _ = writeln!(h, "<h2>Lineage</h2>");
+    for sink in manifest
+        .order
+        .iter()
+        .filter(|n| !consumed.contains(n.as_str()))
+    {
+        let Ok(chain) = crate::executor::local::select(manifest, std::slice::from_ref(sink)) else {
+            continue;
+        };
+        let steps: Vec<String> = manifest
+            .order
+            .iter()
+            .filter(|n| chain.contains(*n))
+            .map(|n| {
+                let s = by_name[n.as_str()];
+                format!(
+                    "<li><b>{}</b> ({}) <code>{}</code> <span class=\"{state}\">{state}</span></li>",
+                    escape(n),
+                    manifest.stages[n].op.name(),
+                    s.plan.key.as_deref().map(short).unwrap_or("-"),
+                    state = s.plan.freshness.as_str()
+                )
+            })
+            .collect();
+        let _ = writeln!(
+            h,
+            "<h3>{}</h3>\n<ol class=\"lineage\">{}</ol>",
+            escape(sink),
+            steps.join("")
+        );
+    }
+}
