@@ -555,14 +555,18 @@ fn check_report(p: &Project) {
         return;
     };
     let url = format!("file://{}", p.path("report.html").display());
+    let profile = format!("--user-data-dir={}", p.path("chromium-profile").display());
     let headless = |args: &[&str]| {
-        let o = std::process::Command::new(&chromium)
+        let o = std::process::Command::new("timeout")
+            .arg("120")
+            .arg(&chromium)
             .args([
                 "--headless",
                 "--no-sandbox",
                 "--disable-gpu",
                 "--enable-logging=stderr",
                 "--v=0",
+                &profile,
             ])
             .args(args)
             .arg(&url)
@@ -579,7 +583,7 @@ fn check_report(p: &Project) {
         )
     };
     let (dom, log) = headless(&["--dump-dom"]);
-    assert!(!log.contains(":CONSOLE("), "console messages:\n{log}");
+    assert!(!log.contains(":CONSOLE"), "console messages:\n{log}");
     let mut seen = charts(&dom);
     seen.sort();
     assert_eq!(seen, expected, "the browser's document has the same charts");
@@ -590,19 +594,57 @@ fn check_report(p: &Project) {
         &format!("--screenshot={}", shot.display()),
     ]);
     let python = std::env::var("NEMO_DAG_PYTHON").unwrap_or_else(|_| "python3".into());
-    let ink = std::process::Command::new(&python)
+    // The first curve colour of `plot`'s palette: what only a drawn chart paints.
+    let measured = std::process::Command::new(&python)
         .arg(crate::common::repo().join("tests/py/png_ink.py"))
         .arg(&shot)
+        .arg("4e79a7")
         .output()
         .unwrap();
-    let ink: f64 = String::from_utf8_lossy(&ink.stdout)
-        .trim()
-        .parse()
-        .unwrap_or(0.0);
+    assert!(
+        measured.status.success(),
+        "png_ink.py: {}",
+        String::from_utf8_lossy(&measured.stderr)
+    );
+    let text = String::from_utf8_lossy(&measured.stdout).into_owned();
+    let mut words = text.split_whitespace();
+    let ink: f64 = words.next().and_then(|w| w.parse().ok()).unwrap();
+    let curve_pixels: u64 = words.next().and_then(|w| w.parse().ok()).unwrap();
     assert!(
         ink > 0.02,
         "the screenshot is nearly blank: {ink} of its pixels are not white"
     );
+    assert!(
+        curve_pixels > 300,
+        "the screenshot shows no drawn curve: {curve_pixels} pixels of the curve colour"
+    );
+
+    // A change not run yet: the stages it touches are shown from their last run, marked so.
+    p.ok(&[
+        "report",
+        "recipe.yaml",
+        "stages.sft.params.lr=3e-3",
+        "-o",
+        "stale.html",
+    ]);
+    let stale = std::fs::read_to_string(p.path("stale.html")).unwrap();
+    assert!(
+        stale.contains("<g class=\"stage\" data-state=\"stale\"><title>sft: stale</title>"),
+        "sft is stale in the drawing"
+    );
+    assert!(
+        stale.contains("data-state=\"pending-upstream\"><title>grpo: pending-upstream"),
+        "grpo waits on it"
+    );
+    assert!(
+        stale.contains("params.lr: 0.002 → 0.003"),
+        "why sft would run"
+    );
+    assert!(
+        stale.contains("<h3>sft <code>"),
+        "sft's curves from its last run"
+    );
+    assert!(stale.contains("(last run)"), "marked as the last run's");
 }
 
 /// Headless Chromium, if there is one: `NEMO_DAG_CHROMIUM`, else `chromium` on the PATH.

@@ -24,6 +24,8 @@ struct Shown<'a> {
     artifact: Option<Artifact>,
     /// The artifact is the last run's, not the stage's current key.
     from_last_run: bool,
+    /// The last run recorded the stage.
+    recorded: bool,
 }
 
 /// The report of `manifest` against `store`, as one HTML document.
@@ -42,11 +44,13 @@ pub fn html(manifest: &Manifest, store: &Store, plans: &[StagePlan], record: &Ru
                     plan,
                     artifact: Some(a),
                     from_last_run: false,
+                    recorded: true,
                 },
                 None => Shown {
                     plan,
                     artifact: last(),
                     from_last_run: true,
+                    recorded: record.stages.contains_key(&plan.name),
                 },
             }
         })
@@ -98,7 +102,7 @@ pub fn html(manifest: &Manifest, store: &Store, plans: &[StagePlan], record: &Ru
     stages_table(&mut h, manifest, &shown);
     curves(&mut h, &shown);
     final_metrics(&mut h, &shown);
-    lineage(&mut h, manifest, &shown);
+    lineage(&mut h, manifest, store, &shown);
 
     h.push_str("</body>\n</html>\n");
     h
@@ -110,7 +114,7 @@ h3{font-size:15px;margin-bottom:4px}.about{color:#555}code{background:#f3f3f3;pa
 table{border-collapse:collapse;font-size:13px}td,th{border:1px solid #ddd;padding:4px 8px;text-align:left;vertical-align:top}\
 th{background:#f5f5f5}td.num{text-align:right;font-variant-numeric:tabular-nums}\
 .up-to-date{background:#c8e6c9}.stale{background:#ffe0b2}.pending-upstream{background:#e0e0e0}\
-.note{color:#777;font-size:12px}.figure svg{max-width:100%;height:auto}.charts{display:flex;flex-wrap:wrap;gap:12px}.chart svg{width:380px;height:auto}";
+.note{color:#777;font-size:12px}.figure svg{max-width:100%;height:auto}.charts{display:flex;flex-wrap:wrap;gap:12px}.chart svg{width:380px;height:auto}.chart polyline{vector-effect:non-scaling-stroke;stroke-width:2}";
 
 fn stages_table(h: &mut String, manifest: &Manifest, shown: &[Shown]) {
     let _ = writeln!(h, "<h2>Stages</h2>\n<table class=\"stages\">");
@@ -140,6 +144,11 @@ fn stages_table(h: &mut String, manifest: &Manifest, shown: &[Shown]) {
                     .as_ref()
                     .map(|r| nemo_dag_op::plan::bytes(r.peak_rss_bytes))
                     .unwrap_or_default(),
+            ),
+            None if s.from_last_run && s.recorded => (
+                "<span class=\"note\">its last run's artifact is gone (gc)</span>".into(),
+                String::new(),
+                String::new(),
             ),
             None => ("never".into(), String::new(), String::new()),
         };
@@ -192,45 +201,58 @@ fn curves(h: &mut String, shown: &[Shown]) {
     for s in trained {
         let Some(a) = &s.artifact else { continue };
         let curve = a.metrics["curve"].as_array().cloned().unwrap_or_default();
-        let _ = writeln!(
-            h,
-            "<h3>{} <code>{}</code>{}</h3>\n<div class=\"charts\">",
-            escape(&s.plan.name),
-            short(&a.key),
-            if s.from_last_run {
-                " <span class=\"note\">(last run)</span>"
-            } else {
-                ""
-            }
-        );
-        for metric in curve_metrics(&curve) {
-            if let Ok(series) = crate::plot::series(std::slice::from_ref(a), &metric) {
-                let _ = writeln!(
-                    h,
-                    "<div class=\"chart\" data-stage=\"{}\" data-metric=\"{}\">{}</div>",
+        let charts: Vec<String> = curve_metrics(&curve)
+            .into_iter()
+            .filter_map(|metric| {
+                let series = crate::plot::series(std::slice::from_ref(a), &metric).ok()?;
+                Some(format!(
+                    "<div class=\"chart\" data-stage=\"{}\" data-metric=\"{}\">{}</div>\n",
                     escape(&s.plan.name),
                     escape(&metric),
                     crate::plot::svg(&series, &metric)
-                );
-            }
+                ))
+            })
+            .collect();
+        if charts.is_empty() {
+            continue;
         }
-        h.push_str("</div>\n");
+        let _ = writeln!(
+            h,
+            "<h3>{} <code>{}</code>{}</h3>\n<div class=\"charts\">\n{}</div>",
+            escape(&s.plan.name),
+            short(&a.key),
+            last_run_note(s),
+            charts.concat()
+        );
     }
 }
 
-/// A metric worth a table cell: a number, a boolean, or a short text.
-fn cell(v: &Value) -> Option<String> {
-    match v {
-        Value::Number(n) => Some(match n.as_f64() {
-            Some(f) if f.fract() != 0.0 => format!("{f:.6}")
+fn last_run_note(s: &Shown) -> &'static str {
+    if s.from_last_run {
+        " <span class=\"note\">(last run)</span>"
+    } else {
+        ""
+    }
+}
+
+/// A metric as a table cell: a number with six significant places (a learning rate of 1e-7
+/// is not 0), a boolean, or text and lists as they are, cut at 120 characters.
+fn cell(v: &Value) -> String {
+    let text = match v {
+        Value::Number(n) => match n.as_f64() {
+            Some(f) if f.fract() != 0.0 && (1e-3..1e7).contains(&f.abs()) => format!("{f:.6}")
                 .trim_end_matches('0')
                 .trim_end_matches('.')
                 .to_string(),
+            Some(f) if f.fract() != 0.0 => format!("{f:.5e}"),
             _ => n.to_string(),
-        }),
-        Value::Bool(b) => Some(b.to_string()),
-        Value::String(s) if s.len() <= 80 => Some(escape(s)),
-        _ => None,
+        },
+        Value::String(s) => s.clone(),
+        other => other.to_string(),
+    };
+    match text.char_indices().nth(120) {
+        Some((cut, _)) => format!("{}…", escape(&text[..cut])),
+        None => escape(&text),
     }
 }
 
@@ -243,10 +265,7 @@ fn final_metrics(h: &mut String, shown: &[Shown]) {
         for (k, v) in a.metrics.iter().filter(|(k, _)| k.as_str() != "curve") {
             crate::diff::flatten(k, v, &mut flat);
         }
-        let rows: Vec<(String, String)> = flat
-            .iter()
-            .filter_map(|(k, v)| cell(v).map(|c| (escape(k), c)))
-            .collect();
+        let rows: Vec<(String, String)> = flat.iter().map(|(k, v)| (escape(k), cell(v))).collect();
         if rows.is_empty() {
             continue;
         }
@@ -256,9 +275,10 @@ fn final_metrics(h: &mut String, shown: &[Shown]) {
         }
         let _ = writeln!(
             h,
-            "<h3>{} <code>{}</code></h3>\n<table class=\"metrics\" data-stage=\"{}\">",
+            "<h3>{} <code>{}</code>{}</h3>\n<table class=\"metrics\" data-stage=\"{}\">",
             escape(&s.plan.name),
             short(&a.key),
+            last_run_note(s),
             escape(&s.plan.name)
         );
         for (k, v) in rows {
@@ -268,43 +288,69 @@ fn final_metrics(h: &mut String, shown: &[Shown]) {
     }
 }
 
-/// For each stage nothing else consumes: the stages it comes from, in order, with their keys.
-fn lineage(h: &mut String, manifest: &Manifest, shown: &[Shown]) {
-    let by_name: BTreeMap<&str, &Shown> = shown.iter().map(|s| (s.plan.name.as_str(), s)).collect();
+/// For each stage nothing else consumes: the artifacts its artifact was built from, as
+/// `nemo-dag lineage` walks them (its `upstream_keys`, and theirs), in the manifest's order,
+/// each with its op, key and params.
+fn lineage(h: &mut String, manifest: &Manifest, store: &Store, shown: &[Shown]) {
     let consumed: std::collections::BTreeSet<&str> = manifest
         .stages
         .values()
         .flat_map(|s| s.deps.iter().map(String::as_str))
         .collect();
-    let _ = writeln!(h, "<h2>Lineage</h2>");
-    for sink in manifest
+    let position: BTreeMap<&str, usize> = manifest
         .order
         .iter()
-        .filter(|n| !consumed.contains(n.as_str()))
+        .enumerate()
+        .map(|(i, n)| (n.as_str(), i))
+        .collect();
+    let _ = writeln!(h, "<h2>Lineage</h2>");
+    for s in shown
+        .iter()
+        .filter(|s| !consumed.contains(s.plan.name.as_str()))
     {
-        let Ok(chain) = crate::executor::local::select(manifest, std::slice::from_ref(sink)) else {
+        let _ = writeln!(h, "<h3>{}{}</h3>", escape(&s.plan.name), last_run_note(s));
+        let Some(a) = &s.artifact else {
+            h.push_str("<p class=\"note\">not built</p>\n");
             continue;
         };
-        let steps: Vec<String> = manifest
-            .order
-            .iter()
-            .filter(|n| chain.contains(*n))
-            .map(|n| {
-                let s = by_name[n.as_str()];
-                format!(
-                    "<li><b>{}</b> ({}) <code>{}</code> <span class=\"{state}\">{state}</span></li>",
-                    escape(n),
-                    manifest.stages[n].op.name(),
-                    s.plan.key.as_deref().map(short).unwrap_or("-"),
-                    state = s.plan.freshness.as_str()
-                )
-            })
-            .collect();
-        let _ = writeln!(
-            h,
-            "<h3>{}</h3>\n<ol class=\"lineage\">{}</ol>",
-            escape(sink),
-            steps.join("")
-        );
+        // Every ancestor once, by key; an artifact gc removed is named by its key alone.
+        let mut seen = std::collections::BTreeSet::new();
+        let mut queue = vec![a.key.clone()];
+        let mut found: Vec<(usize, String)> = Vec::new();
+        while let Some(key) = queue.pop() {
+            if !seen.insert(key.clone()) {
+                continue;
+            }
+            let item = match store.load(&key) {
+                Some(up) => {
+                    queue.extend(up.upstream_keys.iter().cloned());
+                    let at = position
+                        .get(up.stage.as_str())
+                        .copied()
+                        .unwrap_or(usize::MAX);
+                    (
+                        at,
+                        format!(
+                            "<li><b>{}</b> ({}) <code>{}</code> <span class=\"note\">{}</span></li>",
+                            escape(&up.stage),
+                            escape(&up.op),
+                            short(&up.key),
+                            cell(&up.params)
+                        ),
+                    )
+                }
+                None => (
+                    usize::MAX,
+                    format!(
+                        "<li><code>{}</code> <span class=\"note\">artifact gone</span></li>",
+                        short(&key)
+                    ),
+                ),
+            };
+            found.push(item);
+        }
+        found.sort();
+        let items: Vec<String> = found.into_iter().map(|(_, li)| li).collect();
+        let _ = writeln!(h, "<ol class=\"lineage\">{}</ol>", items.concat());
     }
 }

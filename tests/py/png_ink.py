@@ -1,7 +1,9 @@
-"""The share of a PNG's pixels that are not white, for the report's screenshot test: a page
-that drew nothing gives 0. Standard library only (zlib): 8-bit RGB or RGBA, no interlace.
+"""The share of a PNG's pixels that are not white, and how many are of one colour, for the
+report's screenshot test: a page that drew nothing gives 0, and a page whose charts were not
+drawn has none of their line colour. Standard library only (zlib): 8-bit RGB or RGBA, no
+interlace.
 
-    python3 png_ink.py SHOT.png
+    python3 png_ink.py SHOT.png [RRGGBB]      # prints: <share not white> <pixels of RRGGBB>
 """
 
 import struct
@@ -54,16 +56,19 @@ def pixels(path: str):
     return width, height, bpp, rows
 
 
-def main(path: str) -> None:
+def main(path: str, colour: str) -> None:
     width, height, bpp, rows = pixels(path)
-    ink = sum(
-        1
-        for line in rows
-        for x in range(width)
-        if line[x * bpp : x * bpp + 3] != b"\xff\xff\xff"
-    )
-    print(f"{ink / (width * height):.4f}")
+    wanted = bytes.fromhex(colour) if colour else None
+    ink = hits = 0
+    for line in rows:
+        for x in range(width):
+            px = bytes(line[x * bpp : x * bpp + 3])
+            if px != b"\xff\xff\xff":
+                ink += 1
+                if px == wanted:
+                    hits += 1
+    print(f"{ink / (width * height):.4f} {hits}")
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else "")
