@@ -541,6 +541,17 @@ fn check_report(p: &Project) {
         drawn, expected,
         "the charts, by stage and metric, with their points"
     );
+    // What the last run (the one with lr=2e-3) did: built sft, found pretrain in the store.
+    let outcome = |stage: &str| {
+        html.split(&format!("<tr data-stage=\"{stage}\">"))
+            .nth(1)
+            .and_then(|row| row.split("<td class=\"outcome\">").nth(1))
+            .and_then(|cell| cell.split("</td>").next())
+            .unwrap_or_default()
+            .to_string()
+    };
+    assert_eq!(outcome("sft"), "executed");
+    assert_eq!(outcome("pretrain"), "cached (hit)");
     assert!(
         html.contains("<table class=\"metrics\" data-stage=\"eval_sft\">"),
         "eval table"

@@ -99,7 +99,7 @@ pub fn html(manifest: &Manifest, store: &Store, plans: &[StagePlan], record: &Ru
         graph::render(manifest, plans, graph::Format::Svg)
     );
 
-    stages_table(&mut h, manifest, &shown);
+    stages_table(&mut h, manifest, &shown, record);
     curves(&mut h, &shown);
     final_metrics(&mut h, &shown);
     lineage(&mut h, manifest, store, &shown);
@@ -116,11 +116,11 @@ th{background:#f5f5f5}td.num{text-align:right;font-variant-numeric:tabular-nums}
 .up-to-date{background:#c8e6c9}.stale{background:#ffe0b2}.pending-upstream{background:#e0e0e0}\
 .note{color:#777;font-size:12px}.figure svg{max-width:100%;height:auto}.charts{display:flex;flex-wrap:wrap;gap:12px}.chart svg{width:380px;height:auto}.chart polyline{vector-effect:non-scaling-stroke;stroke-width:2}";
 
-fn stages_table(h: &mut String, manifest: &Manifest, shown: &[Shown]) {
+fn stages_table(h: &mut String, manifest: &Manifest, shown: &[Shown], record: &RunRecord) {
     let _ = writeln!(h, "<h2>Stages</h2>\n<table class=\"stages\">");
     let _ = writeln!(
         h,
-        "<tr><th>stage</th><th>op</th><th>state</th><th>key</th><th>ran</th><th>seconds</th><th>peak memory</th><th>why it would run</th></tr>"
+        "<tr><th>stage</th><th>op</th><th>state</th><th>key</th><th>last run</th><th>ran</th><th>seconds</th><th>peak memory</th><th>why it would run</th></tr>"
     );
     for s in shown {
         let p = s.plan;
@@ -161,11 +161,24 @@ fn stages_table(h: &mut String, manifest: &Manifest, shown: &[Shown]) {
                 .collect::<Vec<_>>()
                 .join("<br>")
         };
+        // What the last run did with the artifact shown: built it, or found it (a cache hit,
+        // here or in the shared cache).
+        let outcome = s
+            .artifact
+            .as_ref()
+            .filter(|a| record.stages.get(&p.name) == Some(&a.key))
+            .and_then(|_| record.outcomes.get(&p.name))
+            .map(|o| match o.as_str() {
+                "cached" | "cutoff" => format!("{o} (hit)"),
+                "pulled" => "pulled (shared cache)".to_string(),
+                other => other.to_string(),
+            })
+            .unwrap_or_default();
         let _ = writeln!(
             h,
-            "<tr><td>{}</td><td>{}</td><td class=\"{state}\">{state}</td><td><code>{key}</code></td><td>{ran}</td><td class=\"num\">{seconds}</td><td class=\"num\">{peak}</td><td>{why}</td></tr>",
-            escape(&p.name),
+            "<tr data-stage=\"{name}\"><td>{name}</td><td>{}</td><td class=\"{state}\">{state}</td><td><code>{key}</code></td><td class=\"outcome\">{outcome}</td><td>{ran}</td><td class=\"num\">{seconds}</td><td class=\"num\">{peak}</td><td>{why}</td></tr>",
             manifest.stages[&p.name].op.name(),
+            name = escape(&p.name),
             state = p.freshness.as_str(),
         );
     }

@@ -1097,11 +1097,15 @@ pub fn record_run(
     for o in outcomes {
         if let (Some(key), true) = (&o.key, o.published()) {
             record.stages.insert(o.name.clone(), key.clone());
+            record.outcomes.insert(o.name.clone(), o.state.to_string());
         }
     }
     record
         .stages
         .retain(|name, _| manifest.stages.contains_key(name));
+    record
+        .outcomes
+        .retain(|name, _| record.stages.contains_key(name));
     record.manifest = manifest.path.display().to_string();
     record.variant = manifest.variant.as_ref().map(|v| v.display().to_string());
     record.overrides = manifest.overrides.clone();

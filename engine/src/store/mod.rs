@@ -133,6 +133,10 @@ pub struct RunRecord {
     pub argv: Vec<String>,
     pub finished_at: String,
     pub stages: BTreeMap<String, String>,
+    /// How each stage ended in the last run that reached it: `executed`, `pulled` (from the
+    /// shared cache), `cached` or `cutoff` (absent in records written before nemo-dag kept it).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub outcomes: BTreeMap<String, String>,
 }
 
 /// What a consumer needs of a published stage: its key and the digest of each output.
