@@ -358,42 +358,64 @@ fn a_cache_that_is_down_warns_once_and_the_run_builds_here() {
 /// the request's signature.
 #[test]
 fn a_server_that_ignores_create_only_writes_gets_no_record() {
-    let python = std::env::var("NEMO_DAG_PYTHON").unwrap_or_else(|_| "python3".into());
-    let root = std::env::temp_dir().join(format!("nemo-dag-lax-s3-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&root);
-    std::fs::create_dir_all(root.join(BUCKET)).unwrap();
-    let port = free_port();
-    let mut child = Command::new(&python)
-        .arg(crate::common::repo().join("tests/py/lax_s3.py"))
-        .arg(port.to_string())
-        .arg(&root)
-        .spawn()
-        .unwrap_or_else(|e| panic!("cannot start {python}: {e}"));
-    let up = crate::common::wait_for(Duration::from_secs(20), || {
-        std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
-    });
-    let e = format!("http://127.0.0.1:{port}");
-    let p = machine("lax", "demo.yaml", &e, &["main"], Some("main"));
-    let run = up.then(|| run_json(&p, &["run", "demo.yaml", "--json"]));
-    let push = up.then(|| nd(&p, &["push", "demo.yaml"]));
-    let written = crate::common::snapshot(&root);
-    let _ = child.kill();
-    let _ = child.wait();
-    let _ = std::fs::remove_dir_all(&root);
-    assert!(up, "the stand-in server did not listen on port {port}");
-    let (v, out) = run.unwrap();
+    let lax = StandIn::start("lax_s3.py", "lax");
+    let p = machine("lax", "demo.yaml", &lax.endpoint(), &["main"], Some("main"));
+    let (v, out) = run_json(&p, &["run", "demo.yaml", "--json"]);
     assert!(all(&v, "executed"), "the run builds here:\n{out}");
     let why = "ignores `If-None-Match: *`";
     assert_eq!(out.stderr.matches(why).count(), 1, "said once:\n{out}");
-    let push = push.unwrap();
+    let push = nd(&p, &["push", "demo.yaml"]);
     assert_eq!(push.code, 1, "{push}");
     assert!(push.stderr.contains(why), "{push}");
-    let records: Vec<&String> = written
-        .iter()
+    let records: Vec<String> = crate::common::snapshot(&lax.root)
+        .into_iter()
         .map(|(path, _)| path)
         .filter(|path| path.contains("/ac/"))
         .collect();
     assert!(records.is_empty(), "records written: {records:?}");
+}
+
+/// A stand-in server of the tests' own (a Python script in tests/py, standard library only) on
+/// a loopback port, keeping its objects under `root`; killed, and its files removed, when
+/// dropped.
+struct StandIn {
+    child: Child,
+    port: u16,
+    root: PathBuf,
+}
+
+impl StandIn {
+    fn start(script: &str, name: &str) -> StandIn {
+        let python = std::env::var("NEMO_DAG_PYTHON").unwrap_or_else(|_| "python3".into());
+        let root = std::env::temp_dir().join(format!("nemo-dag-{name}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        std::fs::create_dir_all(root.join(BUCKET)).unwrap();
+        let port = free_port();
+        let child = Command::new(&python)
+            .arg(crate::common::repo().join("tests/py").join(script))
+            .arg(port.to_string())
+            .arg(&root)
+            .spawn()
+            .unwrap_or_else(|e| panic!("cannot start {python}: {e}"));
+        let server = StandIn { child, port, root };
+        let up = crate::common::wait_for(Duration::from_secs(20), || {
+            std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
+        });
+        assert!(up, "{script} did not listen on port {port}");
+        server
+    }
+
+    fn endpoint(&self) -> String {
+        format!("http://127.0.0.1:{}", self.port)
+    }
+}
+
+impl Drop for StandIn {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        let _ = std::fs::remove_dir_all(&self.root);
+    }
 }
 
 /// Azurite (the Azure Storage emulator, from npm; scripts/test installs it into target/tools)
@@ -491,38 +513,19 @@ fn an_azure_container_carries_artifacts_between_machines() {
 /// multipart uploads and ranged reads as object_store sends them.
 #[test]
 fn a_gcs_bucket_carries_artifacts_between_machines() {
-    let python = std::env::var("NEMO_DAG_PYTHON").unwrap_or_else(|_| "python3".into());
-    let root = std::env::temp_dir().join(format!("nemo-dag-gcs-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&root);
-    std::fs::create_dir_all(root.join(BUCKET)).unwrap();
-    let port = free_port();
-    let mut child = Command::new(&python)
-        .arg(crate::common::repo().join("tests/py/gcs_xml.py"))
-        .arg(port.to_string())
-        .arg(&root)
-        .spawn()
-        .unwrap_or_else(|e| panic!("cannot start {python}: {e}"));
-    let up = crate::common::wait_for(Duration::from_secs(20), || {
-        std::net::TcpStream::connect(("127.0.0.1", port)).is_ok()
-    });
-    let result = std::panic::catch_unwind(|| {
-        assert!(up, "the stand-in did not listen on port {port}");
-        between_machines(
-            "gcs",
-            &format!("url = \"gs://{BUCKET}/{PREFIX}\"\nendpoint = \"http://127.0.0.1:{port}\""),
-            // object_store's way to a server with no OAuth: a service account key that says so.
-            &[(
-                "GOOGLE_SERVICE_ACCOUNT_KEY",
-                r#"{"private_key":"unused","private_key_id":"unused","client_email":"test@example.com","disable_oauth":true}"#,
-            )],
-        );
-    });
-    let _ = child.kill();
-    let _ = child.wait();
-    let _ = std::fs::remove_dir_all(&root);
-    if let Err(panic) = result {
-        std::panic::resume_unwind(panic);
-    }
+    let gcs = StandIn::start("gcs_xml.py", "gcs");
+    between_machines(
+        "gcs",
+        &format!(
+            "url = \"gs://{BUCKET}/{PREFIX}\"\nendpoint = \"{}\"",
+            gcs.endpoint()
+        ),
+        // object_store's way to a server with no OAuth: a service account key that says so.
+        &[(
+            "GOOGLE_SERVICE_ACCOUNT_KEY",
+            r#"{"private_key":"unused","private_key_id":"unused","client_email":"test@example.com","disable_oauth":true}"#,
+        )],
+    );
 }
 
 /// Machine A runs the demo recipe with a 40 MB stage added and pushes to the cache that

@@ -315,17 +315,22 @@ mod tests {
         (m, dir)
     }
 
-    /// The job script of `stage`, as a dry run under `profile` writes it.
-    fn script(m: &Manifest, dir: &Path, profile: &Profile, mode: Mode, stage: &str) -> String {
-        let opts = SubmitOptions {
+    /// The options of a dry run under `profile`, with no shared cache.
+    fn dry_run(profile: &Profile, mode: Mode, offline: bool) -> SubmitOptions<'_> {
+        SubmitOptions {
             profile,
             mode,
             dry_run: true,
             targets: &[],
             force: &[],
             cache: None,
-            offline: false,
-        };
+            offline,
+        }
+    }
+
+    /// The job script of `stage`, as a dry run under `profile` writes it.
+    fn script(m: &Manifest, dir: &Path, profile: &Profile, mode: Mode, stage: &str) -> String {
+        let opts = dry_run(profile, mode, false);
         job_script(
             m,
             &Store::new(dir.join(".nemo-dag")),
@@ -399,15 +404,7 @@ mod tests {
             s.contains("exec --stage train --store \"$TMPDIR/nd-$SLURM_JOB_ID\" "),
             "{s}"
         );
-        let opts = SubmitOptions {
-            profile: &profile,
-            mode: Mode::Batch,
-            dry_run: true,
-            targets: &[],
-            force: &[],
-            cache: None,
-            offline: true,
-        };
+        let opts = dry_run(&profile, Mode::Batch, true);
         let s = job_script(
             &m,
             &Store::new(dir.join(".nemo-dag")),
@@ -436,15 +433,7 @@ mod tests {
                 mounts: mounts.iter().map(|m| m.to_string()).collect(),
                 ..Default::default()
             };
-            let opts = SubmitOptions {
-                profile: &profile,
-                mode: Mode::Batch,
-                dry_run: true,
-                targets: &[],
-                force: &[],
-                cache: None,
-                offline: false,
-            };
+            let opts = dry_run(&profile, Mode::Batch, false);
             check_mounts(&m, &Store::new(dir.join(".nemo-dag")), &opts, "train")
         };
         let (message, _) = check("$TMPDIR/nd", &[]).unwrap_err();
