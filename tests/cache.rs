@@ -59,6 +59,22 @@ impl Server {
     fn record(&self, scope: &str, key: &str) -> PathBuf {
         self.object(&format!("ac/{scope}/{key}.json"))
     }
+
+    /// Where the server keeps the blob of the file at `path` (`out/model.txt`) in the record
+    /// of `key` in `scope`.
+    fn blob_of(&self, scope: &str, key: &str, path: &str) -> PathBuf {
+        let record: Value =
+            serde_json::from_slice(&std::fs::read(self.record(scope, key)).unwrap()).unwrap();
+        let digest = record["entries"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|e| e["path"] == path)
+            .and_then(|e| e["digest"].as_str())
+            .unwrap_or_else(|| panic!("no {path} in the record of {key}"))
+            .to_string();
+        self.object(&format!("cas/{digest}"))
+    }
 }
 
 impl Drop for Server {
@@ -213,15 +229,7 @@ fn a_blob_altered_on_the_server_is_refused_and_the_stage_builds_here() {
     let (first, _) = run_json(&a, &["run", "demo.yaml", "--json"]);
     // Alter the blob of `fit`'s model on the server (same length: only the digest tells).
     let fit = crate::common::key_of(&first, "fit");
-    let record: Value =
-        serde_json::from_slice(&std::fs::read(server.record("main", &fit)).unwrap()).unwrap();
-    let entry = record["entries"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|e| e["path"] == "out/model.txt")
-        .unwrap();
-    let blob = server.object(&format!("cas/{}", entry["digest"].as_str().unwrap()));
+    let blob = server.blob_of("main", &fit, "out/model.txt");
     let mut bytes = std::fs::read(&blob).unwrap();
     bytes[0] ^= 1;
     std::fs::write(&blob, &bytes).unwrap();
@@ -586,17 +594,7 @@ fn a_large_blob_cut_short_on_the_server_refuses_its_stage_only() {
     a.write("big.yaml", &both);
     let (first, _) = run_json(&a, &["run", "big.yaml", "--json"]);
     let key = crate::common::key_of(&first, "big");
-    let record: Value =
-        serde_json::from_slice(&std::fs::read(server.record("main", &key)).unwrap()).unwrap();
-    let digest = record["entries"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|e| e["path"] == "out/o.bin")
-        .and_then(|e| e["digest"].as_str())
-        .unwrap()
-        .to_string();
-    let blob = server.object(&format!("cas/{digest}"));
+    let blob = server.blob_of("main", &key, "out/o.bin");
     let bytes = std::fs::read(&blob).unwrap();
     std::fs::write(&blob, &bytes[..bytes.len() - (1 << 20)]).unwrap();
 

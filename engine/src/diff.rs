@@ -159,17 +159,27 @@ fn shown(v: &Option<Value>) -> String {
 
 /// A signed difference, short: `+0.5`, `-2`, `+1.5e-5`.
 fn signed(d: f64) -> String {
-    if d == 0.0 {
+    match d {
+        0.0 => "0".into(),
+        d if d < 0.0 => format!("-{}", number(-d)),
+        d => format!("+{}", number(d)),
+    }
+}
+
+/// A number, short: six places at most between 0.001 and a million (`0.5`, `2`), else with
+/// an exponent (`1.500e-5`): a learning rate of 1e-7 is not 0.
+pub(crate) fn number(v: f64) -> String {
+    if v == 0.0 {
         return "0".into();
     }
-    if (1e-3..1e6).contains(&d.abs()) {
-        let fixed = format!("{d:+.6}");
+    if (1e-3..1e6).contains(&v.abs()) {
+        let fixed = format!("{v:.6}");
         return fixed
             .trim_end_matches('0')
             .trim_end_matches('.')
             .to_string();
     }
-    format!("{d:+.3e}")
+    format!("{v:.3e}")
 }
 
 /// `(+0.12, +3.4%)`, or nothing for values that are not both numbers.

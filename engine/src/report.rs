@@ -248,16 +248,13 @@ fn last_run_note(s: &Shown) -> &'static str {
     }
 }
 
-/// A metric as a table cell: a number with six significant places (a learning rate of 1e-7
-/// is not 0), a boolean, or text and lists as they are, cut at 120 characters.
+/// A metric as a table cell: a whole number as it is, another short as `diff` writes it (a
+/// learning rate of 1e-7 is not 0), a boolean, or text and lists as they are, cut at 120
+/// characters.
 fn cell(v: &Value) -> String {
     let text = match v {
         Value::Number(n) => match n.as_f64() {
-            Some(f) if f.fract() != 0.0 && (1e-3..1e7).contains(&f.abs()) => format!("{f:.6}")
-                .trim_end_matches('0')
-                .trim_end_matches('.')
-                .to_string(),
-            Some(f) if f.fract() != 0.0 => format!("{f:.5e}"),
+            Some(f) if !(n.is_i64() || n.is_u64()) => crate::diff::number(f),
             _ => n.to_string(),
         },
         Value::String(s) => s.clone(),
