@@ -6,7 +6,10 @@ use crate::common::{Project, repo};
 use serde_json::Value;
 use std::process::Command;
 
-/// A project holding a copy of the shipped manifests (recipes and their data).
+/// A project holding a copy of the shipped manifests (recipes and their data), without the
+/// store a run of them in the checkout leaves beside them (the README's
+/// `run manifests/demo.yaml` makes `manifests/.nemo-dag`): the tests here assert that a
+/// refused run writes no store.
 pub(crate) fn recipes() -> Project {
     let p = Project::new("scale");
     let status = Command::new("cp")
@@ -16,6 +19,10 @@ pub(crate) fn recipes() -> Project {
         .status()
         .unwrap();
     assert!(status.success());
+    let store = p.path("manifests/.nemo-dag");
+    if store.exists() {
+        std::fs::remove_dir_all(&store).unwrap();
+    }
     p
 }
 
