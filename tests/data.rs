@@ -968,3 +968,144 @@ fn train_tokenizer_memory_does_not_grow_with_a_long_document() {
     p.write("m.yaml", &m(", max_word_bytes: 200000"));
     p.ok(&["run", "m.yaml"]);
 }
+
+/// `import` publishes a directory from outside the store with where it came from: a model
+/// trained on it traces back to the path, its digest and the `source`. The user's files are
+/// left as they were (cloned or copied, never hard-linked and sealed), an unchanged directory
+/// is never imported twice, and a changed file is noticed.
+#[test]
+fn import_publishes_outside_data_with_its_origin_and_lineage_reaches_it() {
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+    let p = Project::new("import");
+    p.write("corpus/part-0.jsonl", &corpus(60));
+    p.write("corpus/nested/part-1.jsonl", &corpus(40));
+    p.write(
+        "m.yaml",
+        r#"
+stages:
+  corpus:
+    op: import
+    inputs: {path: corpus}
+    params: {source: "example-org/climbmix-mini@3f2c1a"}
+  tok:
+    op: train_tokenizer
+    inputs: {corpus: "corpus:data"}
+    params: {vocab_size: 400}
+  data:
+    op: tokenize
+    inputs: {tokenizer: "tok:tokenizer", corpus: "corpus:data"}
+  model:
+    op: pretrain
+    inputs: {data: "data:data", tokenizer: "tok:tokenizer"}
+    params:
+      model: {pattern: "*-", hidden: 16, heads: 2, kv_heads: 1, head_dim: 8, ffn: 32, max_seq: 32}
+      seq_length: 16
+      steps: 2
+      global_batch: 2
+      micro_batch: 2
+      lr: 1e-3
+"#,
+    );
+    let first = p.json(&["run", "m.yaml", "--json"]);
+    assert!(
+        crate::common::stage_list(&first)
+            .iter()
+            .all(|s| s["state"] == "executed"),
+        "{first}"
+    );
+
+    // The artifact holds the same files, not the user's: their mode and inode are their own.
+    let imported = output_path(&p, "m.yaml", "corpus", "data");
+    let original = p.path("corpus/nested/part-1.jsonl");
+    let copy = imported.join("nested/part-1.jsonl");
+    assert_eq!(
+        std::fs::read(&copy).unwrap(),
+        std::fs::read(&original).unwrap()
+    );
+    let (mine, theirs) = (
+        std::fs::metadata(&original).unwrap(),
+        std::fs::metadata(&copy).unwrap(),
+    );
+    assert_ne!(
+        mine.ino(),
+        theirs.ino(),
+        "the artifact shares the user's inode"
+    );
+    assert_ne!(
+        mine.permissions().mode() & 0o200,
+        0,
+        "the user's file was sealed"
+    );
+    let m = p.json(&["show", "corpus", "--manifest", "m.yaml", "--json"])["metrics"].clone();
+    assert_eq!(m["files"], 2, "{m}");
+    assert_eq!(m["source"], "example-org/climbmix-mini@3f2c1a", "{m}");
+    let total = std::fs::metadata(p.path("corpus/part-0.jsonl"))
+        .unwrap()
+        .len()
+        + mine.len();
+    assert_eq!(m["bytes"], total, "{m}");
+    assert_eq!(
+        m["reflinked"].as_u64().unwrap() + m["copied"].as_u64().unwrap(),
+        2,
+        "{m}"
+    );
+
+    // The model's lineage ends at the import: the directory, its digest, the source.
+    let lineage = p.json(&["lineage", "model", "--manifest", "m.yaml", "--json"]);
+    let origin = lineage["ancestors"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|a| a["stage"] == "corpus")
+        .cloned()
+        .unwrap_or_else(|| panic!("no import in the lineage: {lineage}"));
+    assert_eq!(origin["op"], "import", "{origin}");
+    assert_eq!(
+        origin["params"]["source"],
+        "example-org/climbmix-mini@3f2c1a"
+    );
+    let input = &origin["inputs"]["path"];
+    assert!(
+        input["path"].as_str().unwrap().ends_with("corpus"),
+        "{input}"
+    );
+    assert_eq!(input["digest"].as_str().unwrap().len(), 64, "{input}");
+    let text = p.ok(&["lineage", "model", "--manifest", "m.yaml"]).stdout;
+    assert!(text.contains("corpus [import v1]"), "{text}");
+    assert!(text.contains("climbmix-mini@3f2c1a"), "{text}");
+
+    // Unchanged: nothing is imported again. One file changed: the import and all after it.
+    let again = p.json(&["run", "m.yaml", "--json"]);
+    assert!(
+        crate::common::stage_list(&again)
+            .iter()
+            .all(|s| s["state"] == "cached"),
+        "{again}"
+    );
+    p.write("corpus/nested/part-1.jsonl", &corpus(41));
+    let changed = p.json(&["run", "m.yaml", "--json"]);
+    assert_eq!(
+        crate::common::states(&changed),
+        crate::common::expect(&[
+            ("corpus", "executed"),
+            ("tok", "executed"),
+            ("data", "executed"),
+            ("model", "executed"),
+        ]),
+        "{changed}"
+    );
+
+    // A source that says nothing is refused where it is written; nothing runs.
+    let manifest = std::fs::read_to_string(p.path("m.yaml")).unwrap();
+    p.write(
+        "empty.yaml",
+        &manifest.replace("\"example-org/climbmix-mini@3f2c1a\"", "\" \""),
+    );
+    let refused = p.run(&["run", "empty.yaml"]);
+    assert_eq!(refused.code, 2, "{refused}");
+    assert!(
+        refused.stderr.contains("an empty source says nothing")
+            && refused.stderr.contains("empty.yaml:"),
+        "{refused}"
+    );
+}

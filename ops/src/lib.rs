@@ -17,6 +17,7 @@
 //! - [`grpo`]: reinforcement learning (GRPO) on prompts with verifiable answers.
 //! - [`export`]: a model as a Hugging Face checkpoint (Llama, or NemotronH for hybrids).
 //! - [`import_model`]: a Hugging Face checkpoint (Llama, Mistral, NemotronH) as a model.
+//! - [`import`]: a file or directory from outside the store as an artifact, with its origin.
 //! - [`eval`]: perplexity, multiple-choice log-likelihood and verifiable generation accuracy.
 //! - [`megatron`]: `megatron_pretrain` and `megatron_sft`, the same stages at real scale, run by
 //!   NVIDIA Megatron-Bridge on a Slurm cluster.
@@ -34,6 +35,7 @@ pub mod generate;
 pub mod gpu_check;
 pub mod grpo;
 pub mod hf;
+pub mod import;
 pub mod import_model;
 pub mod megatron;
 pub mod pack;
@@ -65,6 +67,7 @@ pub fn registry() -> Registry {
         &grpo::Grpo,
         &export::Export,
         &import_model::ImportModel,
+        &import::Import,
         &eval::Eval,
         &megatron::Megatron(megatron::Mode::Pretrain),
         &megatron::Megatron(megatron::Mode::Sft),
