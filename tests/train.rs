@@ -7,6 +7,7 @@
 //! when `NEMO_DAG_TORCH_PYTHON` names a Python that has torch and transformers (opt-in: CPU torch
 //! from PyPI is a multi-GB install, too heavy for every CI run; the test prints that it skips).
 
+use nemo_dag_data::chat::{ChatTemplate, Conversation, NANO3_TEMPLATE, RenderFlags, RowFields};
 use nemo_dag_model::checkpoint::load_model;
 use nemo_dag_model::layers::Layout;
 use serde_json::{Value, json};
@@ -276,6 +277,7 @@ fn a_recipe_pretrains_fine_tunes_and_exports_a_model_transformers_reads() {
     check_plot(&p, &sft_before);
     check_report(&p);
     check_export(&p);
+    check_chat_files(&p);
     check_nemotron_h_export(&p);
 
     // The dense model is no NemotronH (rotary attention, SwiGLU): the export fails, says why,
@@ -305,7 +307,13 @@ fn check_imports(p: &Project) {
         ("export", "reexport_llama"),
         ("export_hybrid", "reexport_hybrid"),
     ] {
-        for file in ["model.safetensors", "config.json", "tokenizer.json"] {
+        for file in [
+            "model.safetensors",
+            "config.json",
+            "tokenizer.json",
+            "tokenizer_config.json",
+            "generation_config.json",
+        ] {
             let read = |stage| std::fs::read(output_path(p, stage, "hf").join(file)).unwrap();
             assert!(
                 read(first) == read(again),
@@ -342,6 +350,100 @@ fn check_imports(p: &Project) {
             .contains("`attention_bias: true` is not implemented"),
         "{out}"
     );
+}
+
+/// The chat template `pack` rendered the SFT data with reaches the export's
+/// `tokenizer_config.json` through sft's model, and renders conversations there (jinja2 as
+/// transformers sets it up, and transformers itself when NEMO_DAG_TORCH_PYTHON is set) as our
+/// renderer does; `generate` stops where our eval does. A model that saw no chat data (the
+/// pretrained hybrid) has no template and ends its documents with `<|endoftext|>`.
+fn check_chat_files(p: &Project) {
+    let read = |dir: &Path, file: &str| -> Value {
+        serde_json::from_str(&std::fs::read_to_string(dir.join(file)).unwrap()).unwrap()
+    };
+    let hf = output_path(p, "export", "hf");
+    let tokenizer_config = read(&hf, "tokenizer_config.json");
+    assert_eq!(tokenizer_config["chat_template"], NANO3_TEMPLATE);
+    assert_eq!(tokenizer_config["eos_token"], "<|im_end|>");
+    let tokenizer = tokenizers::Tokenizer::from_file(hf.join("tokenizer.json")).unwrap();
+    let id = |t: &str| tokenizer.token_to_id(t).unwrap();
+    let stops = json!([id("<|im_end|>"), id("<|endoftext|>")]);
+    assert_eq!(read(&hf, "generation_config.json")["eos_token_id"], stops);
+    assert_eq!(read(&hf, "config.json")["eos_token_id"], stops);
+    assert_eq!(
+        read(&hf, "generation_config.json")["pad_token_id"],
+        id("<|endoftext|>")
+    );
+    let pretrained = output_path(p, "export_hybrid", "hf");
+    let untemplated = read(&pretrained, "tokenizer_config.json");
+    assert!(untemplated.get("chat_template").is_none(), "{untemplated}");
+    assert_eq!(untemplated["eos_token"], "<|endoftext|>");
+
+    // A plain turn, a reasoning turn with a tool call and its result (tojson, non-ASCII), and
+    // a generation prompt without thinking, as eval asks for one.
+    let conversations = [
+        (
+            json!({"messages": [
+                {"role": "system", "content": "You add numbers."},
+                {"role": "user", "content": "What is 3 + 4?"},
+                {"role": "assistant", "content": "7"}]}),
+            false,
+            true,
+        ),
+        (
+            json!({"messages": [
+                {"role": "user", "content": "Use the tool: 2 + 5 «ünï»"},
+                {"role": "assistant", "content": "", "reasoning_content": "I should call add.",
+                 "tool_calls": [{"type": "function",
+                                 "function": {"name": "add", "arguments": {"a": 2, "b": 5}}}]},
+                {"role": "tool", "content": "7"},
+                {"role": "assistant", "content": "It is 7."}],
+             "tools": [{"type": "function", "function": {
+                "name": "add", "description": "Add two numbers.",
+                "parameters": {"type": "object",
+                               "properties": {"a": {"type": "integer", "description": "first"},
+                                              "b": {"type": "integer", "enum": [5, 6]}},
+                               "required": ["a", "b"]}}}]}),
+            false,
+            true,
+        ),
+        (
+            json!({"messages": [{"role": "user", "content": "What is 9 - 4?"}]}),
+            true,
+            false,
+        ),
+    ];
+    let template = ChatTemplate::new(NANO3_TEMPLATE).unwrap();
+    let cases: Vec<Value> = conversations
+        .iter()
+        .map(|(record, generation_prompt, thinking)| {
+            let c = Conversation::from_row(&record.to_string(), &RowFields::default()).unwrap();
+            let flags = RenderFlags {
+                enable_thinking: *thinking,
+                ..RenderFlags::default()
+            };
+            let expected = template
+                .render(&c.messages, c.tools.as_deref(), *generation_prompt, flags)
+                .unwrap();
+            json!({"messages": record["messages"], "tools": record.get("tools"),
+                   "add_generation_prompt": generation_prompt, "enable_thinking": thinking,
+                   "expected": expected})
+        })
+        .collect();
+    let case = p.write("chat_cases.json", &Value::from(cases).to_string());
+    let script = crate::common::repo().join("tests/py/check_chat_template.py");
+    let ways = [python(), torch_python("the exported chat template")];
+    for (py, flag) in ways.into_iter().zip([None, Some("--transformers")]) {
+        let Some(py) = py else { continue };
+        let mut c = Command::new(py);
+        c.arg(&script).arg(&hf).arg(&case).args(flag);
+        let out = output(c);
+        assert_eq!(
+            out.code, 0,
+            "the exported chat template renders otherwise: {out}"
+        );
+        eprintln!("chat template check: {}", out.stdout.trim());
+    }
 }
 
 /// The hybrid exported as `NemotronHForCausalLM`: its MTP depths left out and said so, and its

@@ -42,7 +42,7 @@ use crate::training::{
     MODEL_OUTPUTS, UPSTREAM_MODEL, check_training, input, model_plan, model_tokenizer,
     planned_model, train_and_publish,
 };
-use nemo_dag_data::chat::{ChatTemplate, Message, RenderFlags, TemplateSource};
+use nemo_dag_data::chat::{ChatTemplate, Message, RenderFlags, TemplateSource, load_template};
 use nemo_dag_data::preference::{PreferenceRow, read_preferences};
 use nemo_dag_op::{
     DeclError, Metrics, Op, Outputs, Plan, Port, RunContext, RunError, Spec, StageDecl, Upstream,
@@ -91,7 +91,8 @@ pub struct Params {
 
 static SPEC: Spec = Spec {
     name: "dpo",
-    version: 1,
+    // 2: its model keeps the chat template it rendered the pairs with (`chat_template.jinja`).
+    version: 2,
     summary: "direct preference optimization of an upstream model on chosen/rejected pairs",
     inputs: &[
         UPSTREAM_MODEL,
@@ -183,8 +184,9 @@ impl Op for Dpo {
                 model.cfg.max_seq
             )));
         }
-        let template = ChatTemplate::load(&TemplateSource::from_param(&p.chat_template))
-            .map_err(RunError::new)?;
+        let template_text =
+            load_template(&TemplateSource::from_param(&p.chat_template)).map_err(RunError::new)?;
+        let template = ChatTemplate::new(template_text.clone()).map_err(RunError::new)?;
         let (file, rows) = read_preferences(&input(ctx, "data")?)?;
         let tokens = Tokens {
             template: &template,
@@ -226,6 +228,7 @@ impl Op for Dpo {
             Trainer::new(model, p.schedule.clone()),
             &mut objective,
             &tok_path,
+            Some(&template_text),
             move |s| tokens.get(s as usize).copied().unwrap_or(0),
         )?;
         // The last step's figures (the curve always holds the final step).

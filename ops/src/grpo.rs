@@ -50,7 +50,7 @@ use crate::training::{
     planned_model, train_and_publish,
 };
 use model::sampling::Sampling;
-use nemo_dag_data::chat::{ChatTemplate, Message, RenderFlags, TemplateSource};
+use nemo_dag_data::chat::{ChatTemplate, Message, RenderFlags, TemplateSource, load_template};
 use nemo_dag_op::{
     DeclError, Metrics, Op, Outputs, Plan, Port, RunContext, RunError, Spec, StageDecl, Upstream,
 };
@@ -213,7 +213,8 @@ impl Params {
 
 static SPEC: Spec = Spec {
     name: "grpo",
-    version: 1,
+    // 2: its model keeps the chat template it rendered the prompts with (`chat_template.jinja`).
+    version: 2,
     summary: "reinforcement learning (GRPO) on prompts with verifiable answers",
     inputs: &[
         UPSTREAM_MODEL,
@@ -289,7 +290,16 @@ impl Op for Grpo {
             None
         };
         let (tokenizer, tok_path) = model_tokenizer(&model_dir)?;
-        let prompts = read_prompts(&input(ctx, "prompts")?, p, &tokenizer, model.cfg.max_seq)?;
+        let template_text =
+            load_template(&TemplateSource::from_param(&p.chat_template)).map_err(RunError::new)?;
+        let template = ChatTemplate::new(template_text.clone()).map_err(RunError::new)?;
+        let prompts = read_prompts(
+            &input(ctx, "prompts")?,
+            p,
+            &template,
+            &tokenizer,
+            model.cfg.max_seq,
+        )?;
         writeln!(
             ctx.log,
             "grpo: {} train prompts · {} × {} rollouts per step · model {} ({} parameters){}",
@@ -320,6 +330,7 @@ impl Op for Grpo {
             Trainer::new(model, p.schedule.clone()),
             &mut objective,
             &tok_path,
+            Some(&template_text),
             move |_| tokens.load(std::sync::atomic::Ordering::Relaxed),
         )
     }
@@ -330,6 +341,7 @@ impl Op for Grpo {
 fn read_prompts(
     path: &Path,
     p: &Params,
+    template: &ChatTemplate,
     tokenizer: &tokenizers::Tokenizer,
     max_seq: usize,
 ) -> Result<Vec<Prompt>, RunError> {
@@ -340,8 +352,6 @@ fn read_prompts(
     };
     let text = std::fs::read_to_string(&file)
         .map_err(|e| RunError::new(format!("{}: {e}", file.display())))?;
-    let template =
-        ChatTemplate::load(&TemplateSource::from_param(&p.chat_template)).map_err(RunError::new)?;
     let mut prompts = Vec::new();
     for (i, line) in text.lines().enumerate() {
         if line.trim().is_empty() {

@@ -15,17 +15,21 @@
 //! and `NemotronHForCausalLM` ([`crate::hf::nemotron_h`]). Every option we do not implement
 //! (biases, rope scaling, sliding windows, LatentMoE, a Mamba step-size floor, …) is an error
 //! that names it, and so is a tensor that would have no place in the model: the artifact is
-//! never a silently different model. Weights are stored as f32.
+//! never a silently different model. Weights are stored as f32. The checkpoint's chat template
+//! (`chat_template.jinja`, else `tokenizer_config.json`'s `chat_template`) stays with the model,
+//! so `sft` on it and `export` of it keep it.
 
 use crate::hf::{self, llama, nemotron_h};
 use crate::training::input;
 use candle_core::Tensor;
 use model::checkpoint::{save_model, set_tensors};
 use model::net::Model;
+use nemo_dag_data::chat::{CHAT_TEMPLATE_FILE, TemplateSource, load_template};
 use nemo_dag_op::{DeclError, Metrics, Op, Outputs, Port, RunContext, RunError, Spec, StageDecl};
 use serde::Deserialize;
 use serde_json::Value;
 use std::collections::HashMap;
+use std::path::Path;
 
 pub struct ImportModel;
 
@@ -40,7 +44,8 @@ pub struct Params {
 
 static SPEC: Spec = Spec {
     name: "import_model",
-    version: 1,
+    // 2: the model keeps the checkpoint's chat template (`chat_template.jinja`).
+    version: 2,
     summary: "read a Hugging Face checkpoint (Llama, Mistral, NemotronH) as a model artifact",
     inputs: &[Port {
         name: "hf",
@@ -115,6 +120,10 @@ impl Op for ImportModel {
         let out = ctx.out_dir.join("model");
         save_model(&model, &out).map_err(|e| RunError::new(e.to_string()))?;
         std::fs::copy(&tokenizer, out.join("tokenizer.json"))?;
+        let template = chat_template(&dir).map_err(at)?;
+        if let Some(text) = &template {
+            std::fs::write(out.join(CHAT_TEMPLATE_FILE), text)?;
+        }
         let pattern = model.cfg.pattern.clone();
         writeln!(
             ctx.log,
@@ -160,4 +169,27 @@ fn embedding_fits(
         )),
         None => Err(format!("the checkpoint has no tensor `{name}`")),
     }
+}
+
+/// The checkpoint's chat template, as transformers finds it: `chat_template.jinja`, else
+/// `tokenizer_config.json`'s `chat_template` (a string, or the `default` of a list); none when
+/// neither is there.
+fn chat_template(dir: &Path) -> Result<Option<String>, String> {
+    let file = dir.join(CHAT_TEMPLATE_FILE);
+    let config = dir.join("tokenizer_config.json");
+    let source = if file.is_file() {
+        TemplateSource::File(file)
+    } else if config.is_file() {
+        let text =
+            std::fs::read_to_string(&config).map_err(|e| format!("{}: {e}", config.display()))?;
+        let json: Value = serde_json::from_str(&text)
+            .map_err(|e| format!("{} is not JSON: {e}", config.display()))?;
+        if json.get("chat_template").is_none_or(Value::is_null) {
+            return Ok(None);
+        }
+        TemplateSource::TokenizerConfig(config)
+    } else {
+        return Ok(None);
+    };
+    load_template(&source).map(Some).map_err(|e| e.to_string())
 }

@@ -22,7 +22,8 @@
 //! `shards/<dataset>/shard_<i:06d>.parquet` ([`nemo_dag_data::sft::parquet`]). Shards never mix
 //! datasets. Finally whole shards are split into train/valid/test by the ratio rule and a seeded
 //! shuffle, and `splits/<split>/<position:06d>__<dataset>__shard_<i:06d>.parquet` relative
-//! symlinks plus `blend.json` record the result.
+//! symlinks plus `blend.json` record the result. `chat_template.jinja` keeps the template the
+//! rows were rendered with: `sft` passes it on to its model, and `export` to transformers.
 //!
 //! Inputs: `tokenizer` (a tokenizer.json), optional `chat_template` (a Jinja file) or
 //! `tokenizer_config` (a Hugging Face tokenizer_config.json with `chat_template`); every other
@@ -132,7 +133,8 @@ impl Params {
 
 static SPEC: Spec = Spec {
     name: "pack",
-    version: 1,
+    // 2: the artifact keeps the chat template it rendered with (`chat_template.jinja`).
+    version: 2,
     summary: "chat JSONL → chat-templated, loss-masked, packed Parquet shards + train/valid/test splits",
     inputs: &[
         Port {
@@ -225,7 +227,9 @@ impl Op for Pack {
             (None, Some(f)) => TemplateSource::TokenizerConfig(f.clone()),
             (None, None) => param_template(&p.chat_template),
         };
-        let template = ChatTemplate::load(&source)
+        let template_text = chat::load_template(&source)
+            .map_err(|e| RunError::new(format!("chat template: {e}")))?;
+        let template = ChatTemplate::new(template_text.clone())
             .map_err(|e| RunError::new(format!("chat template: {e}")))?;
         let algorithm = p.algorithm().map_err(RunError::new)?;
         let mut chat_opts = ChatOptions::default();
@@ -354,6 +358,8 @@ impl Op for Pack {
         let text = serde_json::to_string_pretty(&Value::Object(blend))
             .map_err(|e| RunError::new(e.to_string()))?;
         std::fs::write(out.join("blend.json"), text + "\n")?;
+        // The template the sequences were rendered with, for the model trained on them.
+        std::fs::write(out.join(chat::CHAT_TEMPLATE_FILE), template_text)?;
 
         // Totals over all shards.
         let lengths_total: usize = shards.iter().map(|s| s.pack.total_tokens).sum();

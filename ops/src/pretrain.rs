@@ -145,6 +145,7 @@ impl Op for Pretrain {
             Trainer::new(model, p.schedule.clone()),
             &mut NextToken::new(&mut source),
             tok_path,
+            None,
             |_| seq * g,
         )
     }

@@ -21,8 +21,8 @@
 //! Rows are visited in a seeded shuffled order, epoch after epoch.
 
 use crate::training::{
-    MODEL_OUTPUTS, UPSTREAM_MODEL, blend_split, check_training, input, model_plan, model_tokenizer,
-    planned_model, train_and_publish,
+    MODEL_OUTPUTS, UPSTREAM_MODEL, blend_split, carried_template, check_training, input,
+    model_plan, model_tokenizer, planned_model, train_and_publish,
 };
 use nemo_dag_data::sft::packing::PackedRow;
 use nemo_dag_data::sft::parquet as packed_parquet;
@@ -59,7 +59,8 @@ pub struct Params {
 
 static SPEC: Spec = Spec {
     name: "sft",
-    version: 1,
+    // 2: its model keeps the chat template its data was rendered with (`chat_template.jinja`).
+    version: 2,
     summary: "fine-tune an upstream model on packed chat data (loss on assistant tokens)",
     inputs: &[
         UPSTREAM_MODEL,
@@ -168,11 +169,14 @@ impl Op for Sft {
         let tokens: Vec<u64> = (0..p.schedule.steps)
             .map(|s| source.tokens_in_step(s))
             .collect();
+        // The template the rows were rendered with; a model trained on them answers in it.
+        let template = carried_template(&[&data_dir, &model_dir])?;
         train_and_publish(
             ctx,
             Trainer::new(model, p.schedule.clone()),
             &mut NextToken::new(&mut source),
             &tok_path,
+            template.as_deref(),
             move |s| tokens.get(s as usize).copied().unwrap_or(0),
         )
     }

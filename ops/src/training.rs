@@ -5,6 +5,7 @@
 
 use model::checkpoint::{self, ModelFile};
 use model::config::ModelConfig;
+use nemo_dag_data::chat::CHAT_TEMPLATE_FILE;
 use nemo_dag_op::{
     DeclError, Estimate, Facts, Metrics, Plan, Port, Progress, RunContext, RunError, Upstream,
 };
@@ -70,13 +71,29 @@ pub(crate) fn input(ctx: &RunContext, name: &str) -> Result<PathBuf, RunError> {
         .ok_or_else(|| RunError::new(format!("no `{name}` input")))
 }
 
+/// The chat template a model carries on ([`CHAT_TEMPLATE_FILE`]): the first of `dirs` that
+/// keeps one (a `pack` artifact's, then the upstream model's), or none.
+pub(crate) fn carried_template(dirs: &[&Path]) -> Result<Option<String>, RunError> {
+    for dir in dirs {
+        let path = dir.join(CHAT_TEMPLATE_FILE);
+        if path.is_file() {
+            let text = std::fs::read_to_string(&path)
+                .map_err(|e| RunError::new(format!("{}: {e}", path.display())))?;
+            return Ok(Some(text));
+        }
+    }
+    Ok(None)
+}
+
 /// Resume from the stage's own checkpoint if an interrupted attempt left one, train, and
-/// write `model/` (with the tokenizer) beside `checkpoint/`.
+/// write `model/` (with the tokenizer, and the chat template the model was trained with, if
+/// any) beside `checkpoint/`.
 pub(crate) fn train_and_publish(
     ctx: &mut RunContext,
     mut trainer: Trainer,
     objective: &mut dyn Objective,
     tokenizer: &Path,
+    chat_template: Option<&str>,
     tokens_per_step: impl Fn(u64) -> u64,
 ) -> Result<Metrics, RunError> {
     let ckpt = ctx.out_dir.join("checkpoint");
@@ -112,6 +129,11 @@ pub(crate) fn train_and_publish(
     let copied = model_dir.join("tokenizer.json");
     let _ = std::fs::remove_file(&copied);
     std::fs::copy(tokenizer, &copied)?;
+    if let Some(text) = chat_template {
+        let path = model_dir.join(CHAT_TEMPLATE_FILE);
+        let _ = std::fs::remove_file(&path);
+        std::fs::write(&path, text)?;
+    }
     let _ = std::fs::remove_dir_all(ctx.out_dir.join("checkpoint.old"));
     match summary {
         Value::Object(m) => Ok(m),

@@ -342,22 +342,24 @@ pub fn find_named(dir: &Path, prefix: &str) -> Vec<String> {
 }
 
 /// The Python that reference checks run with (`NEMO_DAG_PYTHON`, else `python3`), if it has
-/// `tokenizers` and `numpy`. `NEMO_DAG_REQUIRE_PYTHON=1` (set by scripts/test) turns a missing
+/// `tokenizers`, `numpy` and `jinja2`. `NEMO_DAG_REQUIRE_PYTHON=1` (set by scripts/test) turns a missing
 /// one into a failure instead of a printed skip.
 pub fn python() -> Option<String> {
     let candidate = std::env::var("NEMO_DAG_PYTHON").unwrap_or_else(|_| "python3".into());
     let ok = Command::new(&candidate)
-        .args(["-c", "import tokenizers, numpy"])
+        .args(["-c", "import tokenizers, numpy, jinja2"])
         .output()
         .is_ok_and(|o| o.status.success());
     if ok {
         return Some(candidate);
     }
     if std::env::var("NEMO_DAG_REQUIRE_PYTHON").as_deref() == Ok("1") {
-        panic!("NEMO_DAG_REQUIRE_PYTHON=1 but {candidate} cannot import tokenizers and numpy");
+        panic!(
+            "NEMO_DAG_REQUIRE_PYTHON=1 but {candidate} cannot import tokenizers, numpy and jinja2"
+        );
     }
     eprintln!(
-        "skipping the Python comparison: {candidate} lacks tokenizers/numpy (scripts/test installs them)"
+        "skipping the Python comparison: {candidate} lacks tokenizers/numpy/jinja2 (scripts/test installs them)"
     );
     None
 }

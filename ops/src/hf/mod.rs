@@ -6,6 +6,7 @@
 //! ([`to_theirs`]), `import_model` reads one ([`to_ours`]), so an export that is imported and
 //! exported again gives the same tensors.
 
+pub mod chat;
 pub mod llama;
 pub mod nemotron_h;
 

@@ -32,6 +32,12 @@ use super::*;
 ///   `<|im_start|>assistant\n<think></think>` with thinking off.
 pub const NANO3_TEMPLATE: &str = include_str!("templates/nano3.jinja");
 
+/// The file a `pack` artifact (beside `blend.json`) and a model artifact (beside
+/// `tokenizer.json`) keep their chat template in: the text a model's conversations were
+/// rendered with, which `export` writes into `tokenizer_config.json`. The name is the one
+/// `transformers` saves a template under.
+pub const CHAT_TEMPLATE_FILE: &str = "chat_template.jinja";
+
 /// The names [`TemplateSource::Bundled`] accepts.
 pub const BUNDLED_TEMPLATES: &[&str] = &["nano3"];
 
