@@ -162,3 +162,26 @@ fn the_native_real_scale_variants_hold_the_real_architectures() {
         "MEM*EME/*E/*E"
     );
 }
+
+#[test]
+fn a_tiny_recipe_built_as_nemotron_h_ends_with_its_transformers_checkpoint() {
+    // Only a model without RoPE is a NemotronH, so only then does the DAG end with `export`.
+    for (file, last) in [
+        ("super3.yaml", "grpo"),
+        ("nano3.yaml", "dpo"),
+        ("nano3.toml", "dpo"),
+    ] {
+        let rope = load(file, Some("tiny"));
+        assert!(!rope.stages.contains_key("export"), "{file} -c tiny");
+        let nope = load_with(file, Some("tiny"), &["vars.position=none"]);
+        let export = &nope.stages["export"];
+        assert_eq!(export.op.name(), "export", "{file}");
+        assert_eq!(export.params["format"], "nemotron_h", "{file}");
+        let input = format!("{:?}", export.inputs);
+        assert!(input.contains(&format!("\"{last}\"")), "{file}: {input}");
+        assert_eq!(
+            nope.stages["pretrain"].params["model"]["position"], "none",
+            "{file}"
+        );
+    }
+}
