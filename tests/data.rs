@@ -991,6 +991,15 @@ stages:
     op: train_tokenizer
     inputs: {corpus: "corpus:data"}
     params: {vocab_size: 400}
+  one_file:
+    op: import
+    inputs: {path: corpus/part-0.jsonl}
+  one_tokenizer:
+    op: import
+    inputs: {path: "tok:tokenizer"}
+  from_one_file:
+    op: tokenize
+    inputs: {tokenizer: "one_tokenizer:data", corpus: "one_file:data"}
   data:
     op: tokenize
     inputs: {tokenizer: "tok:tokenizer", corpus: "corpus:data"}
@@ -1050,6 +1059,15 @@ stages:
         "{m}"
     );
 
+    // A file keeps its name, so it is read as JSON Lines (one document a row, not one in all);
+    // an imported tokenizer file is taken through its directory.
+    let one = output_path(&p, "m.yaml", "one_file", "data");
+    assert!(one.join("part-0.jsonl").is_file(), "{}", one.display());
+    let docs = p.json(&["show", "from_one_file", "--manifest", "m.yaml", "--json"])["metrics"]
+        ["documents"]
+        .clone();
+    assert_eq!(docs, 60, "documents of the imported file");
+
     // The model's lineage ends at the import: the directory, its digest, the source.
     let lineage = p.json(&["lineage", "model", "--manifest", "m.yaml", "--json"]);
     let origin = lineage["ancestors"]
@@ -1089,6 +1107,9 @@ stages:
         crate::common::expect(&[
             ("corpus", "executed"),
             ("tok", "executed"),
+            ("one_file", "cached"),
+            ("one_tokenizer", "executed"),
+            ("from_one_file", "executed"),
             ("data", "executed"),
             ("model", "executed"),
         ]),

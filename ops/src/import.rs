@@ -14,7 +14,8 @@
 //! file is imported again, an unchanged one never is. `lineage` of anything built from the
 //! artifact ends at this stage, with the path, its digest and the `source`.
 //!
-//! The files are cloned into the artifact (`data`, a file or a directory like the input) by a
+//! The files are cloned into the artifact's `data/`: a directory's tree, or a file under its own
+//! name (readers choose a format by its extension; a `tokenizer` input may name the directory) by a
 //! reflink where the filesystem shares blocks between files (Btrfs, XFS, bcachefs, ZFS 2.2+:
 //! no data is copied and the two files stay independent), and copied otherwise; the log and the
 //! metrics say how many of each. Never a hard link: a hard-linked file *is* the user's file, so
@@ -75,7 +76,14 @@ impl Op for Import {
 
     fn run(&self, p: &Params, ctx: &mut RunContext) -> Result<Metrics, RunError> {
         let from = input(ctx, "path")?;
-        let to = ctx.out_dir.join("data");
+        // A file keeps its name inside `data/`: readers choose a format by the extension.
+        let to = match from.file_name() {
+            Some(name) if from.is_file() => ctx.out_dir.join("data").join(name),
+            _ => ctx.out_dir.join("data"),
+        };
+        if let Some(parent) = to.parent() {
+            std::fs::create_dir_all(parent).map_err(|e| at(parent, e))?;
+        }
         let mut tally = Tally::default();
         clone_tree(&from, &to, &mut tally)?;
         let origin = std::fs::canonicalize(&from).unwrap_or_else(|_| from.clone());

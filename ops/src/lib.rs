@@ -50,7 +50,7 @@ mod training;
 
 use nemo_dag_op::{AnyOp, Registry, RunError};
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 /// Every built-in op, in the order `nemo-dag` lists them.
 pub fn registry() -> Registry {
@@ -85,13 +85,20 @@ fn probe_gpu(ordinal: usize) -> Result<String, String> {
 /// The stage's `tokenizer` input, loaded (`tokenize` and `pack` take one); returns its path too.
 pub(crate) fn load_tokenizer(
     inputs: &BTreeMap<String, PathBuf>,
-) -> Result<(tokenizers::Tokenizer, &Path), RunError> {
-    let path = inputs
+) -> Result<(tokenizers::Tokenizer, PathBuf), RunError> {
+    let given = inputs
         .get("tokenizer")
         .ok_or_else(|| RunError::new("no `tokenizer` input"))?;
+    // A directory (a Hugging Face one, or an `import` of a tokenizer file) holds tokenizer.json.
+    let within = given.join("tokenizer.json");
+    let path = if given.is_dir() && within.is_file() {
+        &within
+    } else {
+        given
+    };
     let tokenizer = tokenizers::Tokenizer::from_file(path)
         .map_err(|e| RunError::new(format!("cannot load tokenizer {}: {e}", path.display())))?;
-    Ok((tokenizer, path))
+    Ok((tokenizer, path.to_path_buf()))
 }
 
 /// A number as Python's `str(float)` prints it (`1.0`, `0.5`): a blend weight as `blend.json`

@@ -144,7 +144,7 @@ impl Op for Pretrain {
             ctx,
             Trainer::new(model, p.schedule.clone()),
             &mut NextToken::new(&mut source),
-            tok_path,
+            &tok_path,
             None,
             |_| seq * g,
         )

@@ -376,21 +376,21 @@ impl Op for Tokenize {
         let out_dir = ctx.out_dir.join("data");
         // Our own byte-level BPE where it reproduces this tokenizer.json exactly, else the
         // `tokenizers` crate (see `nemo_dag_data::tokenizer`).
-        let fast =
-            match nemo_dag_data::tokenizer::FastBpe::from_json(&std::fs::read_to_string(tok_path)?)
-            {
-                Ok(fast) => {
-                    writeln!(ctx.log, "encoder: nemo-dag's byte-level BPE (fast path)")?;
-                    Some(fast)
-                }
-                Err(why) => {
-                    writeln!(
-                        ctx.log,
-                        "encoder: the tokenizers crate (fast path unsupported: {why})"
-                    )?;
-                    None
-                }
-            };
+        let fast = match nemo_dag_data::tokenizer::FastBpe::from_json(&std::fs::read_to_string(
+            &tok_path,
+        )?) {
+            Ok(fast) => {
+                writeln!(ctx.log, "encoder: nemo-dag's byte-level BPE (fast path)")?;
+                Some(fast)
+            }
+            Err(why) => {
+                writeln!(
+                    ctx.log,
+                    "encoder: the tokenizers crate (fast path unsupported: {why})"
+                )?;
+                None
+            }
+        };
         let encoder = Encoder {
             tokenizer: &tokenizer,
             fast: fast.as_ref(),
@@ -475,7 +475,7 @@ impl Op for Tokenize {
         m.insert("vocab_size".into(), Value::from(vocab));
         m.insert(
             "tokenizer_digest".into(),
-            Value::from(blake3_file(tok_path)?),
+            Value::from(blake3_file(&tok_path)?),
         );
         m.insert(
             "skipped_rows".into(),

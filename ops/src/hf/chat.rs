@@ -6,8 +6,10 @@
 //! ends an assistant turn of the ChatML-style templates, and `<|endoftext|>`, which ends a
 //! document. A model with a chat template ends its answers with the first, so that is its
 //! `eos_token`; a model without one (pretrained only) ends documents with the second. The pad
-//! token is `<|endoftext|>`, as `sft` pads with it. A tokenizer without these tokens gets no
-//! such entry rather than a wrong one.
+//! token is `<|endoftext|>`, as `sft` pads with it. A tokenizer without these tokens gets an
+//! explicit `null` rather than a wrong id (left out, transformers' class defaults would fill in
+//! ids 1 and 2). Only `input_ids` and `attention_mask` go to the model: no `token_type_ids`,
+//! which `generate` would refuse.
 
 use serde_json::{Map, Value, json};
 use tokenizers::Tokenizer;
@@ -49,6 +51,10 @@ pub fn files(tokenizer: &Tokenizer, chat_template: Option<&str>, max_seq: usize)
     tokenizer_config.insert("unk_token".into(), Value::Null);
     tokenizer_config.insert("clean_up_tokenization_spaces".into(), json!(false));
     tokenizer_config.insert("model_max_length".into(), json!(max_seq));
+    tokenizer_config.insert(
+        "model_input_names".into(),
+        json!(["input_ids", "attention_mask"]),
+    );
     if let Some(template) = chat_template {
         tokenizer_config.insert("chat_template".into(), json!(template));
     }
@@ -58,14 +64,17 @@ pub fn files(tokenizer: &Tokenizer, chat_template: Option<&str>, max_seq: usize)
         many => json!(many),
     };
     let mut config_ids = Map::new();
-    if !stops.is_empty() {
-        config_ids.insert("eos_token_id".into(), eos_ids.clone());
-    }
-    if let Some(id) = pad_id {
-        config_ids.insert("pad_token_id".into(), json!(id));
-    }
-    let mut generation_config = config_ids.clone();
-    generation_config.insert("bos_token_id".into(), Value::Null);
+    config_ids.insert("bos_token_id".into(), Value::Null);
+    config_ids.insert(
+        "eos_token_id".into(),
+        if stops.is_empty() {
+            Value::Null
+        } else {
+            eos_ids
+        },
+    );
+    config_ids.insert("pad_token_id".into(), json!(pad_id));
+    let generation_config = config_ids.clone();
     ChatFiles {
         tokenizer_config: Value::Object(tokenizer_config),
         generation_config: Value::Object(generation_config),
@@ -116,7 +125,8 @@ mod tests {
         let f = files(&bare, Some("t"), 64);
         assert_eq!(f.tokenizer_config["eos_token"], Value::Null);
         assert_eq!(f.tokenizer_config["pad_token"], Value::Null);
-        assert!(f.generation_config.get("eos_token_id").is_none());
-        assert!(f.config_ids.is_empty());
+        assert_eq!(f.generation_config["eos_token_id"], Value::Null);
+        assert_eq!(f.config_ids["pad_token_id"], Value::Null);
+        assert_eq!(f.config_ids["bos_token_id"], Value::Null);
     }
 }
