@@ -42,7 +42,7 @@ use crate::training::{
     MODEL_OUTPUTS, UPSTREAM_MODEL, check_training, input, model_plan, model_tokenizer,
     planned_model, train_and_publish,
 };
-use nemo_dag_data::chat::{ChatTemplate, Message, RenderFlags, TemplateSource, load_template};
+use nemo_dag_data::chat::{ChatTemplate, Message, RenderFlags, TemplateSource};
 use nemo_dag_data::preference::{PreferenceRow, read_preferences};
 use nemo_dag_op::{
     DeclError, Metrics, Op, Outputs, Plan, Port, RunContext, RunError, Spec, StageDecl, Upstream,
@@ -184,9 +184,8 @@ impl Op for Dpo {
                 model.cfg.max_seq
             )));
         }
-        let template_text =
-            load_template(&TemplateSource::from_param(&p.chat_template)).map_err(RunError::new)?;
-        let template = ChatTemplate::new(template_text.clone()).map_err(RunError::new)?;
+        let template = ChatTemplate::load(&TemplateSource::from_param(&p.chat_template))
+            .map_err(RunError::new)?;
         let (file, rows) = read_preferences(&input(ctx, "data")?)?;
         let tokens = Tokens {
             template: &template,
@@ -228,7 +227,7 @@ impl Op for Dpo {
             Trainer::new(model, p.schedule.clone()),
             &mut objective,
             &tok_path,
-            Some(&template_text),
+            Some(template.source()),
             move |s| tokens.get(s as usize).copied().unwrap_or(0),
         )?;
         // The last step's figures (the curve always holds the final step).

@@ -38,7 +38,7 @@
 use crate::training::{blend_split, input, model_tokenizer};
 use model::net::Model;
 use model::sampling::Sampling;
-use nemo_dag_data::chat::{ChatTemplate, Message, RenderFlags, Role, TemplateSource};
+use nemo_dag_data::chat::{ChatTemplate, Message, RenderFlags, Role, STOP_TOKENS, TemplateSource};
 use nemo_dag_data::megatron::IndexedReader;
 use nemo_dag_op::{DeclError, Metrics, Op, Outputs, Port, RunContext, RunError, Spec, StageDecl};
 use serde::Deserialize;
@@ -457,7 +457,7 @@ fn generation(
     let rows = read_tasks(tasks, &g.split, g.limit)?;
     let template =
         ChatTemplate::load(&TemplateSource::from_param(&g.chat_template)).map_err(RunError::new)?;
-    let stops: Vec<u32> = ["<|im_end|>", "<|endoftext|>"]
+    let stops: Vec<u32> = STOP_TOKENS
         .iter()
         .filter_map(|t| tokenizer.token_to_id(t))
         .collect();

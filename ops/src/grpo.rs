@@ -50,7 +50,7 @@ use crate::training::{
     planned_model, train_and_publish,
 };
 use model::sampling::Sampling;
-use nemo_dag_data::chat::{ChatTemplate, Message, RenderFlags, TemplateSource, load_template};
+use nemo_dag_data::chat::{ChatTemplate, Message, RenderFlags, STOP_TOKENS, TemplateSource};
 use nemo_dag_op::{
     DeclError, Metrics, Op, Outputs, Plan, Port, RunContext, RunError, Spec, StageDecl, Upstream,
 };
@@ -290,9 +290,8 @@ impl Op for Grpo {
             None
         };
         let (tokenizer, tok_path) = model_tokenizer(&model_dir)?;
-        let template_text =
-            load_template(&TemplateSource::from_param(&p.chat_template)).map_err(RunError::new)?;
-        let template = ChatTemplate::new(template_text.clone()).map_err(RunError::new)?;
+        let template = ChatTemplate::load(&TemplateSource::from_param(&p.chat_template))
+            .map_err(RunError::new)?;
         let prompts = read_prompts(
             &input(ctx, "prompts")?,
             p,
@@ -314,7 +313,7 @@ impl Op for Grpo {
                 String::new()
             }
         )?;
-        let stops: Vec<u32> = ["<|im_end|>", "<|endoftext|>"]
+        let stops: Vec<u32> = STOP_TOKENS
             .iter()
             .filter_map(|t| tokenizer.token_to_id(t))
             .collect();
@@ -330,7 +329,7 @@ impl Op for Grpo {
             Trainer::new(model, p.schedule.clone()),
             &mut objective,
             &tok_path,
-            Some(&template_text),
+            Some(template.source()),
             move |_| tokens.load(std::sync::atomic::Ordering::Relaxed),
         )
     }

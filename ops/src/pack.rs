@@ -227,9 +227,7 @@ impl Op for Pack {
             (None, Some(f)) => TemplateSource::TokenizerConfig(f.clone()),
             (None, None) => param_template(&p.chat_template),
         };
-        let template_text = chat::load_template(&source)
-            .map_err(|e| RunError::new(format!("chat template: {e}")))?;
-        let template = ChatTemplate::new(template_text.clone())
+        let template = ChatTemplate::load(&source)
             .map_err(|e| RunError::new(format!("chat template: {e}")))?;
         let algorithm = p.algorithm().map_err(RunError::new)?;
         let mut chat_opts = ChatOptions::default();
@@ -359,7 +357,7 @@ impl Op for Pack {
             .map_err(|e| RunError::new(e.to_string()))?;
         std::fs::write(out.join("blend.json"), text + "\n")?;
         // The template the sequences were rendered with, for the model trained on them.
-        std::fs::write(out.join(chat::CHAT_TEMPLATE_FILE), template_text)?;
+        std::fs::write(out.join(chat::CHAT_TEMPLATE_FILE), template.source())?;
 
         // Totals over all shards.
         let lengths_total: usize = shards.iter().map(|s| s.pack.total_tokens).sum();

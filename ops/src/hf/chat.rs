@@ -14,8 +14,10 @@
 use serde_json::{Map, Value, json};
 use tokenizers::Tokenizer;
 
-const END_OF_TURN: &str = "<|im_end|>";
-const END_OF_TEXT: &str = "<|endoftext|>";
+use nemo_dag_data::chat::STOP_TOKENS;
+
+const END_OF_TURN: &str = STOP_TOKENS[0];
+const END_OF_TEXT: &str = STOP_TOKENS[1];
 
 /// What to write beside an exported model: its `tokenizer_config.json`, its
 /// `generation_config.json`, and the token ids its `config.json` names.
@@ -37,7 +39,7 @@ pub fn files(tokenizer: &Tokenizer, chat_template: Option<&str>, max_seq: usize)
         [END_OF_TEXT, END_OF_TURN].into_iter().find(|t| has(t))
     };
     let pad = has(END_OF_TEXT).then_some(END_OF_TEXT);
-    let stops: Vec<u32> = [END_OF_TURN, END_OF_TEXT]
+    let stops: Vec<u32> = STOP_TOKENS
         .iter()
         .filter_map(|t| tokenizer.token_to_id(t))
         .collect();

@@ -10,6 +10,7 @@ use super::*;
 /// `replace`, `items`, `keys`, `values`, `get`).
 pub struct ChatTemplate {
     pub(super) env: Environment<'static>,
+    source: String,
 }
 
 /// The switches a render takes besides the messages.
@@ -47,9 +48,15 @@ impl ChatTemplate {
         });
         env.set_formatter(py_formatter);
         env.set_unknown_method_callback(py_method);
-        env.add_template_owned(TEMPLATE_NAME, source.into())
+        let source = source.into();
+        env.add_template_owned(TEMPLATE_NAME, source.clone())
             .map_err(|e| format!("chat template does not compile: {e:#}"))?;
-        Ok(ChatTemplate { env })
+        Ok(ChatTemplate { env, source })
+    }
+
+    /// The template's text, as compiled (what a model trained on its renders keeps).
+    pub fn source(&self) -> &str {
+        &self.source
     }
 
     /// Load and compile a template from its source.

@@ -38,6 +38,11 @@ pub const NANO3_TEMPLATE: &str = include_str!("templates/nano3.jinja");
 /// `transformers` saves a template under.
 pub const CHAT_TEMPLATE_FILE: &str = "chat_template.jinja";
 
+/// The tokens a chat model's generation stops at: the end of an assistant turn of the
+/// ChatML-style templates, and the end of a document. `eval` and `grpo` stop there, and
+/// `export` tells transformers' `generate` to.
+pub const STOP_TOKENS: [&str; 2] = ["<|im_end|>", "<|endoftext|>"];
+
 /// The names [`TemplateSource::Bundled`] accepts.
 pub const BUNDLED_TEMPLATES: &[&str] = &["nano3"];
 
