@@ -787,3 +787,71 @@ fn nonsense_resources_are_refused() {
         p.ok(&["validate", "m.yaml"]);
     }
 }
+
+/// A `matrix:` that cannot make stages is refused at the value that is wrong.
+#[test]
+fn a_bad_matrix_is_refused_at_its_place() {
+    let stage = |matrix: &str| {
+        format!(
+            "stages:\n  train:\n    op: cmd\n    params: {{lr: 1, opt: 3}}\n    matrix: {matrix}\n    outputs: {{m: m.txt}}\n    cmd: \"echo {{params.lr}} > {{outputs.m}}\"\n"
+        )
+    };
+    let cases: [(&str, &str, &[&str]); 5] = [
+        (
+            "not-a-list",
+            "{lr: 3}",
+            &["matrix.lr: must be a non-empty list of values", "m.yaml:5"],
+        ),
+        (
+            "nested",
+            "{lr: [1, {a: 2}]}",
+            &["matrix.lr.1", "cannot name a stage", "m.yaml:5"],
+        ),
+        (
+            "repeat",
+            "{lr: [0.0001, 1.0e-4]}",
+            &["matrix.lr.1: value 1e-4 repeats value 0"],
+        ),
+        (
+            "into-a-number",
+            "{opt.x: [1]}",
+            &["params.opt is not a mapping"],
+        ),
+        (
+            "empty",
+            "{}",
+            &["matrix: must map param names to lists of values"],
+        ),
+    ];
+    for (name, matrix, needles) in cases {
+        let p = with_manifest(&format!("matrix-{name}"), "m.yaml", &stage(matrix));
+        assert_bad_input(&p, &["run", "m.yaml"], needles);
+    }
+}
+
+/// An override of a swept param would be replaced by the swept values: it is refused at the
+/// argument, and the swept values can be overridden instead.
+#[test]
+fn an_override_of_a_swept_param_is_refused() {
+    let p = with_manifest(
+        "matrix-override",
+        "m.yaml",
+        "stages:\n  train:\n    op: cmd\n    params: {lr: 1, n: 2}\n    matrix: {lr: [1, 2]}\n    outputs: {m: m.txt}\n    cmd: \"echo {params.lr} > {outputs.m}\"\n",
+    );
+    assert_bad_input(
+        &p,
+        &["run", "m.yaml", "stages.train.params.lr=5"],
+        &[
+            "sweeps params.lr",
+            "this override would have no effect",
+            "stages.train.matrix.lr.0=VALUE",
+        ],
+    );
+    let ok = p.run(&[
+        "validate",
+        "m.yaml",
+        "stages.train.matrix.lr.0=5",
+        "stages.train.params.n=3",
+    ]);
+    assert_eq!(ok.code, 0, "{ok}");
+}

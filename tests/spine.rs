@@ -868,3 +868,144 @@ fn store_location_follows_store_flag_and_env() {
     assert!(env_store.join("artifacts").join(key_of(&v, "gen")).is_dir());
     assert!(!p.store().exists());
 }
+
+const SWEEP_YAML: &str = r#"
+stages:
+  data:
+    op: cmd
+    outputs: {o: o.txt}
+    cmd: "echo data > {outputs.o}"
+  train:
+    op: cmd
+    params: {lr: 0.1, opt: {warmup: 5}}
+    matrix: {lr: [1.0e-4, 3.0e-4], opt.warmup: [10, 50]}
+    inputs: {d: "data:o"}
+    outputs: {m: m.txt}
+    cmd: "echo {params.lr} {params.opt.warmup} > {outputs.m}"
+  eval:
+    op: cmd
+    inputs: {m: "train:m", d: "data:o"}
+    outputs: {r: r.txt}
+    cmd: "cat {inputs.m} > {outputs.r}"
+"#;
+
+const SWEEP_TOML: &str = r#"
+[stages.data]
+op = "cmd"
+outputs = { o = "o.txt" }
+cmd = "echo data > {outputs.o}"
+
+[stages.train]
+op = "cmd"
+params = { lr = 0.1, opt = { warmup = 5 } }
+matrix = { lr = [1.0e-4, 3.0e-4], "opt.warmup" = [10, 50] }
+inputs = { d = "data:o" }
+outputs = { m = "m.txt" }
+cmd = "echo {params.lr} {params.opt.warmup} > {outputs.m}"
+
+[stages.eval]
+op = "cmd"
+inputs = { m = "train:m", d = "data:o" }
+outputs = { r = "r.txt" }
+cmd = "cat {inputs.m} > {outputs.r}"
+"#;
+
+/// `matrix:` makes one stage per combination, named by its values; the stage upstream of the
+/// sweep runs once for all of it, and the stage downstream follows one copy each. The declared
+/// name means every copy to `--target` and `--force`; `show` names one copy, or lists them.
+#[test]
+fn a_matrix_sweeps_a_stage_and_shares_what_is_upstream() {
+    let p = Project::new("sweep");
+    p.write("m.yaml", SWEEP_YAML);
+    let copies = |stage: &str| -> Vec<String> {
+        [
+            "1e-4,opt.warmup=10",
+            "1e-4,opt.warmup=50",
+            "3e-4,opt.warmup=10",
+            "3e-4,opt.warmup=50",
+        ]
+        .iter()
+        .map(|v| format!("{stage}[lr={v}]"))
+        .collect()
+    };
+
+    let trained = p.json(&["run", "m.yaml", "--target", "train", "--json"]);
+    let mut want: Vec<(String, String)> = vec![("data".into(), "executed".into())];
+    want.extend(copies("train").into_iter().map(|c| (c, "executed".into())));
+    assert_eq!(
+        states(&trained),
+        want.into_iter()
+            .collect::<std::collections::BTreeMap<_, _>>(),
+        "`--target train` runs every copy and `data` once: {trained}"
+    );
+    for (copy, text) in
+        copies("train")
+            .iter()
+            .zip(["0.0001 10", "0.0001 50", "0.0003 10", "0.0003 50"])
+    {
+        assert_eq!(
+            p.published(&key_of(&trained, copy), "m.txt").trim(),
+            text,
+            "{copy}"
+        );
+    }
+
+    let all = p.json(&["run", "m.yaml", "--json"]);
+    for copy in copies("eval") {
+        assert_eq!(states(&all)[&copy], "executed", "{all}");
+    }
+    assert_eq!(states(&all).len(), 9, "{all}");
+    // Each eval reads its own train copy, and the one shared data.
+    let shown = p.json(&["show", "eval[lr=3e-4,opt.warmup=50]", "--json"]);
+    assert_eq!(
+        shown["inputs"]["m"]["stage"], "train[lr=3e-4,opt.warmup=50]",
+        "{shown}"
+    );
+    assert_eq!(shown["inputs"]["d"]["key"], key_of(&all, "data"), "{shown}");
+    assert_eq!(
+        p.published(&key_of(&all, "eval[lr=3e-4,opt.warmup=50]"), "r.txt")
+            .trim(),
+        "0.0003 50"
+    );
+
+    let ambiguous = p.run(&["show", "train"]);
+    assert_eq!(ambiguous.code, 2, "{ambiguous}");
+    assert!(
+        ambiguous.stderr.contains("`train` is a sweep of 4 stages"),
+        "{ambiguous}"
+    );
+
+    let forced = p.json(&["run", "m.yaml", "--force", "train", "--json"]);
+    for copy in copies("train") {
+        assert_eq!(states(&forced)[&copy], "executed", "{forced}");
+    }
+    assert_eq!(states(&forced)["data"], "cached", "{forced}");
+
+    // A value added to the sweep runs only its own copies: the others keep their names and keys.
+    p.write(
+        "m.yaml",
+        &SWEEP_YAML.replace("lr: [1.0e-4, 3.0e-4]", "lr: [1.0e-4, 3.0e-4, 1.0e-3]"),
+    );
+    let wider = p.json(&["run", "m.yaml", "--json"]);
+    let ran: Vec<String> = states(&wider)
+        .into_iter()
+        .filter(|(_, s)| s != "cached")
+        .map(|(n, s)| format!("{n}:{s}"))
+        .collect();
+    assert_eq!(
+        ran,
+        [
+            "eval[lr=1e-3,opt.warmup=10]:executed",
+            "eval[lr=1e-3,opt.warmup=50]:executed",
+            "train[lr=1e-3,opt.warmup=10]:executed",
+            "train[lr=1e-3,opt.warmup=50]:executed",
+        ],
+        "{wider}"
+    );
+
+    // The same sweep written in TOML gives the same stages and keys.
+    let t = Project::new("sweep-toml");
+    t.write("m.toml", SWEEP_TOML);
+    assert_eq!(keys(&t.json(&["run", "m.toml", "--json"])), keys(&all));
+}
+

@@ -136,6 +136,16 @@ const HYBRID: &str = r#"
     op: sft
     inputs: {model: "import_hybrid:model", data: "sft_data:data"}
     params: {steps: 2, global_batch: 4, micro_batch: 2, lr: 1e-3, log_interval: 1}
+  sft_sweep:
+    op: sft
+    inputs: {model: "pretrain:model", data: "sft_data:data"}
+    params: {steps: 2, global_batch: 4, micro_batch: 2, lr: 1e-3, log_interval: 1}
+    matrix: {lr: [1.0e-3, 3.0e-3]}
+  eval_sweep:
+    op: eval
+    inputs: {model: "sft_sweep:model", data: "pretrain_data:data"}
+    params:
+      perplexity: {split: train, seq_length: 32, max_windows: 2}
 "#;
 
 fn show(p: &Project, stage: &str) -> Value {
@@ -179,6 +189,10 @@ fn a_recipe_pretrains_fine_tunes_and_exports_a_model_transformers_reads() {
         "import_hybrid",
         "reexport_hybrid",
         "sft_imported",
+        "sft_sweep[lr=1e-3]",
+        "sft_sweep[lr=3e-3]",
+        "eval_sweep[lr=1e-3]",
+        "eval_sweep[lr=3e-3]",
     ];
     let s = states(&p.json(&["status", "recipe.yaml", "--json"]));
     for stage in all {
@@ -538,6 +552,13 @@ fn check_plot(p: &Project, sft_before: &str) {
         doc.contains("lr=0.001") && doc.contains("lr=0.002"),
         "{doc}"
     );
+    // A swept stage's name plots every copy, told apart by the swept value.
+    let sweep = p.ok(&["plot", "sft_sweep", "--manifest", "recipe.yaml"]);
+    assert_eq!(sweep.stdout.matches("<polyline").count(), 2, "{sweep}");
+    assert!(
+        sweep.stdout.contains("lr=0.001") && sweep.stdout.contains("lr=0.003"),
+        "{sweep}"
+    );
     let none = p.run(&[
         "plot",
         "sft",
@@ -660,9 +681,35 @@ fn check_report(p: &Project) {
     );
     assert_eq!(
         html.matches("<g class=\"stage\"").count(),
-        18,
+        22,
         "a box per stage"
     );
+    // The sweep: a row per copy with its value and final figures, and its curves overlaid.
+    let table = |stage: &str| {
+        html.split(&format!("<table class=\"sweep\" data-stage=\"{stage}\">"))
+            .nth(1)
+            .and_then(|t| t.split("</table>").next())
+            .unwrap_or_else(|| panic!("no sweep table for {stage}"))
+            .to_string()
+    };
+    let sft = table("sft_sweep");
+    for needle in [
+        "<th>lr</th>",
+        "<th>final_loss</th>",
+        "<code>sft_sweep[lr=1e-3]</code>",
+        "<code>sft_sweep[lr=3e-3]</code>",
+    ] {
+        assert!(sft.contains(needle), "{needle} in {sft}");
+    }
+    let eval = table("eval_sweep");
+    assert!(eval.contains("<th>perplexity.perplexity</th>"), "{eval}");
+    assert_eq!(eval.matches("<tr><td>").count(), 2, "{eval}");
+    let overlaid = html
+        .split("<div class=\"chart\" data-sweep=\"sft_sweep\" data-metric=\"loss\">")
+        .nth(1)
+        .and_then(|c| c.split("</div>").next())
+        .expect("the sweep's loss chart");
+    assert_eq!(overlaid.matches("<polyline").count(), 2, "{overlaid}");
 
     let Some(chromium) = chromium("report") else {
         return;

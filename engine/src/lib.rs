@@ -47,5 +47,6 @@ pub mod plot;
 pub mod report;
 pub mod stage_log;
 pub mod store;
+pub mod sweep;
 #[cfg(test)]
 mod testing;

@@ -104,6 +104,8 @@ pub struct Stage {
     pub resources: Resources,
     /// Upstream stage names, sorted, without repeats.
     pub deps: Vec<String>,
+    /// Where the stage sits in a sweep, when it is one copy of a swept stage.
+    pub sweep: Option<crate::sweep::Point>,
 }
 
 impl std::fmt::Debug for Stage {
@@ -277,7 +279,7 @@ struct RawManifest {
     stages: BTreeMap<String, RawStage>,
 }
 
-#[derive(Deserialize)]
+#[derive(Deserialize, Clone)]
 #[serde(deny_unknown_fields)]
 struct RawStage {
     op: String,
@@ -290,9 +292,18 @@ struct RawStage {
     cmd: Option<String>,
     #[serde(default)]
     resources: Resources,
+    /// Values to sweep ([`crate::sweep`]), checked there for the error's place.
+    #[serde(default)]
+    matrix: Option<Value>,
     #[serde(default)]
     #[allow(dead_code)]
     description: Option<String>,
+    /// Set on a sweep's copies: where it sits, and which copy of each swept upstream stage
+    /// its inputs read.
+    #[serde(skip)]
+    point: Option<crate::sweep::Point>,
+    #[serde(skip)]
+    reads: BTreeMap<String, String>,
 }
 
 fn empty_object() -> Value {
@@ -373,6 +384,41 @@ impl Manifest {
     /// A stage's estimate of what it needs, when its op makes one.
     pub fn estimate(&self, stage: &str) -> Option<&nemo_dag_op::Estimate> {
         self.plans().get(stage).and_then(|p| p.estimate.as_ref())
+    }
+
+    /// The stages named on the command line: a stage by its name, a swept stage by its
+    /// declared name (every copy of it), in the order given.
+    pub fn expand_names(&self, names: &[String], flag: &str) -> Result<Vec<String>, InputError> {
+        let mut out = Vec::new();
+        for name in names {
+            if self.stages.contains_key(name) {
+                out.push(name.clone());
+                continue;
+            }
+            let copies: Vec<String> = self
+                .order
+                .iter()
+                .filter(|s| {
+                    self.stages[*s]
+                        .sweep
+                        .as_ref()
+                        .is_some_and(|p| &p.base == name)
+                })
+                .cloned()
+                .collect();
+            if copies.is_empty() {
+                return Err(InputError::new(format!(
+                    "{flag} {name}: the manifest has no stage `{name}`"
+                ))
+                .help(crate::diag::did_you_mean(
+                    name,
+                    "stages",
+                    self.order.iter().map(String::as_str),
+                )));
+            }
+            out.extend(copies);
+        }
+        Ok(out)
     }
 
     /// An error pointing at a node of this manifest.
@@ -535,9 +581,90 @@ impl Manifest {
             locator,
             plans: std::sync::OnceLock::new(),
         };
-        manifest.build_stages(raw.stages, args.ops)?;
+        let stages = manifest.expand_sweeps(raw.stages)?;
+        manifest.build_stages(stages, args.ops)?;
         manifest.order = manifest.topological_order()?;
         Ok(manifest)
+    }
+
+    /// Each swept stage replaced by its copies ([`crate::sweep`]).
+    fn expand_sweeps(
+        &self,
+        mut raw: BTreeMap<String, RawStage>,
+    ) -> Result<BTreeMap<String, RawStage>, InputError> {
+        if raw.values().all(|r| r.matrix.is_none()) {
+            return Ok(raw);
+        }
+        let declared: Vec<crate::sweep::Declared> = raw
+            .iter()
+            .map(|(name, r)| crate::sweep::Declared {
+                name,
+                matrix: r.matrix.as_ref(),
+                params: &r.params,
+                upstream: r
+                    .inputs
+                    .values()
+                    .filter_map(|i| parse_reference(i).map(|(stage, _)| stage))
+                    .collect(),
+            })
+            .collect();
+        let copies = crate::sweep::expand(&declared).map_err(|e| {
+            self.locator
+                .error(&e.path, e.at_key, e.message)
+                .maybe_help(e.help)
+        })?;
+        for (name, copies) in copies {
+            let Some(declared) = raw.remove(&name) else {
+                continue;
+            };
+            self.check_not_overridden(&name, copies.first())?;
+            for copy in copies {
+                let mut stage = declared.clone();
+                if stage.params.is_object() {
+                    for (path, value) in copy.set {
+                        crate::sweep::set(&mut stage.params, &path, value);
+                    }
+                }
+                stage.point = Some(copy.point);
+                stage.reads = copy.upstream;
+                raw.insert(copy.name, stage);
+            }
+        }
+        Ok(raw)
+    }
+
+    /// An override of a param the stage's matrix sweeps would be silently replaced by the
+    /// swept values: refuse it, at the argument.
+    fn check_not_overridden(
+        &self,
+        name: &str,
+        copy: Option<&crate::sweep::Copy>,
+    ) -> Result<(), InputError> {
+        for (path, _) in copy.map(|c| c.set.as_slice()).unwrap_or_default() {
+            let swept: KeyPath = ["stages", name, "params"]
+                .into_iter()
+                .map(str::to_string)
+                .chain(path.iter().cloned())
+                .collect();
+            let hit = self
+                .locator
+                .overridden
+                .iter()
+                .find(|(set, _)| set.starts_with(&swept) || swept.starts_with(set));
+            if let (Some((_, index)), Some(command_line)) = (hit, &self.locator.command_line) {
+                let axis = path.join(".");
+                let err = InputError::new(format!(
+                    "stage `{name}` sweeps params.{axis} (its `matrix`), so this override would have no effect"
+                ))
+                .help(if path.len() == 1 {
+                    format!("change the swept values instead: stages.{name}.matrix.{axis}.0=VALUE sets the first")
+                } else {
+                    "change the swept values under `matrix` in the manifest instead".to_string()
+                });
+                return Err(command_line.at_override(*index, err));
+            }
+        }
+        Ok(())
     }
 
     fn build_stages(
@@ -550,22 +677,27 @@ impl Manifest {
         }
         let names: std::collections::BTreeSet<String> = raw.keys().cloned().collect();
         for (name, r) in raw {
+            // A sweep's copy is declared under its base name.
+            let declared = r
+                .point
+                .as_ref()
+                .map_or_else(|| name.clone(), |p| p.base.clone());
             let loc = |rest: &[&str]| -> KeyPath {
-                ["stages", name.as_str()]
+                ["stages", declared.as_str()]
                     .iter()
                     .chain(rest)
                     .map(|s| s.to_string())
                     .collect()
             };
-            if name.is_empty()
-                || !name
+            if declared.is_empty()
+                || !declared
                     .chars()
                     .all(|c| c.is_alphanumeric() || c == '_' || c == '-')
             {
                 return Err(self.locator.error(
                     &loc(&[]),
                     true,
-                    format!("stage name `{name}` may only use letters, digits, `_` and `-`"),
+                    format!("stage name `{declared}` may only use letters, digits, `_` and `-`"),
                 ));
             }
             let length = name.chars().count();
@@ -630,6 +762,7 @@ impl Manifest {
                 let at = loc(&["inputs", input]);
                 let resolved = match parse_reference(written) {
                     Some((stage, output)) => {
+                        let stage = r.reads.get(stage).map_or(stage, String::as_str);
                         if !names.contains(stage) {
                             return Err(self
                                 .locator
@@ -669,6 +802,7 @@ impl Manifest {
                 cmd: r.cmd,
                 resources: r.resources,
                 deps: Vec::new(),
+                sweep: r.point,
             };
             let decl = stage.decl();
             check_spec(op.spec(), &decl)

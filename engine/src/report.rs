@@ -100,6 +100,7 @@ pub fn html(manifest: &Manifest, store: &Store, plans: &[StagePlan], record: &Ru
     );
 
     stages_table(&mut h, manifest, &shown, record);
+    sweeps(&mut h, manifest, &shown);
     curves(&mut h, &shown);
     final_metrics(&mut h, &shown);
     lineage(&mut h, manifest, store, &shown);
@@ -114,7 +115,8 @@ h3{font-size:15px;margin-bottom:4px}.about{color:#555}code{background:#f3f3f3;pa
 table{border-collapse:collapse;font-size:13px}td,th{border:1px solid #ddd;padding:4px 8px;text-align:left;vertical-align:top}\
 th{background:#f5f5f5}td.num{text-align:right;font-variant-numeric:tabular-nums}\
 .up-to-date{background:#c8e6c9}.stale{background:#ffe0b2}.pending-upstream{background:#e0e0e0}\
-.note{color:#777;font-size:12px}.figure svg{max-width:100%;height:auto}.charts{display:flex;flex-wrap:wrap;gap:12px}.chart svg{width:380px;height:auto}.chart polyline{vector-effect:non-scaling-stroke;stroke-width:2}";
+.note{color:#777;font-size:12px}.figure svg{max-width:100%;height:auto}.charts{display:flex;flex-wrap:wrap;gap:12px}.chart svg{width:380px;height:auto}.chart polyline{vector-effect:non-scaling-stroke;stroke-width:2}\
+.wide{overflow-x:auto}.sweep td{white-space:nowrap}";
 
 fn stages_table(h: &mut String, manifest: &Manifest, shown: &[Shown], record: &RunRecord) {
     let _ = writeln!(h, "<h2>Stages</h2>\n<table class=\"stages\">");
@@ -183,6 +185,135 @@ fn stages_table(h: &mut String, manifest: &Manifest, shown: &[Shown], record: &R
         );
     }
     h.push_str("</table>\n");
+}
+
+/// Each swept stage ([`crate::sweep`]): a table of its copies, one row each, with the swept
+/// values and the final numeric metrics side by side, and its copies' curves overlaid, one
+/// chart per metric.
+fn sweeps(h: &mut String, manifest: &Manifest, shown: &[Shown]) {
+    // In the manifest's order, each sweep's copies in the matrix's.
+    let mut swept: Vec<(&str, Vec<(usize, &Shown)>)> = Vec::new();
+    for s in shown {
+        let Some(point) = &manifest.stages[&s.plan.name].sweep else {
+            continue;
+        };
+        let copy = (point.ordinal, s);
+        match swept.iter_mut().find(|(base, _)| *base == point.base) {
+            Some((_, copies)) => copies.push(copy),
+            None => swept.push((point.base.as_str(), vec![copy])),
+        }
+    }
+    if swept.is_empty() {
+        return;
+    }
+    let _ = writeln!(h, "<h2>Sweeps</h2>");
+    for (base, mut copies) in swept {
+        copies.sort_by_key(|(ordinal, _)| *ordinal);
+        let copies: Vec<&Shown> = copies.into_iter().map(|(_, s)| s).collect();
+        let axes: Vec<&str> = manifest.stages[&copies[0].plan.name]
+            .sweep
+            .iter()
+            .flat_map(|p| p.values.iter().map(|(k, _)| k.as_str()))
+            .collect();
+        let finals: Vec<BTreeMap<String, Value>> = copies
+            .iter()
+            .map(|s| {
+                let mut flat = BTreeMap::new();
+                for (k, v) in s.artifact.iter().flat_map(|a| a.metrics.iter()) {
+                    if k != "curve" {
+                        crate::diff::flatten(k, v, &mut flat);
+                    }
+                }
+                flat.retain(|_, v| v.is_number());
+                flat
+            })
+            .collect();
+        // The figures that differ between the copies; those that do not are named below.
+        let all: std::collections::BTreeSet<&String> =
+            finals.iter().flat_map(|f| f.keys()).collect();
+        let (columns, same): (Vec<&String>, Vec<&String>) = all.into_iter().partition(|k| {
+            let values: Vec<Option<&Value>> = finals.iter().map(|f| f.get(*k)).collect();
+            values.len() < 2 || values.iter().any(|v| *v != values[0])
+        });
+        let _ = writeln!(
+            h,
+            "<h3>{} <span class=\"note\">{} copies</span></h3>\n<div class=\"wide\"><table class=\"sweep\" data-stage=\"{}\">",
+            escape(base),
+            copies.len(),
+            escape(base)
+        );
+        h.push_str("<tr><th>stage</th>");
+        for axis in &axes {
+            let _ = write!(h, "<th>{}</th>", escape(axis));
+        }
+        for c in &columns {
+            let _ = write!(h, "<th>{}</th>", escape(c));
+        }
+        h.push_str("</tr>\n");
+        for (s, metrics) in copies.iter().zip(&finals) {
+            let point = manifest.stages[&s.plan.name].sweep.as_ref();
+            let _ = write!(
+                h,
+                "<tr><td><code>{}</code>{}</td>",
+                escape(&s.plan.name),
+                if s.artifact.is_none() {
+                    " <span class=\"note\">(not run)</span>"
+                } else {
+                    last_run_note(s)
+                }
+            );
+            for (_, v) in point.iter().flat_map(|p| p.values.iter()) {
+                let _ = write!(
+                    h,
+                    "<td class=\"num\">{}</td>",
+                    escape(&crate::sweep::label(v))
+                );
+            }
+            for c in &columns {
+                let v = metrics.get(*c).map(cell).unwrap_or_default();
+                let _ = write!(h, "<td class=\"num\">{v}</td>");
+            }
+            h.push_str("</tr>\n");
+        }
+        h.push_str("</table></div>\n");
+        if !same.is_empty() {
+            let listed: Vec<String> = same
+                .iter()
+                .map(|k| {
+                    let v = finals.iter().find_map(|f| f.get(*k)).map(cell);
+                    format!("{} {}", escape(k), v.unwrap_or_default())
+                })
+                .collect();
+            let _ = writeln!(
+                h,
+                "<p class=\"note\">the same in every copy: {}</p>",
+                listed.join(", ")
+            );
+        }
+
+        let artifacts: Vec<Artifact> = copies.iter().filter_map(|s| s.artifact.clone()).collect();
+        let curve: Vec<Value> = artifacts
+            .iter()
+            .filter_map(|a| a.metrics.get("curve").and_then(Value::as_array))
+            .flatten()
+            .cloned()
+            .collect();
+        let charts: Vec<String> = curve_metrics(&curve)
+            .into_iter()
+            .filter_map(|metric| {
+                let series = crate::plot::series(&artifacts, &metric).ok()?;
+                Some(format!(
+                    "<div class=\"chart\" data-sweep=\"{}\" data-metric=\"{}\">{}</div>\n",
+                    escape(base),
+                    escape(&metric),
+                    crate::plot::svg(&series, &metric)
+                ))
+            })
+            .collect();
+        if !charts.is_empty() {
+            let _ = writeln!(h, "<div class=\"charts\">\n{}</div>", charts.concat());
+        }
+    }
 }
 
 /// The metrics a curve's points carry, the loss first.

@@ -69,7 +69,7 @@ const PULLS_IN_FLIGHT: usize = 8;
 
 /// The stages `--target` selects: the targets and everything upstream of them.
 pub fn select(manifest: &Manifest, targets: &[String]) -> Result<BTreeSet<String>, InputError> {
-    check_names(manifest, targets, "--target")?;
+    let targets = manifest.expand_names(targets, "--target")?;
     if targets.is_empty() {
         return Ok(manifest.stages.keys().cloned().collect());
     }
@@ -184,19 +184,7 @@ fn check_launches(
 }
 
 pub fn check_names(manifest: &Manifest, names: &[String], flag: &str) -> Result<(), InputError> {
-    for name in names {
-        if !manifest.stages.contains_key(name) {
-            return Err(InputError::new(format!(
-                "{flag} {name}: the manifest has no stage `{name}`"
-            ))
-            .help(crate::diag::did_you_mean(
-                name,
-                "stages",
-                manifest.order.iter().map(String::as_str),
-            )));
-        }
-    }
-    Ok(())
+    manifest.expand_names(names, flag).map(drop)
 }
 
 /// Prints progress for people on stderr: on a terminal a live bar for the run and one for each

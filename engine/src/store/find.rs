@@ -44,12 +44,7 @@ impl Store {
         if let Some(key) = self.resolve_key(target)? {
             return Ok(key);
         }
-        let wanted = manifest.map(|m| {
-            std::path::absolute(m)
-                .unwrap_or_else(|_| m.to_path_buf())
-                .display()
-                .to_string()
-        });
+        let wanted = absolute(manifest);
         let mut found: Vec<(String, String)> = self
             .run_records()
             .into_iter()
@@ -70,6 +65,22 @@ impl Store {
             .help("add --manifest FILE to say which")
             .into());
         }
+        if found.is_empty() {
+            let copies = self.sweep_copies(target, wanted.as_deref());
+            if !copies.is_empty() {
+                let names: Vec<&str> = copies.iter().map(String::as_str).collect();
+                return Err(InputError::new(format!(
+                    "`{target}` is a sweep of {} stages: {}",
+                    names.len(),
+                    names.join(", ")
+                ))
+                .help(format!(
+                    "name one copy, e.g. '{}' (quoted for the shell)",
+                    names[0]
+                ))
+                .into());
+            }
+        }
         match found.pop() {
             Some((_, key)) if self.is_published(&key) => Ok(key),
             Some((_, key)) => Err(InputError::new(format!(
@@ -85,6 +96,42 @@ impl Store {
             .help("give a stage name from a manifest that has been run, or a key (6+ hex digits)")
             .into()),
         }
+    }
+
+    /// Like [`Store::resolve_target`], but a swept stage's declared name means every copy of
+    /// it (in name order) in the newest run that has the stage or its copies.
+    pub fn resolve_targets(&self, target: &str, manifest: Option<&Path>) -> Result<Vec<String>> {
+        if self.resolve_key(target)?.is_none() {
+            let wanted = absolute(manifest);
+            let newest = self
+                .run_records()
+                .into_iter()
+                .rev()
+                .filter(|(_, r)| wanted.as_ref().is_none_or(|w| &r.manifest == w))
+                .find(|(_, r)| {
+                    r.stages.contains_key(target) || !copies_of(&r.stages, target).is_empty()
+                });
+            if let Some((_, r)) = newest
+                && !r.stages.contains_key(target)
+            {
+                return copies_of(&r.stages, target)
+                    .into_iter()
+                    .map(|name| self.resolve_target(&name, Some(Path::new(&r.manifest))))
+                    .collect();
+            }
+        }
+        Ok(vec![self.resolve_target(target, manifest)?])
+    }
+
+    /// The copies of swept stage `base` (`sft[lr=1e-4]`, …) in the last runs: (name, key).
+    fn sweep_copies(&self, base: &str, manifest: Option<&str>) -> Vec<String> {
+        let copies: BTreeSet<String> = self
+            .run_records()
+            .into_iter()
+            .filter(|(_, r)| manifest.is_none_or(|w| r.manifest == w))
+            .flat_map(|(_, r)| copies_of(&r.stages, base))
+            .collect();
+        copies.into_iter().collect()
     }
 
     /// A published artifact that must be there (a key from a record or a resolved target).
@@ -145,4 +192,24 @@ pub fn artifact_json(store: &Store, artifact: &Artifact) -> Value {
     }
     v["dir"] = Value::String(dir.display().to_string());
     v
+}
+
+/// The names of a swept stage's copies (`sft[lr=1e-4]`, …) among a run's stages.
+fn copies_of(stages: &std::collections::BTreeMap<String, String>, base: &str) -> Vec<String> {
+    let prefix = format!("{base}[");
+    stages
+        .keys()
+        .filter(|name| name.starts_with(&prefix) && name.ends_with(']'))
+        .cloned()
+        .collect()
+}
+
+/// A manifest path as run records name it.
+fn absolute(manifest: Option<&Path>) -> Option<String> {
+    manifest.map(|m| {
+        std::path::absolute(m)
+            .unwrap_or_else(|_| m.to_path_buf())
+            .display()
+            .to_string()
+    })
 }

@@ -7,7 +7,8 @@ use std::path::PathBuf;
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
-    /// The artifacts: stage names (each its artifact from the last run) or keys (6+ hex digits)
+    /// The artifacts: stage names (each its artifact from the last run; a swept stage's name
+    /// means all its copies) or keys (6+ hex digits)
     #[arg(required = true)]
     pub targets: Vec<String>,
     /// The metric of the curve: loss, lr, grad_norm, tokens_per_second, or one under a point's
@@ -37,8 +38,9 @@ pub fn exec(a: Args) -> Result<()> {
     let store = Store::find(a.store.as_deref(), a.manifest.as_deref())?;
     let mut artifacts = Vec::with_capacity(a.targets.len());
     for target in &a.targets {
-        let key = store.resolve_target(target, a.manifest.as_deref())?;
-        artifacts.push(store.load_existing(&key)?);
+        for key in store.resolve_targets(target, a.manifest.as_deref())? {
+            artifacts.push(store.load_existing(&key)?);
+        }
     }
     let series = series(&artifacts, &a.metric).map_err(|e| Failure::from(InputError::new(e)))?;
     let doc = svg(&series, &a.metric);

@@ -51,8 +51,11 @@ pub struct Args {
     batch: Option<String>,
 }
 
-pub fn exec(a: Args, argv: Vec<String>, ops: Registry) -> Result<()> {
+pub fn exec(mut a: Args, argv: Vec<String>, ops: Registry) -> Result<()> {
     let (manifest, store) = a.m.load_remembering(ops, !a.dry_run)?;
+    // A swept stage's declared name means all its copies.
+    a.targets = manifest.expand_names(&a.targets, "--target")?;
+    a.force = manifest.expand_names(&a.force, "--force")?;
     let cluster = match (&a.run_profile, &a.batch) {
         (Some(p), _) => Some((p, slurm::Mode::Run)),
         (_, Some(p)) => Some((p, slurm::Mode::Batch)),
