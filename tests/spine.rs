@@ -1009,3 +1009,60 @@ fn a_matrix_sweeps_a_stage_and_shares_what_is_upstream() {
     assert_eq!(keys(&t.json(&["run", "m.toml", "--json"])), keys(&all));
 }
 
+/// Each executed stage records what it used: CPU seconds (its command's too), bytes read and
+/// written, peak memory. `show` prints them; `status` and `run --dry-run` give each stage that
+/// would run its last run's cost, and their sum.
+#[test]
+fn a_stage_records_what_it_used_and_status_prices_a_rerun_by_it() {
+    let p = Project::new("resources");
+    p.write(
+        "m.yaml",
+        "stages:\n  burn:\n    op: cmd\n    params: {n: 1}\n    outputs: {o: o.bin}\n    cmd: \"head -c 3000000 /dev/zero > {outputs.o}; i=0; while [ $i -lt 300000 ]; do i=$((i+1)); done; echo {params.n}\"\n",
+    );
+    p.ok(&["run", "m.yaml"]);
+    let shown = p.json(&["show", "burn", "--json"]);
+    let r = &shown["resources"];
+    let cpu = r["cpu_user_seconds"].as_f64().unwrap() + r["cpu_system_seconds"].as_f64().unwrap();
+    // The shell's loop runs in a child of a child of `exec`: its CPU time is the stage's.
+    assert!(cpu > 0.05, "{r}");
+    assert!(
+        cpu < shown["seconds"].as_f64().unwrap() * 2.0 + 0.1,
+        "{shown}"
+    );
+    // 3 MB read from /dev/zero by `head` and written to the output, through the shell.
+    for field in ["read_bytes", "written_bytes"] {
+        let n = r[field].as_u64().unwrap();
+        assert!((3_000_000..3_500_000).contains(&n), "{field}: {r}");
+    }
+    let text = p.ok(&["show", "burn"]).stdout;
+    assert!(
+        text.contains("s user, ") && text.contains("io       read 2.9 MiB, wrote 2.9 MiB"),
+        "{text}"
+    );
+
+    let status = p.ok(&["status", "m.yaml", "stages.burn.params.n=2"]).stdout;
+    assert!(
+        status.contains("· last run: ") && status.contains(" CPU, "),
+        "{status}"
+    );
+    assert!(
+        status.contains("rerun: 1 stage(s); 1 of them took "),
+        "{status}"
+    );
+    let json = p.json(&["status", "m.yaml", "stages.burn.params.n=2", "--json"]);
+    let last = &stage(&json, "burn")["last_run"];
+    assert_eq!(last["key"], shown["key"], "{json}");
+    assert_eq!(last["seconds"], shown["seconds"], "{json}");
+    assert_eq!(last["peak_rss_bytes"], r["peak_rss_bytes"], "{json}");
+
+    // Up to date: nothing to price. Forced: priced by its current artifact.
+    let fresh = p.ok(&["status", "m.yaml"]).stdout;
+    assert!(
+        !fresh.contains("last run") && !fresh.contains("rerun:"),
+        "{fresh}"
+    );
+    let forced = p
+        .ok(&["run", "m.yaml", "--dry-run", "--force", "burn"])
+        .stderr;
+    assert!(forced.contains("· last run: "), "{forced}");
+}

@@ -22,6 +22,7 @@ use crate::launch::Launch;
 use crate::manifest::{LoadArgs, Manifest};
 use crate::stage_log::StageLog;
 use crate::store::{ARTIFACT_SCHEMA, Artifact, InputRecord, OutputRecord, ResourceRecord, Store};
+use crate::usage::Counters;
 use nemo_dag_op::{Device, Estimate, Progress, Registry, RunContext, StageDecl};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -241,6 +242,7 @@ pub fn exec(spec: &JobSpec, ops: Registry) -> Result<JobResult> {
 
     let started_at = crate::store::timestamp();
     let clock = Instant::now();
+    let counters = Counters::now();
     // Progress goes to stderr only, as lines the executor turns into a bar (never the log).
     let mut progress = |p: Progress| eprintln!("{}", p.to_line());
     let mut ctx = RunContext {
@@ -259,6 +261,7 @@ pub fn exec(spec: &JobSpec, ops: Registry) -> Result<JobResult> {
         .map_err(|e| e.to_string())
         .and_then(|metrics| check_output_links(&out_dir).map(|()| metrics));
     let seconds = clock.elapsed().as_secs_f64();
+    let used = Counters::now().since(&counters);
     let metrics = match outcome {
         Ok(m) => m,
         Err(e) => {
@@ -313,7 +316,11 @@ pub fn exec(spec: &JobSpec, ops: Registry) -> Result<JobResult> {
         host: crate::store::hostname(),
         engine_version: env!("CARGO_PKG_VERSION").to_string(),
         resources: Some(ResourceRecord {
-            peak_rss_bytes: peak_rss_bytes(),
+            peak_rss_bytes: crate::usage::peak_rss_bytes(),
+            cpu_user_seconds: Some(used.user.as_secs_f64()),
+            cpu_system_seconds: Some(used.system.as_secs_f64()),
+            read_bytes: used.read,
+            written_bytes: used.written,
             estimate: spec.estimate.as_ref().map(Estimate::to_json),
         }),
     };
@@ -386,19 +393,6 @@ pub(crate) fn check_output_links(out_dir: &Path) -> std::result::Result<(), Stri
         }
     }
     Ok(())
-}
-
-/// The peak resident memory of this process or of its largest finished child, in bytes.
-fn peak_rss_bytes() -> u64 {
-    let peak = |who| {
-        // SAFETY: getrusage fills the struct it is given; all-zero is a valid rusage.
-        let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
-        if unsafe { libc::getrusage(who, &mut usage) } != 0 {
-            return 0;
-        }
-        u64::try_from(usage.ru_maxrss).unwrap_or(0) * 1024 // Linux reports KiB
-    };
-    peak(libc::RUSAGE_SELF).max(peak(libc::RUSAGE_CHILDREN))
 }
 
 /// Total size in bytes of a file, or of the files under a directory.

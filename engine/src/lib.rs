@@ -50,3 +50,4 @@ pub mod store;
 pub mod sweep;
 #[cfg(test)]
 mod testing;
+pub mod usage;

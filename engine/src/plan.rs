@@ -120,6 +120,90 @@ pub struct StagePlan {
     pub freshness: Freshness,
     pub key: Option<String>,
     pub reasons: Vec<String>,
+    /// For a stage that would run: what its artifact in the last recorded run took, the
+    /// likeliest cost of running it again.
+    pub last_run: Option<LastRun>,
+}
+
+/// What one run of a stage took, from its artifact.
+#[derive(Debug, Clone, PartialEq, serde::Serialize)]
+pub struct LastRun {
+    pub key: String,
+    pub seconds: f64,
+    /// User and system CPU seconds together.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cpu_seconds: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub peak_rss_bytes: Option<u64>,
+}
+
+impl LastRun {
+    pub fn of(a: &Artifact) -> LastRun {
+        let r = a.resources.as_ref();
+        LastRun {
+            key: a.key.clone(),
+            seconds: a.seconds,
+            cpu_seconds: r.and_then(|r| Some(r.cpu_user_seconds? + r.cpu_system_seconds?)),
+            peak_rss_bytes: r.map(|r| r.peak_rss_bytes),
+        }
+    }
+}
+
+impl std::fmt::Display for LastRun {
+    /// `2m 41s, 5m 02s CPU, 1.4 GiB peak`
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}", duration(self.seconds))?;
+        if let Some(cpu) = self.cpu_seconds {
+            write!(f, ", {} CPU", duration(cpu))?;
+        }
+        if let Some(peak) = self.peak_rss_bytes {
+            write!(f, ", {} peak", nemo_dag_op::plan::bytes(peak))?;
+        }
+        Ok(())
+    }
+}
+
+/// `rerun: 3 stage(s); 2 of them took 7m 31s together in their last runs (12m 02s CPU); 1
+/// without a last run to go by`, from the last run of each stage that would run; `None` when
+/// none would.
+pub fn rerun_cost<'a>(would_run: impl IntoIterator<Item = Option<&'a LastRun>>) -> Option<String> {
+    let rerun: Vec<Option<&LastRun>> = would_run.into_iter().collect();
+    if rerun.is_empty() {
+        return None;
+    }
+    let known: Vec<&LastRun> = rerun.iter().flatten().copied().collect();
+    let mut text = format!("rerun: {} stage(s)", rerun.len());
+    if !known.is_empty() {
+        let seconds: f64 = known.iter().map(|l| l.seconds).sum();
+        let cpu: Option<f64> = known.iter().map(|l| l.cpu_seconds).sum();
+        text.push_str(&format!(
+            "; {} of them took {} together in their last runs",
+            known.len(),
+            duration(seconds)
+        ));
+        if let Some(cpu) = cpu {
+            text.push_str(&format!(" ({} CPU)", duration(cpu)));
+        }
+    }
+    let never = rerun.len() - known.len();
+    if never > 0 {
+        text.push_str(&format!("; {never} without a last run to go by"));
+    }
+    Some(text)
+}
+
+/// Seconds as people read them: `4.2s`, `2m 41s`, `3h 07m`.
+pub fn duration(seconds: f64) -> String {
+    let s = seconds.max(0.0);
+    if s < 60.0 {
+        return format!("{s:.1}s");
+    }
+    let whole = s.round() as u64;
+    if whole < 3600 {
+        format!("{}m {:02}s", whole / 60, whole % 60)
+    } else {
+        format!("{}h {:02}m", whole / 3600, (whole % 3600) / 60)
+    }
 }
 
 /// What `status` shows: each stage's freshness against the store, and why it is not fresh,
@@ -135,15 +219,16 @@ pub fn plan(manifest: &Manifest, store: &Store, digester: &mut Digester) -> Resu
         let resolved = resolve(manifest, stage, &known, digester)?;
         // The previous artifact is only read to explain a stage that is not up to date.
         let prev = || previous.get(name).and_then(|k| store.load(k));
-        let (freshness, key, reasons) = match &resolved {
+        let (freshness, key, reasons, last_run) = match &resolved {
             Some(r) => match store.lookup(&r.key, digester) {
                 Ok(Some(published)) => {
                     known.insert(name.clone(), published);
-                    (Freshness::UpToDate, Some(r.key.clone()), Vec::new())
+                    (Freshness::UpToDate, Some(r.key.clone()), Vec::new(), None)
                 }
-                Err(damage) => (Freshness::Stale, Some(r.key.clone()), vec![damage]),
+                Err(damage) => (Freshness::Stale, Some(r.key.clone()), vec![damage], None),
                 Ok(None) => {
-                    let mut reasons = why_stale(stage, Some(r), prev().as_ref(), &fresh);
+                    let prev = prev();
+                    let mut reasons = why_stale(stage, Some(r), prev.as_ref(), &fresh);
                     if reasons.is_empty() {
                         reasons.push(if previous.get(name) == Some(&r.key) {
                             "artifact missing from the store".to_string()
@@ -151,12 +236,15 @@ pub fn plan(manifest: &Manifest, store: &Store, digester: &mut Digester) -> Resu
                             "no artifact with this key".to_string()
                         });
                     }
-                    (Freshness::Stale, Some(r.key.clone()), reasons)
+                    let last = prev.as_ref().map(LastRun::of);
+                    (Freshness::Stale, Some(r.key.clone()), reasons, last)
                 }
             },
             None => {
-                let reasons = why_stale(stage, None, prev().as_ref(), &fresh);
-                (Freshness::PendingUpstream, None, reasons)
+                let prev = prev();
+                let reasons = why_stale(stage, None, prev.as_ref(), &fresh);
+                let last = prev.as_ref().map(LastRun::of);
+                (Freshness::PendingUpstream, None, reasons, last)
             }
         };
         fresh.insert(name.as_str(), freshness);
@@ -165,6 +253,7 @@ pub fn plan(manifest: &Manifest, store: &Store, digester: &mut Digester) -> Resu
             freshness,
             key,
             reasons,
+            last_run,
         });
     }
     Ok(out)

@@ -3,8 +3,8 @@
 //! `-with-report`, offline and from the store alone: no script, no font, no fetch.
 //!
 //! It holds, top to bottom: the pipeline drawn as SVG, each stage in the colour of its state;
-//! a table of the stages (state, key, when and how long it ran, its peak memory, and why it
-//! would run again); every training stage's curves, one chart per metric; each stage's final
+//! a table of the stages (state, key, when and how long it ran, its CPU time, peak memory and
+//! bytes read and written, and why it would run again); each sweep's copies side by side; every training stage's curves, one chart per metric; each stage's final
 //! metrics (an eval stage's scores among them); and the lineage of each final stage.
 //!
 //! A stage that is not up to date is shown from the artifact of the manifest's last run, where
@@ -122,11 +122,22 @@ fn stages_table(h: &mut String, manifest: &Manifest, shown: &[Shown], record: &R
     let _ = writeln!(h, "<h2>Stages</h2>\n<table class=\"stages\">");
     let _ = writeln!(
         h,
-        "<tr><th>stage</th><th>op</th><th>state</th><th>key</th><th>last run</th><th>ran</th><th>seconds</th><th>peak memory</th><th>why it would run</th></tr>"
+        "<tr><th>stage</th><th>op</th><th>state</th><th>key</th><th>last run</th><th>ran</th><th>seconds</th><th>CPU seconds</th><th>peak memory</th><th>read / written</th><th>why it would run</th></tr>"
     );
     for s in shown {
         let p = s.plan;
         let key = p.key.as_deref().map(short).unwrap_or("-");
+        let resources = s.artifact.as_ref().and_then(|a| a.resources.as_ref());
+        let cpu = resources
+            .and_then(|r| Some(r.cpu_user_seconds? + r.cpu_system_seconds?))
+            .map(|c| format!("{c:.2}"))
+            .unwrap_or_default();
+        let io = resources
+            .and_then(|r| {
+                let b = nemo_dag_op::plan::bytes;
+                Some(format!("{} / {}", b(r.read_bytes?), b(r.written_bytes?)))
+            })
+            .unwrap_or_default();
         let (ran, seconds, peak) = match &s.artifact {
             Some(a) => (
                 format!(
@@ -178,7 +189,7 @@ fn stages_table(h: &mut String, manifest: &Manifest, shown: &[Shown], record: &R
             .unwrap_or_default();
         let _ = writeln!(
             h,
-            "<tr data-stage=\"{name}\"><td>{name}</td><td>{}</td><td class=\"{state}\">{state}</td><td><code>{key}</code></td><td class=\"outcome\">{outcome}</td><td>{ran}</td><td class=\"num\">{seconds}</td><td class=\"num\">{peak}</td><td>{why}</td></tr>",
+            "<tr data-stage=\"{name}\"><td>{name}</td><td>{}</td><td class=\"{state}\">{state}</td><td><code>{key}</code></td><td class=\"outcome\">{outcome}</td><td>{ran}</td><td class=\"num\">{seconds}</td><td class=\"num\">{cpu}</td><td class=\"num\">{peak}</td><td class=\"num\">{io}</td><td>{why}</td></tr>",
             manifest.stages[&p.name].op.name(),
             name = escape(&p.name),
             state = p.freshness.as_str(),

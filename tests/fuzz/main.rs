@@ -341,6 +341,7 @@ fn one_case(case: &Case, scratch: &Path, ops: Registry) -> Result<bool, String> 
                     freshness: Freshness::Stale,
                     key: None,
                     reasons: Vec::new(),
+                    last_run: None,
                 })
                 .collect();
             for format in [

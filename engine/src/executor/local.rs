@@ -92,6 +92,9 @@ pub struct WouldRun {
     pub state: &'static str,
     pub seconds: f64,
     pub reasons: Vec<String>,
+    /// What the stage took the last time it ran (a forced one: its current artifact).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub last_run: Option<plan::LastRun>,
 }
 
 /// What `run --dry-run` reports: each selected stage, cached or would-run, with the plan's
@@ -116,12 +119,21 @@ pub fn dry_run(
                 plan::Freshness::UpToDate if !forced => "cached",
                 _ => "would-run",
             };
+            let last_run = match p.freshness {
+                plan::Freshness::UpToDate if forced => p
+                    .key
+                    .as_deref()
+                    .and_then(|k| store.load(k))
+                    .map(|a| plan::LastRun::of(&a)),
+                _ => p.last_run,
+            };
             WouldRun {
                 name: p.name,
                 key: p.key,
                 state,
                 seconds: 0.0,
                 reasons: p.reasons,
+                last_run: last_run.filter(|_| state == "would-run"),
             }
         })
         .collect())

@@ -86,6 +86,19 @@ pub struct ResourceRecord {
     /// Peak resident memory, in bytes: of the `exec` process that ran the op (in-process
     /// training) or of its largest child (a `cmd`), whichever is larger.
     pub peak_rss_bytes: u64,
+    /// CPU time of the op, user and system, in seconds: of the `exec` process and the children
+    /// it waited for, from the op's start to its end (the attempt that published; a resumed
+    /// training stage's earlier attempts are not counted).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cpu_user_seconds: Option<f64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cpu_system_seconds: Option<f64>,
+    /// Bytes the op's processes read and wrote through system calls, over the same span
+    /// ([`crate::usage::Counters`]: files, pipes and sockets; not memory-mapped pages).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub read_bytes: Option<u64>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub written_bytes: Option<u64>,
     /// The plan's estimate ([`nemo_dag_op::Estimate::to_json`]), when the op made one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub estimate: Option<Value>,

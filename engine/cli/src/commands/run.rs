@@ -6,6 +6,7 @@ use nemo_dag_engine::diag::{Failure, Result};
 use nemo_dag_engine::executor::local::{self, Outcome, RunOptions};
 use nemo_dag_engine::executor::profile::{self, Executor};
 use nemo_dag_engine::executor::slurm;
+use nemo_dag_engine::plan;
 use nemo_dag_op::Registry;
 use serde_json::json;
 use std::collections::BTreeMap;
@@ -110,6 +111,13 @@ pub fn exec(mut a: Args, argv: Vec<String>, ops: Registry) -> Result<()> {
             {
                 eprintln!("{:>10}  · plan: {e}", "");
             }
+            if let Some(last) = &s.last_run {
+                eprintln!("{:>10}  · last run: {last}", "");
+            }
+        }
+        let would_run = stages.iter().filter(|s| s.state == "would-run");
+        if let Some(total) = plan::rerun_cost(would_run.map(|s| s.last_run.as_ref())) {
+            eprintln!("{total}");
         }
         if a.json {
             println!("{}", json!({ "stages": stages }));

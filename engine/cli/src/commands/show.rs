@@ -35,6 +35,19 @@ pub fn exec(a: Args) -> Result<()> {
             "memory   peak {} measured{planned}",
             bytes(r.peak_rss_bytes)
         );
+        if let (Some(user), Some(system)) = (r.cpu_user_seconds, r.cpu_system_seconds) {
+            println!("cpu      {user:.2}s user, {system:.2}s system");
+        }
+        if let (Some(read), Some(written)) = (r.read_bytes, r.written_bytes) {
+            println!("io       read {}, wrote {}", bytes(read), bytes(written));
+        }
+    }
+    if let Some(rate) = artifact
+        .metrics
+        .get("tokens_per_second")
+        .and_then(serde_json::Value::as_f64)
+    {
+        println!("speed    {rate:.0} tokens/s");
     }
     for (name, i) in &artifact.inputs {
         match i {

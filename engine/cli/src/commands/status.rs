@@ -36,6 +36,9 @@ pub fn exec(a: Args, ops: Registry) -> Result<()> {
                 if let Some(e) = manifest.estimate(&p.name) {
                     v["estimate"] = e.to_json();
                 }
+                if let Some(last) = &p.last_run {
+                    v["last_run"] = json!(last);
+                }
                 v
             })
             .collect();
@@ -67,6 +70,9 @@ pub fn exec(a: Args, ops: Registry) -> Result<()> {
         {
             println!("{:<width$}    · plan: {e}", "");
         }
+        if let Some(last) = &p.last_run {
+            println!("{:<width$}    · last run: {last}", "");
+        }
         if let Some(because) = jobs
             .get(&p.name)
             .and_then(|j| j.get("because"))
@@ -74,6 +80,10 @@ pub fn exec(a: Args, ops: Registry) -> Result<()> {
         {
             println!("{:<width$}    · cancelled: {because}", "");
         }
+    }
+    let would_run = plans.iter().filter(|p| p.freshness != Freshness::UpToDate);
+    if let Some(total) = plan::rerun_cost(would_run.map(|p| p.last_run.as_ref())) {
+        println!("{total}");
     }
     Ok(())
 }
