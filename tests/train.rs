@@ -675,6 +675,18 @@ fn check_report(p: &Project) {
     };
     assert_eq!(outcome("sft"), "executed");
     assert_eq!(outcome("pretrain"), "cached (hit)");
+    // Why each stage ran, in the run that built what is shown.
+    let why = |stage: &str| {
+        html.split(&format!("<tr data-stage=\"{stage}\">"))
+            .nth(1)
+            .and_then(|row| row.split("<td class=\"why\">").nth(1))
+            .and_then(|cell| cell.split("</td>").next())
+            .unwrap_or_default()
+            .to_string()
+    };
+    assert_eq!(why("sft"), "params.lr: 0.001 → 0.002");
+    assert_eq!(why("grpo"), "upstream sft changed");
+    assert_eq!(why("pretrain"), "never run");
     assert!(
         html.contains("<table class=\"metrics\" data-stage=\"eval_sft\">"),
         "eval table"

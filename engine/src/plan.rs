@@ -358,6 +358,57 @@ fn why_stale(
     reasons
 }
 
+/// Why a stage was built again: what its key covers that differs between the artifact of its
+/// previous run and the one this run published.
+pub fn why_built(prev: Option<&Artifact>, now: &Artifact) -> Vec<String> {
+    let Some(prev) = prev else {
+        return vec!["never run".to_string()];
+    };
+    if prev.key == now.key {
+        return vec!["the same key as before: forced, or its artifact was gone".to_string()];
+    }
+    let mut reasons = Vec::new();
+    if prev.op != now.op {
+        reasons.push(format!("op {} → {}", prev.op, now.op));
+    } else if prev.op_version != now.op_version {
+        reasons.push(format!(
+            "op version {} → {}",
+            prev.op_version, now.op_version
+        ));
+    }
+    diff_values("params", &prev.params, &now.params, &mut reasons);
+    if prev.cmd != now.cmd {
+        reasons.push("cmd changed".to_string());
+    }
+    let paths = |a: &Artifact| -> Vec<(String, String)> {
+        a.outputs
+            .iter()
+            .map(|(k, o)| (k.clone(), o.path.clone()))
+            .collect()
+    };
+    if paths(prev) != paths(now) {
+        reasons.push("outputs changed".to_string());
+    }
+    for (name, input) in &now.inputs {
+        match (prev.inputs.get(name), input) {
+            (None, _) => reasons.push(format!("input {name} added")),
+            (Some(b), a) if b.digest() == a.digest() => {}
+            (Some(_), InputRecord::Upstream { stage, .. }) => {
+                reasons.push(format!("upstream {stage} changed"))
+            }
+            (Some(_), InputRecord::File { path, .. }) => {
+                reasons.push(format!("input {name} changed ({path})"))
+            }
+        }
+    }
+    for name in prev.inputs.keys() {
+        if !now.inputs.contains_key(name) {
+            reasons.push(format!("input {name} removed"));
+        }
+    }
+    reasons
+}
+
 fn diff_values(path: &str, before: &Value, after: &Value, out: &mut Vec<String>) {
     match (before, after) {
         (Value::Object(b), Value::Object(a)) => {

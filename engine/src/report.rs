@@ -122,7 +122,7 @@ fn stages_table(h: &mut String, manifest: &Manifest, shown: &[Shown], record: &R
     let _ = writeln!(h, "<h2>Stages</h2>\n<table class=\"stages\">");
     let _ = writeln!(
         h,
-        "<tr><th>stage</th><th>op</th><th>state</th><th>key</th><th>last run</th><th>ran</th><th>seconds</th><th>CPU seconds</th><th>peak memory</th><th>read / written</th><th>why it would run</th></tr>"
+        "<tr><th>stage</th><th>op</th><th>state</th><th>key</th><th>last run</th><th>why it ran</th><th>ran</th><th>seconds</th><th>CPU seconds</th><th>peak memory</th><th>read / written</th><th>why it would run</th></tr>"
     );
     for s in shown {
         let p = s.plan;
@@ -187,9 +187,17 @@ fn stages_table(h: &mut String, manifest: &Manifest, shown: &[Shown], record: &R
                 other => other.to_string(),
             })
             .unwrap_or_default();
+        // Why the run that built the artifact shown built it.
+        let why_ran = s
+            .artifact
+            .as_ref()
+            .filter(|a| record.stages.get(&p.name) == Some(&a.key))
+            .and_then(|_| record.why.get(&p.name))
+            .map(|w| w.iter().map(|r| escape(r)).collect::<Vec<_>>().join("<br>"))
+            .unwrap_or_default();
         let _ = writeln!(
             h,
-            "<tr data-stage=\"{name}\"><td>{name}</td><td>{}</td><td class=\"{state}\">{state}</td><td><code>{key}</code></td><td class=\"outcome\">{outcome}</td><td>{ran}</td><td class=\"num\">{seconds}</td><td class=\"num\">{cpu}</td><td class=\"num\">{peak}</td><td class=\"num\">{io}</td><td>{why}</td></tr>",
+            "<tr data-stage=\"{name}\"><td>{name}</td><td>{}</td><td class=\"{state}\">{state}</td><td><code>{key}</code></td><td class=\"outcome\">{outcome}</td><td class=\"why\">{why_ran}</td><td>{ran}</td><td class=\"num\">{seconds}</td><td class=\"num\">{cpu}</td><td class=\"num\">{peak}</td><td class=\"num\">{io}</td><td>{why}</td></tr>",
             manifest.stages[&p.name].op.name(),
             name = escape(&p.name),
             state = p.freshness.as_str(),

@@ -1096,8 +1096,17 @@ pub fn record_run(
         .unwrap_or_default();
     for o in outcomes {
         if let (Some(key), true) = (&o.key, o.published()) {
-            record.stages.insert(o.name.clone(), key.clone());
+            let before = record.stages.insert(o.name.clone(), key.clone());
             record.outcomes.insert(o.name.clone(), o.state.to_string());
+            if o.state == "executed"
+                && let Some(now) = store.load(key)
+            {
+                let prev = before.and_then(|k| store.load(&k));
+                let why = plan::why_built(prev.as_ref(), &now);
+                record.why.insert(o.name.clone(), why);
+            } else if o.state == "pulled" {
+                record.why.remove(&o.name);
+            }
         }
     }
     record
@@ -1105,6 +1114,9 @@ pub fn record_run(
         .retain(|name, _| manifest.stages.contains_key(name));
     record
         .outcomes
+        .retain(|name, _| record.stages.contains_key(name));
+    record
+        .why
         .retain(|name, _| record.stages.contains_key(name));
     record.manifest = manifest.path.display().to_string();
     record.variant = manifest.variant.as_ref().map(|v| v.display().to_string());

@@ -150,6 +150,10 @@ pub struct RunRecord {
     /// shared cache), `cached` or `cutoff` (absent in records written before nemo-dag kept it).
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub outcomes: BTreeMap<String, String>,
+    /// For each stage a run built: why, as what its key covers that changed since the run
+    /// before ([`crate::plan::why_built`]). Kept while the stage keeps that key.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub why: BTreeMap<String, Vec<String>>,
 }
 
 /// What a consumer needs of a published stage: its key and the digest of each output.
