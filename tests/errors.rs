@@ -855,3 +855,25 @@ fn an_override_of_a_swept_param_is_refused() {
     ]);
     assert_eq!(ok.code, 0, "{ok}");
 }
+
+/// A swept value the op refuses is shown at its place in the matrix; a declared stage named
+/// like a sweep's copy is refused, not replaced by the copy.
+#[test]
+fn a_bad_swept_value_is_shown_in_the_matrix() {
+    let p = with_manifest(
+        "matrix-op-check",
+        "m.yaml",
+        "stages:\n  gen:\n    op: generate\n    params: {kind: arithmetic, count: 5, seed: 1}\n    matrix: {kind: [arithmetic, poetry]}\n",
+    );
+    assert_bad_input(&p, &["run", "m.yaml"], &["gen[kind=poetry]", "m.yaml:5:33"]);
+    let p = with_manifest(
+        "matrix-name-clash",
+        "m.yaml",
+        "stages:\n  t:\n    op: cmd\n    matrix: {n: [1]}\n    outputs: {o: o.txt}\n    cmd: \"echo {params.n} > {outputs.o}\"\n  t[n=1]:\n    op: cmd\n    outputs: {o: o.txt}\n    cmd: \"echo > {outputs.o}\"\n",
+    );
+    assert_bad_input(
+        &p,
+        &["run", "m.yaml"],
+        &["stage name `t[n=1]` may only use letters"],
+    );
+}

@@ -1066,3 +1066,30 @@ fn a_stage_records_what_it_used_and_status_prices_a_rerun_by_it() {
         .stderr;
     assert!(forced.contains("· last run: "), "{forced}");
 }
+
+/// The run record says why each stage it built was built, and forgets it when the stage is
+/// found under another key (an earlier configuration, cached): that reason was the other key's.
+#[test]
+fn the_run_record_says_why_a_stage_ran_and_only_for_its_key() {
+    let p = Project::new("why");
+    p.write(
+        "m.yaml",
+        "stages:\n  a:\n    op: cmd\n    params: {n: 1}\n    outputs: {o: o.txt}\n    cmd: \"echo {params.n} > {outputs.o}\"\n",
+    );
+    let why = || -> Value {
+        let runs = p.store().join("runs");
+        let record = std::fs::read_dir(&runs)
+            .unwrap()
+            .flatten()
+            .find(|e| e.path().extension().is_some_and(|x| x == "json"))
+            .unwrap();
+        let v: Value = serde_json::from_slice(&std::fs::read(record.path()).unwrap()).unwrap();
+        v["why"]["a"].clone()
+    };
+    p.ok(&["run", "m.yaml"]);
+    assert_eq!(why(), serde_json::json!(["never run"]));
+    p.ok(&["run", "m.yaml", "stages.a.params.n=2"]);
+    assert_eq!(why(), serde_json::json!(["params.n: 1 → 2"]));
+    p.ok(&["run", "m.yaml"]);
+    assert_eq!(why(), Value::Null, "found cached under its first key");
+}

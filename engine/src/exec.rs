@@ -262,6 +262,7 @@ pub fn exec(spec: &JobSpec, ops: Registry) -> Result<JobResult> {
         .and_then(|metrics| check_output_links(&out_dir).map(|()| metrics));
     let seconds = clock.elapsed().as_secs_f64();
     let used = Counters::now().since(&counters);
+    let unlaunched = spec.launch.is_none();
     let metrics = match outcome {
         Ok(m) => m,
         Err(e) => {
@@ -317,10 +318,12 @@ pub fn exec(spec: &JobSpec, ops: Registry) -> Result<JobResult> {
         engine_version: env!("CARGO_PKG_VERSION").to_string(),
         resources: Some(ResourceRecord {
             peak_rss_bytes: crate::usage::peak_rss_bytes(),
-            cpu_user_seconds: Some(used.user.as_secs_f64()),
-            cpu_system_seconds: Some(used.system.as_secs_f64()),
-            read_bytes: used.read,
-            written_bytes: used.written,
+            // A launched stage's ranks run under `srun` or torchrun on other nodes too, not as
+            // children of this process: what it measures would be the launcher's alone.
+            cpu_user_seconds: unlaunched.then_some(used.user.as_secs_f64()),
+            cpu_system_seconds: unlaunched.then_some(used.system.as_secs_f64()),
+            read_bytes: used.read.filter(|_| unlaunched),
+            written_bytes: used.written.filter(|_| unlaunched),
             estimate: spec.estimate.as_ref().map(Estimate::to_json),
         }),
     };

@@ -423,7 +423,14 @@ impl Manifest {
 
     /// An error pointing at a node of this manifest.
     pub fn error_at(&self, path: &[&str], message: impl Into<String>) -> InputError {
-        let path: KeyPath = path.iter().map(|s| s.to_string()).collect();
+        let mut path: KeyPath = path.iter().map(|s| s.to_string()).collect();
+        // A sweep's copy is declared under its base name.
+        if path.len() > 1
+            && path[0] == "stages"
+            && let Some(point) = self.stages.get(&path[1]).and_then(|s| s.sweep.as_ref())
+        {
+            path[1] = point.base.clone();
+        }
         self.locator.error(&path, false, message)
     }
 
@@ -587,6 +594,21 @@ impl Manifest {
         Ok(manifest)
     }
 
+    fn check_stage_name(&self, name: &str) -> Result<(), InputError> {
+        if name.is_empty()
+            || !name
+                .chars()
+                .all(|c| c.is_alphanumeric() || c == '_' || c == '-')
+        {
+            return Err(self.locator.error(
+                &["stages".to_string(), name.to_string()],
+                true,
+                format!("stage name `{name}` may only use letters, digits, `_` and `-`"),
+            ));
+        }
+        Ok(())
+    }
+
     /// Each swept stage replaced by its copies ([`crate::sweep`]).
     fn expand_sweeps(
         &self,
@@ -594,6 +616,10 @@ impl Manifest {
     ) -> Result<BTreeMap<String, RawStage>, InputError> {
         if raw.values().all(|r| r.matrix.is_none()) {
             return Ok(raw);
+        }
+        // Before any copy is named: a declared name that looks like one must not be replaced.
+        for name in raw.keys() {
+            self.check_stage_name(name)?;
         }
         let declared: Vec<crate::sweep::Declared> = raw
             .iter()
@@ -689,17 +715,8 @@ impl Manifest {
                     .map(|s| s.to_string())
                     .collect()
             };
-            if declared.is_empty()
-                || !declared
-                    .chars()
-                    .all(|c| c.is_alphanumeric() || c == '_' || c == '-')
-            {
-                return Err(self.locator.error(
-                    &loc(&[]),
-                    true,
-                    format!("stage name `{declared}` may only use letters, digits, `_` and `-`"),
-                ));
-            }
+            self.check_stage_name(&declared)?;
+            let matrix = r.matrix.clone().filter(|_| r.point.is_some());
             let length = name.chars().count();
             if length > MAX_STAGE_NAME {
                 return Err(self.locator.error(
@@ -808,7 +825,10 @@ impl Manifest {
             check_spec(op.spec(), &decl)
                 .and_then(|()| op.check(&decl).map(drop))
                 .map_err(|e| {
-                    let rest: Vec<&str> = e.path.iter().map(String::as_str).collect();
+                    // A value the matrix set is wrong at its place in the matrix.
+                    let place = matrix_place(matrix.as_ref(), &stage.params, &e.path);
+                    let path = place.as_ref().unwrap_or(&e.path);
+                    let rest: Vec<&str> = path.iter().map(String::as_str).collect();
                     self.locator
                         .error(&loc(&rest), false, format!("stage `{name}`: {}", e.message))
                         .maybe_help(e.help)
@@ -961,6 +981,25 @@ fn check_spec(spec: &Spec, stage: &StageDecl) -> Result<(), DeclError> {
         .with_help("remove `outputs:` and refer to them as `STAGE:OUTPUT`"));
     }
     Ok(())
+}
+
+/// Where a param of a sweep's copy came from, when its stage's matrix set it:
+/// `matrix.AXIS.INDEX`, for an error about `path` (`params.lr`) to point at the swept value.
+fn matrix_place(matrix: Option<&Value>, params: &Value, path: &[String]) -> Option<KeyPath> {
+    let rest = path.strip_prefix(&["params".to_string()])?;
+    for (axis, values) in matrix?.as_object()? {
+        let axis_path: Vec<&str> = axis.split('.').collect();
+        if rest.len() < axis_path.len() || rest.iter().zip(&axis_path).any(|(a, b)| a != b) {
+            continue;
+        }
+        let mut value = params;
+        for seg in &axis_path {
+            value = value.get(seg)?;
+        }
+        let index = values.as_array()?.iter().position(|v| v == value)?;
+        return Some(vec!["matrix".into(), axis.clone(), index.to_string()]);
+    }
+    None
 }
 
 /// `STAGE:OUTPUT` when the text has that shape; a path otherwise.

@@ -192,9 +192,12 @@ pub fn rerun_cost<'a>(would_run: impl IntoIterator<Item = Option<&'a LastRun>>) 
     Some(text)
 }
 
-/// Seconds as people read them: `4.2s`, `2m 41s`, `3h 07m`.
+/// Seconds as people read them: `0.17s`, `4.2s`, `2m 41s`, `3h 07m`.
 pub fn duration(seconds: f64) -> String {
     let s = seconds.max(0.0);
+    if s < 1.0 {
+        return format!("{s:.2}s");
+    }
     if s < 60.0 {
         return format!("{s:.1}s");
     }

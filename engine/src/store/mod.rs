@@ -79,9 +79,9 @@ pub struct Artifact {
     pub resources: Option<ResourceRecord>,
 }
 
-/// The machine resources a stage used, and the plan's estimate of them.
+/// The machine resources a stage used, and the plan's estimate of them. Fields unknown to this
+/// version are ignored, so a later nemo-dag can record more without this one rebuilding.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
-#[serde(deny_unknown_fields)]
 pub struct ResourceRecord {
     /// Peak resident memory, in bytes: of the `exec` process that ran the op (in-process
     /// training) or of its largest child (a `cmd`), whichever is larger.
@@ -255,7 +255,7 @@ impl Store {
             return Ok(Some(Published::from(&artifact)));
         }
         Err(format!(
-            "the artifact of stage `{stage}` ({key}) was changed after it was published, and is not used: {damage}\n  help: `nemo-dag verify --all` lists every damaged entry; `nemo-dag run MANIFEST --force {stage}` rebuilds this one",
+            "the artifact of stage `{stage}` ({key}) was changed after it was published, and is not used: {damage}\n  help: `nemo-dag verify --all` lists every damaged entry; `nemo-dag run MANIFEST --force '{stage}'` rebuilds this one",
             stage = artifact.stage,
             key = short(key),
             damage = damage.join("; "),
