@@ -987,11 +987,7 @@ fn a_matrix_sweeps_a_stage_and_shares_what_is_upstream() {
         &SWEEP_YAML.replace("lr: [1.0e-4, 3.0e-4]", "lr: [1.0e-4, 3.0e-4, 1.0e-3]"),
     );
     let wider = p.json(&["run", "m.yaml", "--json"]);
-    let ran: Vec<String> = states(&wider)
-        .into_iter()
-        .filter(|(_, s)| s != "cached")
-        .map(|(n, s)| format!("{n}:{s}"))
-        .collect();
+    let ran = not_cached(&wider);
     assert_eq!(
         ran,
         [

@@ -14,7 +14,7 @@ use serde_json::{Value, json};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use crate::common::{Project, output, python, states};
+use crate::common::{Project, not_cached, output, python, states};
 
 const RECIPE: &str = r#"
 vars:
@@ -268,11 +268,7 @@ fn a_recipe_pretrains_fine_tunes_and_exports_a_model_transformers_reads() {
     let changed = p
         .ok(&["run", "recipe.yaml", "stages.sft.params.lr=2e-3", "--json"])
         .json();
-    let ran: Vec<String> = states(&changed)
-        .into_iter()
-        .filter(|(_, s)| s != "cached")
-        .map(|(n, s)| format!("{n}:{s}"))
-        .collect();
+    let ran = not_cached(&changed);
     assert_eq!(
         ran,
         [

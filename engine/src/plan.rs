@@ -298,19 +298,13 @@ fn why_stale(
         reasons.push("never run".to_string());
         return reasons;
     };
-    if prev.op != stage.op.name() {
-        reasons.push(format!("op {} → {}", prev.op, stage.op.name()));
-    } else if prev.op_version != stage.op.version() {
-        reasons.push(format!(
-            "op version {} → {}",
-            prev.op_version,
-            stage.op.version()
-        ));
-    }
-    diff_values("params", &prev.params, &stage.params, &mut reasons);
-    if prev.cmd != stage.cmd {
-        reasons.push("cmd changed".to_string());
-    }
+    let declared = Declared {
+        op: stage.op.name(),
+        op_version: stage.op.version(),
+        params: &stage.params,
+        cmd: stage.cmd.as_deref(),
+    };
+    declared.changes_since(prev, &mut reasons);
     let prev_outputs: BTreeMap<&String, &String> =
         prev.outputs.iter().map(|(k, v)| (k, &v.path)).collect();
     let declared_changed = prev_outputs.len() != stage.outputs.len()
@@ -371,18 +365,13 @@ pub fn why_built(prev: Option<&Artifact>, now: &Artifact) -> Vec<String> {
         return vec!["the same key as before: forced, or its artifact was gone".to_string()];
     }
     let mut reasons = Vec::new();
-    if prev.op != now.op {
-        reasons.push(format!("op {} → {}", prev.op, now.op));
-    } else if prev.op_version != now.op_version {
-        reasons.push(format!(
-            "op version {} → {}",
-            prev.op_version, now.op_version
-        ));
-    }
-    diff_values("params", &prev.params, &now.params, &mut reasons);
-    if prev.cmd != now.cmd {
-        reasons.push("cmd changed".to_string());
-    }
+    let declared = Declared {
+        op: &now.op,
+        op_version: now.op_version,
+        params: &now.params,
+        cmd: now.cmd.as_deref(),
+    };
+    declared.changes_since(prev, &mut reasons);
     let paths = |a: &Artifact| -> Vec<(String, String)> {
         a.outputs
             .iter()
@@ -410,6 +399,33 @@ pub fn why_built(prev: Option<&Artifact>, now: &Artifact) -> Vec<String> {
         }
     }
     reasons
+}
+
+/// What a stage declares that its key covers, besides its inputs and outputs.
+struct Declared<'a> {
+    op: &'a str,
+    op_version: u32,
+    params: &'a Value,
+    cmd: Option<&'a str>,
+}
+
+impl Declared<'_> {
+    /// The op, its version, each param by path, and the command, where they differ from
+    /// `prev`'s.
+    fn changes_since(&self, prev: &Artifact, out: &mut Vec<String>) {
+        if prev.op != self.op {
+            out.push(format!("op {} → {}", prev.op, self.op));
+        } else if prev.op_version != self.op_version {
+            out.push(format!(
+                "op version {} → {}",
+                prev.op_version, self.op_version
+            ));
+        }
+        diff_values("params", &prev.params, self.params, out);
+        if prev.cmd.as_deref() != self.cmd {
+            out.push("cmd changed".to_string());
+        }
+    }
 }
 
 fn diff_values(path: &str, before: &Value, after: &Value, out: &mut Vec<String>) {

@@ -165,35 +165,31 @@ fn stages_table(h: &mut String, manifest: &Manifest, shown: &[Shown], record: &R
             ),
             None => ("never".into(), String::new(), String::new()),
         };
-        let why = if p.reasons.is_empty() {
-            String::new()
-        } else {
-            p.reasons
-                .iter()
-                .map(|r| escape(r))
-                .collect::<Vec<_>>()
-                .join("<br>")
+        let lines = |reasons: &[String]| -> String {
+            let escaped: Vec<String> = reasons.iter().map(|r| escape(r)).collect();
+            escaped.join("<br>")
         };
-        // What the last run did with the artifact shown: built it, or found it (a cache hit,
-        // here or in the shared cache).
-        let outcome = s
+        let why = lines(&p.reasons);
+        // Whether the last run recorded the artifact shown: then its record says what that
+        // run did with it (built it, or found it: a cache hit, here or in the shared cache),
+        // and why the run that built it built it.
+        let in_record = s
             .artifact
             .as_ref()
-            .filter(|a| record.stages.get(&p.name) == Some(&a.key))
-            .and_then(|_| record.outcomes.get(&p.name))
+            .is_some_and(|a| record.stages.get(&p.name) == Some(&a.key));
+        let outcome = Some(&p.name)
+            .filter(|_| in_record)
+            .and_then(|name| record.outcomes.get(name))
             .map(|o| match o.as_str() {
                 "cached" | "cutoff" => format!("{o} (hit)"),
                 "pulled" => "pulled (shared cache)".to_string(),
                 other => other.to_string(),
             })
             .unwrap_or_default();
-        // Why the run that built the artifact shown built it.
-        let why_ran = s
-            .artifact
-            .as_ref()
-            .filter(|a| record.stages.get(&p.name) == Some(&a.key))
-            .and_then(|_| record.why.get(&p.name))
-            .map(|w| w.iter().map(|r| escape(r)).collect::<Vec<_>>().join("<br>"))
+        let why_ran = Some(&p.name)
+            .filter(|_| in_record)
+            .and_then(|name| record.why.get(name))
+            .map(|w| lines(w))
             .unwrap_or_default();
         let _ = writeln!(
             h,

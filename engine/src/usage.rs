@@ -52,11 +52,9 @@ impl Counters {
 
 /// User and system CPU time of `who` (`RUSAGE_SELF` or `RUSAGE_CHILDREN`).
 fn cpu(who: libc::c_int) -> (Duration, Duration) {
-    // SAFETY: getrusage fills the struct it is given; all-zero is a valid rusage.
-    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
-    if unsafe { libc::getrusage(who, &mut usage) } != 0 {
+    let Some(usage) = rusage(who) else {
         return (Duration::ZERO, Duration::ZERO);
-    }
+    };
     let time = |t: libc::timeval| {
         Duration::from_secs(u64::try_from(t.tv_sec).unwrap_or(0))
             + Duration::from_micros(u64::try_from(t.tv_usec).unwrap_or(0))
@@ -67,14 +65,15 @@ fn cpu(who: libc::c_int) -> (Duration, Duration) {
 /// The peak resident memory of this process or of its largest waited-for child, in bytes.
 pub fn peak_rss_bytes() -> u64 {
     let peak = |who| {
-        // SAFETY: as in `cpu`.
-        let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
-        if unsafe { libc::getrusage(who, &mut usage) } != 0 {
-            return 0;
-        }
-        u64::try_from(usage.ru_maxrss).unwrap_or(0) * 1024 // Linux reports KiB
+        rusage(who).map_or(0, |u| u64::try_from(u.ru_maxrss).unwrap_or(0) * 1024) // Linux: KiB
     };
     peak(libc::RUSAGE_SELF).max(peak(libc::RUSAGE_CHILDREN))
+}
+
+fn rusage(who: libc::c_int) -> Option<libc::rusage> {
+    // SAFETY: getrusage fills the struct it is given; all-zero is a valid rusage.
+    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
+    (unsafe { libc::getrusage(who, &mut usage) } == 0).then_some(usage)
 }
 
 #[cfg(test)]

@@ -269,6 +269,15 @@ pub fn states(v: &Value) -> BTreeMap<String, String> {
         .collect()
 }
 
+/// The stages of a `--json` summary that were not found cached, as `name:state`, by name.
+pub fn not_cached(v: &Value) -> Vec<String> {
+    states(v)
+        .into_iter()
+        .filter(|(_, s)| s != "cached")
+        .map(|(n, s)| format!("{n}:{s}"))
+        .collect()
+}
+
 /// `{"stages":[{name, key, ..}]}` → name → key (None for a null key).
 pub fn keys(v: &Value) -> BTreeMap<String, Option<String>> {
     stage_list(v)

@@ -55,16 +55,7 @@ impl Store {
                     .map(|k| (r.manifest.clone(), k.clone()))
             })
             .collect();
-        let manifests: BTreeSet<&String> = found.iter().map(|(m, _)| m).collect();
-        if manifests.len() > 1 {
-            let list: Vec<&str> = manifests.iter().map(|s| s.as_str()).collect();
-            return Err(InputError::new(format!(
-                "stage `{target}` is in several manifests: {}",
-                list.join(", ")
-            ))
-            .help("add --manifest FILE to say which")
-            .into());
-        }
+        in_one_manifest(target, found.iter().map(|(m, _)| m.as_str()))?;
         if found.is_empty() {
             let copies = self.sweep_copies(target, wanted.as_deref());
             if !copies.is_empty() {
@@ -112,17 +103,7 @@ impl Store {
                     r.stages.contains_key(target) || !copies_of(&r.stages, target).is_empty()
                 })
                 .collect();
-            let manifests: BTreeSet<&str> =
-                having.iter().map(|(_, r)| r.manifest.as_str()).collect();
-            if manifests.len() > 1 {
-                let list: Vec<&str> = manifests.into_iter().collect();
-                return Err(InputError::new(format!(
-                    "stage `{target}` is in several manifests: {}",
-                    list.join(", ")
-                ))
-                .help("add --manifest FILE to say which")
-                .into());
-            }
+            in_one_manifest(target, having.iter().map(|(_, r)| r.manifest.as_str()))?;
             let newest = having.into_iter().next();
             if let Some((_, r)) = newest
                 && !r.stages.contains_key(target)
@@ -225,4 +206,19 @@ fn absolute(manifest: Option<&Path>) -> Option<String> {
             .display()
             .to_string()
     })
+}
+
+/// An error when the runs that name `target` are of several manifests.
+fn in_one_manifest<'a>(target: &str, manifests: impl Iterator<Item = &'a str>) -> Result<()> {
+    let manifests: BTreeSet<&str> = manifests.collect();
+    if manifests.len() > 1 {
+        let list: Vec<&str> = manifests.into_iter().collect();
+        return Err(InputError::new(format!(
+            "stage `{target}` is in several manifests: {}",
+            list.join(", ")
+        ))
+        .help("add --manifest FILE to say which")
+        .into());
+    }
+    Ok(())
 }
