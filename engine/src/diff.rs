@@ -1,10 +1,12 @@
 //! What differs between two published artifacts, as `dvc params diff` and `dvc metrics diff`
 //! show it: the params that changed (old → new, by dotted path), the inputs whose content
-//! changed, and the numeric metrics with their deltas. Curves and other arrays in the metrics
-//! are not compared point by point (`plot` is for those), and neither is text.
+//! changed, and the numeric metrics (at any depth: an eval's `generation.accuracy`) with their
+//! deltas. Curves and other arrays in the metrics are not compared point by point (`plot` is
+//! for those), and neither is text (a `cmd` stage's rendered command names its attempt's own
+//! directory, so it differs in every run). Two runs of the history compare stage by stage.
 
 use crate::store::{Artifact, InputRecord, short};
-use serde_json::{Map, Value, json};
+use serde_json::{Value, json};
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Write as _;
 
@@ -89,7 +91,7 @@ pub fn diff(a: &Artifact, b: &Artifact) -> Diff {
         b: Side::of(b),
         params: changes(&pa, &pb),
         inputs: changes(&ia, &ib),
-        metrics: changes(&scalars(&a.metrics), &scalars(&b.metrics)),
+        metrics: changes(&final_metrics(&a.metrics), &final_metrics(&b.metrics)),
     }
 }
 
@@ -120,15 +122,13 @@ pub(crate) fn flatten(prefix: &str, value: &Value, out: &mut BTreeMap<String, Va
     }
 }
 
-/// The metrics that are numbers or flags, as `dvc metrics diff` compares them: not curves or
-/// tables, and not text (a `cmd` stage's rendered command names its attempt's own directory,
-/// so it differs in every run).
-fn scalars(metrics: &Map<String, Value>) -> BTreeMap<String, Value> {
-    metrics
-        .iter()
-        .filter(|(_, v)| v.is_number() || v.is_boolean())
-        .map(|(k, v)| (k.clone(), v.clone()))
-        .collect()
+/// An artifact's final figures by dotted path: the numbers and flags among its metrics, at
+/// any depth (an eval's `generation.accuracy`), not inside arrays (curves, examples).
+pub fn final_metrics(metrics: &serde_json::Map<String, Value>) -> BTreeMap<String, Value> {
+    let mut flat = BTreeMap::new();
+    flatten("", &Value::Object(metrics.clone()), &mut flat);
+    flat.retain(|_, v| v.is_number() || v.is_boolean());
+    flat
 }
 
 fn changes(a: &BTreeMap<String, Value>, b: &BTreeMap<String, Value>) -> Vec<Change> {
@@ -310,6 +310,30 @@ mod tests {
             "engine_version": "0"
         }))
         .unwrap()
+    }
+
+    #[test]
+    fn an_evals_nested_figures_are_compared_by_path() {
+        let eval = |accuracy: f64, perplexity: f64| {
+            json!({"generation": {"accuracy": accuracy, "examples": [{"reward": accuracy}],
+                                  "split": "test"},
+                   "perplexity": {"perplexity": perplexity, "tokens": 8192}})
+        };
+        let d = diff(
+            &artifact("aaaa", json!({}), eval(0.5, 12.9), "d"),
+            &artifact("bbbb", json!({}), eval(0.65, 54.7), "d"),
+        );
+        let names: Vec<&str> = d.metrics.iter().map(|c| c.name.as_str()).collect();
+        assert_eq!(names, ["generation.accuracy", "perplexity.perplexity"]);
+        let line = d
+            .text()
+            .lines()
+            .find(|l| l.contains("generation.accuracy"))
+            .map(|l| l.split_whitespace().collect::<Vec<_>>().join(" "));
+        assert_eq!(
+            line.as_deref(),
+            Some("generation.accuracy 0.5 → 0.65 (+0.15, +30.0%)")
+        );
     }
 
     #[test]

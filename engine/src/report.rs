@@ -233,14 +233,10 @@ fn sweeps(h: &mut String, manifest: &Manifest, shown: &[Shown]) {
         let finals: Vec<BTreeMap<String, Value>> = copies
             .iter()
             .map(|s| {
-                let mut flat = BTreeMap::new();
-                for (k, v) in s.artifact.iter().flat_map(|a| a.metrics.iter()) {
-                    if k != "curve" {
-                        crate::diff::flatten(k, v, &mut flat);
-                    }
-                }
-                flat.retain(|_, v| v.is_number());
-                flat
+                s.artifact
+                    .as_ref()
+                    .map(|a| crate::diff::final_metrics(&a.metrics))
+                    .unwrap_or_default()
             })
             .collect();
         // The figures that differ between the copies; those that do not are named below.
