@@ -1089,3 +1089,123 @@ fn the_run_record_says_why_a_stage_ran_and_only_for_its_key() {
     p.ok(&["run", "m.yaml"]);
     assert_eq!(why(), Value::Null, "found cached under its first key");
 }
+
+/// `runs` lists every run that ended, numbered across the store, with its overrides and the
+/// params that differ between the runs; `diff @1 @2` compares two runs from the history and
+/// `gen@1` names a stage's artifact in run 1. The history outlives `gc`: it keeps each run's
+/// params and metrics, not its artifacts, and says so when an artifact is asked for.
+#[test]
+fn runs_lists_each_run_and_outlives_gc_which_it_does_not_pin() {
+    let p = Project::new("runs");
+    p.write("m.yaml", TWO_STAGE_YAML);
+    p.write("other.yaml", &TWO_STAGE_YAML.replace("n: 3", "n: 7"));
+    let first = p.json(&["run", "m.yaml", "--json"]);
+    p.json(&["run", "m.yaml", "vars.n=5", "--json"]);
+    p.json(&["run", "m.yaml", "vars.n=5", "--json"]);
+    p.json(&["run", "other.yaml", "--json"]);
+    // A failing run is in the history too, with the stage that failed.
+    let failed = p.run(&["run", "m.yaml", "stages.total.cmd=exit 3"]);
+    assert_eq!(failed.code, 1, "{failed}");
+    // The record keeps a failed stage's last good artifact (n=5's); this run replaces it.
+    p.json(&["run", "m.yaml", "--json"]);
+
+    let all = p.json(&["runs", "--json"]);
+    let runs = all["runs"].as_array().unwrap();
+    let numbers: Vec<u64> = runs.iter().map(|r| r["run"].as_u64().unwrap()).collect();
+    assert_eq!(numbers, [1, 2, 3, 4, 5, 6], "{all}");
+    assert_eq!(runs[1]["overrides"], serde_json::json!(["vars.n=5"]));
+    assert_eq!(runs[1]["stages"]["gen"]["params"]["n"], 5, "{all}");
+    assert_eq!(runs[1]["stages"]["gen"]["outcome"], "executed", "{all}");
+    assert_eq!(runs[2]["stages"]["gen"]["outcome"], "cached", "{all}");
+    assert_eq!(runs[4]["stages"]["total"]["outcome"], "failed", "{all}");
+    assert_eq!(runs[4]["stages"]["total"]["key"], Value::Null, "{all}");
+
+    // One manifest's runs: the column that differs is `gen.n`, in run order.
+    let table = p.ok(&["runs", "m.yaml"]).stdout;
+    let header: Vec<&str> = table.lines().next().unwrap().split_whitespace().collect();
+    assert_eq!(
+        header,
+        [
+            "run",
+            "finished",
+            "overrides",
+            "built",
+            "failed",
+            "gen.n",
+            "total.cmd"
+        ],
+        "{table}"
+    );
+    // Runs 1, 2, 3, 5 and 6 (4 is other.yaml's).
+    let column = |name: &str| table_column(&table, name);
+    assert_eq!(column("run"), ["1", "2", "3", "5", "6"], "{table}");
+    assert_eq!(column("gen.n"), ["3", "5", "5", "3", "3"], "{table}");
+    assert_eq!(
+        column("built"),
+        ["2 of 2", "2 of 2", "0 of 2", "0 of 2", "0 of 2"],
+        "{table}"
+    );
+    assert_eq!(column("failed"), ["", "", "", "total", ""], "{table}");
+    assert_eq!(column("overrides")[1], "vars.n=5", "{table}");
+    assert_eq!(column("total.cmd")[3], "–", "{table}");
+    assert!(
+        table.contains("that are the same in every row are not shown: --all shows them"),
+        "{table}"
+    );
+    let last = p.ok(&["runs", "m.yaml", "-n", "1"]).stdout;
+    assert_eq!(
+        last.lines().count(),
+        3,
+        "a row, its header and the note: {last}"
+    );
+    let only = p.ok(&["runs", "m.yaml", "--param", "gen."]).stdout;
+    let header: Vec<&str> = only
+        .lines()
+        .next()
+        .unwrap_or_default()
+        .split_whitespace()
+        .collect();
+    assert!(
+        header.ends_with(&["gen.cmd", "gen.n"]) && !header.contains(&"total.cmd"),
+        "a filter shows the params it matches, differing or not: {only}"
+    );
+
+    // Two runs compared from the history, and a stage of each by its run.
+    let d = p.json(&["diff", "@1", "@2", "--manifest", "m.yaml", "--json"]);
+    let first_stage = &d["stages"][0];
+    assert_eq!(
+        (
+            &first_stage["stage"],
+            &first_stage["params"][0]["name"],
+            &first_stage["params"][0]["b"]
+        ),
+        (&"gen".into(), &"n".into(), &5.into()),
+        "{d}"
+    );
+    let by_run = p.json(&["diff", "gen@1", "gen@3", "--manifest", "m.yaml", "--json"]);
+    assert_eq!(by_run["a"]["key"], key_of(&first, "gen"), "{by_run}");
+    assert_eq!(by_run["params"][0]["delta"], 2.0, "{by_run}");
+
+    // gc keeps only what the last run records reference: run 2's artifacts go, its history
+    // stays, and asking for its artifact says what happened.
+    let store = p.store();
+    let store = store.to_str().unwrap();
+    p.ok(&["gc", "--store", store]);
+    let gone = p.run(&["diff", "gen@2", "gen@1", "--manifest", "m.yaml"]);
+    assert_eq!(gone.code, 2, "{gone}");
+    assert!(
+        gone.stderr.contains("`gen` of run 2 (") && gone.stderr.contains("`gc` removed it"),
+        "{gone}"
+    );
+    let after = p.ok(&["diff", "@2", "@1", "--manifest", "m.yaml"]).stdout;
+    assert!(after.contains("n  5 → 3"), "{after}");
+    assert_eq!(p.json(&["runs", "--json"])["runs"], all["runs"]);
+
+    let mixed = p.run(&["diff", "@1", "gen", "--manifest", "m.yaml"]);
+    assert_eq!(mixed.code, 2, "{mixed}");
+    let missing = p.run(&["diff", "@1", "@9", "--manifest", "m.yaml"]);
+    assert!(
+        missing.code == 2 && missing.stderr.contains("runs are numbered 1 to 6"),
+        "{missing}"
+    );
+}

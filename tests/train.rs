@@ -14,7 +14,7 @@ use serde_json::{Value, json};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use crate::common::{Project, not_cached, output, python, states};
+use crate::common::{Project, not_cached, output, python, states, table_column};
 
 const RECIPE: &str = r#"
 vars:
@@ -285,6 +285,7 @@ fn a_recipe_pretrains_fine_tunes_and_exports_a_model_transformers_reads() {
 
     // The exported Llama gives our logits, and so does the hybrid exported as NemotronH.
     check_plot(&p, &sft_before);
+    check_runs(&p);
     check_report(&p);
     check_export(&p);
     check_chat_files(&p);
@@ -565,6 +566,43 @@ fn check_plot(p: &Project, sft_before: &str) {
     ]);
     assert_eq!(none.code, 2, "{none}");
     assert!(none.stderr.contains("has no `rewad`"), "{none}");
+}
+
+/// `runs` after the three runs above: a row per run and point of the sweep, the learning rates
+/// that differ as columns, and the final figures an eval keeps under paths.
+fn check_runs(p: &Project) {
+    let runs = p.json(&["runs", "recipe.yaml", "--json"])["runs"].clone();
+    assert_eq!(runs.as_array().map(Vec::len), Some(3), "{runs}");
+    let last = &runs[2];
+    assert_eq!(last["overrides"][0], "stages.sft.params.lr=2e-3", "{last}");
+    let accuracy = &last["stages"]["eval_sft"]["metrics"]["generation.accuracy"];
+    assert!(
+        accuracy.as_f64().is_some_and(|a| (0.0..=1.0).contains(&a)),
+        "{last}"
+    );
+    assert_eq!(
+        last["stages"]["eval_sweep[lr=3e-3]"]["sweep"],
+        json!({"stage": "eval_sweep", "point": "lr=3e-3", "ordinal": 1}),
+        "{last}"
+    );
+    let table = p.ok(&["runs", "recipe.yaml"]).stdout;
+    let column = |name: &str| table_column(&table, name);
+    assert_eq!(column("run"), ["1", "1", "2", "2", "3", "3"], "{table}");
+    assert_eq!(column("sweep"), ["lr=1e-3", "lr=3e-3"].repeat(3), "{table}");
+    assert_eq!(
+        column("sft_sweep.lr"),
+        ["0.001", "0.003"].repeat(3),
+        "{table}"
+    );
+    assert_eq!(
+        column("sft.lr"),
+        ["0.001", "0.001", "0.001", "0.001", "0.002", "0.002"],
+        "{table}"
+    );
+    // The swept copies' figures sit in their point's row, under the declared name.
+    let losses = column("sft_sweep.final_loss");
+    assert!(losses[0] != losses[1] && losses[0] == losses[2], "{table}");
+    assert_eq!(column("built")[2], "0 of 22", "{table}");
 }
 
 /// `report` draws every training stage's curves, one chart per metric its points carry, with a

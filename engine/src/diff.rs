@@ -5,6 +5,7 @@
 //! for those), and neither is text (a `cmd` stage's rendered command names its attempt's own
 //! directory, so it differs in every run). Two runs of the history compare stage by stage.
 
+use crate::store::history::Entry;
 use crate::store::{Artifact, InputRecord, short};
 use serde_json::{Value, json};
 use std::collections::{BTreeMap, BTreeSet};
@@ -219,27 +220,15 @@ impl Diff {
             out.push_str("no differences in params, inputs or metrics\n");
             return out;
         }
-        for (title, list) in [
-            ("params", &self.params),
-            ("inputs", &self.inputs),
-            ("metrics", &self.metrics),
-        ] {
-            if list.is_empty() {
-                continue;
-            }
-            let _ = writeln!(out, "{title}");
-            let width = list.iter().map(|c| c.name.len()).max().unwrap_or(0);
-            for c in list {
-                let line = format!(
-                    "  {:width$}  {} → {}  {}",
-                    c.name,
-                    shown(&c.a),
-                    shown(&c.b),
-                    delta_text(c)
-                );
-                let _ = writeln!(out, "{}", line.trim_end());
-            }
-        }
+        listing(
+            &mut out,
+            "",
+            &[
+                ("params", &self.params),
+                ("inputs", &self.inputs),
+                ("metrics", &self.metrics),
+            ],
+        );
         out
     }
 
@@ -280,19 +269,208 @@ impl Diff {
     /// The differences as JSON.
     pub fn json(&self) -> Value {
         let side = |s: &Side| json!({"stage": s.stage, "op": s.op, "key": s.key, "built": s.built});
-        let list = |l: &[Change]| {
-            l.iter()
-                .map(|c| json!({"name": c.name, "a": c.a, "b": c.b, "delta": c.delta()}))
-                .collect::<Vec<_>>()
-        };
         json!({
             "a": side(&self.a),
             "b": side(&self.b),
-            "params": list(&self.params),
-            "inputs": list(&self.inputs),
-            "metrics": list(&self.metrics),
+            "params": change_list(&self.params),
+            "inputs": change_list(&self.inputs),
+            "metrics": change_list(&self.metrics),
         })
     }
+}
+
+/// What differs between two runs of the history, stage by stage, from what the history kept
+/// of each (params and final metrics): it needs no artifact, so it works after `gc`.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RunsDiff {
+    pub a: RunSide,
+    pub b: RunSide,
+    /// The stages whose key differs between the runs, in name order.
+    pub stages: Vec<StageDiff>,
+    /// How many stages have the same key in both.
+    pub same: usize,
+}
+
+/// Which run a side is.
+#[derive(Debug, Clone, PartialEq)]
+pub struct RunSide {
+    pub run: u64,
+    pub manifest: String,
+    pub variant: Option<String>,
+    pub overrides: Vec<String>,
+    pub finished_at: String,
+}
+
+/// One stage whose artifact differs between two runs; a key is `None` on the side without it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StageDiff {
+    pub stage: String,
+    pub a: Option<String>,
+    pub b: Option<String>,
+    pub params: Vec<Change>,
+    pub metrics: Vec<Change>,
+}
+
+/// Compares run `a` with run `b`.
+pub fn diff_runs(a: &Entry, b: &Entry) -> RunsDiff {
+    let side = |e: &Entry| RunSide {
+        run: e.run,
+        manifest: e.manifest.clone(),
+        variant: e.variant.clone(),
+        overrides: e.overrides.clone(),
+        finished_at: e.finished_at.clone(),
+    };
+    let names: BTreeSet<&String> = a.stages.keys().chain(b.stages.keys()).collect();
+    let mut stages = Vec::new();
+    let mut same = 0;
+    let empty = BTreeMap::new();
+    for name in names {
+        let (sa, sb) = (a.stages.get(name), b.stages.get(name));
+        let key = |s: Option<&crate::store::history::StageEntry>| s.and_then(|s| s.key.clone());
+        if sa.is_some() && sb.is_some() && key(sa) == key(sb) && key(sa).is_some() {
+            same += 1;
+            continue;
+        }
+        let (pa, pb) = (
+            sa.map_or(&empty, |s| &s.params),
+            sb.map_or(&empty, |s| &s.params),
+        );
+        let (ma, mb) = (
+            sa.map_or(&empty, |s| &s.metrics),
+            sb.map_or(&empty, |s| &s.metrics),
+        );
+        let both = sa.is_some() && sb.is_some();
+        stages.push(StageDiff {
+            stage: name.clone(),
+            a: key(sa),
+            b: key(sb),
+            params: if both { changes(pa, pb) } else { Vec::new() },
+            metrics: if both { changes(ma, mb) } else { Vec::new() },
+        });
+    }
+    RunsDiff {
+        a: side(a),
+        b: side(b),
+        stages,
+        same,
+    }
+}
+
+impl RunSide {
+    fn line(&self) -> String {
+        let mut line = format!("run {}  {}", self.run, self.manifest);
+        if let Some(v) = &self.variant {
+            let _ = write!(line, " -c {v}");
+        }
+        for o in &self.overrides {
+            let _ = write!(line, " {o}");
+        }
+        let _ = write!(line, ", finished {}", self.finished_at);
+        line
+    }
+}
+
+impl StageDiff {
+    fn keys(&self) -> String {
+        let key = |k: &Option<String>| k.as_deref().map_or("–", short).to_string();
+        format!("{} → {}", key(&self.a), key(&self.b))
+    }
+}
+
+impl RunsDiff {
+    pub fn text(&self) -> String {
+        let mut out = format!("a  {}\nb  {}\n", self.a.line(), self.b.line());
+        for s in &self.stages {
+            let _ = writeln!(out, "{}  {}", s.stage, s.keys());
+            listing(
+                &mut out,
+                "  ",
+                &[("params", &s.params), ("metrics", &s.metrics)],
+            );
+        }
+        let _ = writeln!(
+            out,
+            "{} stage(s) differ; {} have the same artifact in both runs",
+            self.stages.len(),
+            self.same
+        );
+        out
+    }
+
+    pub fn markdown(&self) -> String {
+        let mut out = format!(
+            "run {} → run {}: {} stage(s) differ, {} the same\n\n",
+            self.a.run,
+            self.b.run,
+            self.stages.len(),
+            self.same
+        );
+        if self.stages.is_empty() {
+            return out;
+        }
+        out.push_str("| stage | | name | a | b | Δ |\n| --- | --- | --- | --- | --- | --- |\n");
+        let cell = |s: String| s.replace('|', "\\|");
+        for s in &self.stages {
+            let _ = writeln!(out, "| `{}` | key | | {} | | |", s.stage, cell(s.keys()));
+            for (title, list) in [("param", &s.params), ("metric", &s.metrics)] {
+                for c in list {
+                    let _ = writeln!(
+                        out,
+                        "| `{}` | {title} | `{}` | {} | {} | {} |",
+                        s.stage,
+                        cell(c.name.replace('`', "'")),
+                        cell(shown(&c.a)),
+                        cell(shown(&c.b)),
+                        c.delta().map(signed).unwrap_or_default()
+                    );
+                }
+            }
+        }
+        out
+    }
+
+    pub fn json(&self) -> Value {
+        let side = |s: &RunSide| {
+            json!({"run": s.run, "manifest": s.manifest, "variant": s.variant,
+                   "overrides": s.overrides, "finished_at": s.finished_at})
+        };
+        let stages: Vec<Value> = self
+            .stages
+            .iter()
+            .map(|s| {
+                json!({"stage": s.stage, "a": s.a, "b": s.b,
+                       "params": change_list(&s.params), "metrics": change_list(&s.metrics)})
+            })
+            .collect();
+        json!({"a": side(&self.a), "b": side(&self.b), "stages": stages, "same": self.same})
+    }
+}
+
+/// Each non-empty list under its title, a change a line: `name  old → new  (delta)`.
+fn listing(out: &mut String, indent: &str, lists: &[(&str, &Vec<Change>)]) {
+    for (title, list) in lists {
+        if list.is_empty() {
+            continue;
+        }
+        let _ = writeln!(out, "{indent}{title}");
+        let width = list.iter().map(|c| c.name.len()).max().unwrap_or(0);
+        for c in *list {
+            let line = format!(
+                "{indent}  {:width$}  {} → {}  {}",
+                c.name,
+                shown(&c.a),
+                shown(&c.b),
+                delta_text(c)
+            );
+            let _ = writeln!(out, "{}", line.trim_end());
+        }
+    }
+}
+
+fn change_list(l: &[Change]) -> Vec<Value> {
+    l.iter()
+        .map(|c| json!({"name": c.name, "a": c.a, "b": c.b, "delta": c.delta()}))
+        .collect()
 }
 
 #[cfg(test)]

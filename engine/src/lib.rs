@@ -45,6 +45,7 @@ pub mod manifest;
 pub mod plan;
 pub mod plot;
 pub mod report;
+pub mod runs;
 pub mod stage_log;
 pub mod store;
 pub mod sweep;

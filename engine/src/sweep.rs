@@ -34,6 +34,18 @@ pub struct Point {
     pub ordinal: usize,
 }
 
+impl Point {
+    /// The point as its copy's name gives it: `lr=1e-4,warmup=10`.
+    pub fn text(&self) -> String {
+        let each: Vec<String> = self
+            .values
+            .iter()
+            .map(|(k, v)| format!("{k}={}", label(v)))
+            .collect();
+        each.join(",")
+    }
+}
+
 /// A stage as the manifest declares it, as much of it as a sweep needs.
 pub struct Declared<'a> {
     pub name: &'a str,
@@ -140,11 +152,12 @@ pub fn expand(stages: &[Declared]) -> Result<BTreeMap<String, Vec<Copy>>, SweepE
                     values.push((label, axis.values[v].clone()));
                 }
             }
-            let text: Vec<String> = values
-                .iter()
-                .map(|(k, v)| format!("{k}={}", label(v)))
-                .collect();
-            let copy_name = format!("{name}[{}]", text.join(","));
+            let point = Point {
+                base: name.to_string(),
+                values,
+                ordinal: list.len(),
+            };
+            let copy_name = format!("{name}[{}]", point.text());
             let length = copy_name.chars().count();
             if length > crate::manifest::MAX_STAGE_NAME {
                 return Err(SweepError {
@@ -182,11 +195,7 @@ pub fn expand(stages: &[Declared]) -> Result<BTreeMap<String, Vec<Copy>>, SweepE
             names.insert((name, b.clone()), copy_name.clone());
             list.push(Copy {
                 name: copy_name,
-                point: Point {
-                    base: name.to_string(),
-                    values,
-                    ordinal: list.len(),
-                },
+                point,
                 set,
                 upstream,
             });

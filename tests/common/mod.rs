@@ -372,3 +372,38 @@ pub fn python() -> Option<String> {
     );
     None
 }
+
+/// One column of a text table as `runs` prints it (a header line, a line per row, then
+/// perhaps a note in parentheses): on each row, the text under the header `name` up to the next
+/// header. Headers are single words; cells may hold spaces.
+pub fn table_column(table: &str, name: &str) -> Vec<String> {
+    let mut lines = table.lines();
+    let header = lines.next().unwrap_or_default();
+    let mut starts = Vec::new();
+    let mut prev = ' ';
+    for (i, c) in header.char_indices() {
+        if c != ' ' && prev == ' ' {
+            starts.push(i);
+        }
+        prev = c;
+    }
+    let word = |&s: &usize| header[s..].split(' ').next().unwrap_or_default();
+    let at = starts
+        .iter()
+        .position(|s| word(s) == name)
+        .unwrap_or_else(|| panic!("no column `{name}` in\n{table}"));
+    let (start, end) = (starts[at], starts.get(at + 1).copied());
+    lines
+        .take_while(|l| !l.starts_with('('))
+        .map(|l| {
+            let cut = |i: usize| {
+                (0..=i.min(l.len()))
+                    .rev()
+                    .find(|&j| l.is_char_boundary(j))
+                    .unwrap_or(0)
+            };
+            let end = end.map_or(l.len(), cut);
+            l[cut(start)..end].trim().to_string()
+        })
+        .collect()
+}

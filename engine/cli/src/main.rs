@@ -49,6 +49,8 @@ enum Command {
     Diff(commands::diff::Args),
     /// Overlay one metric of several artifacts' training curves in an SVG chart
     Plot(commands::plot::Args),
+    /// List the recorded runs as a table: overrides, the params that differ, final metrics
+    Runs(commands::runs::Args),
     /// Write the manifest's state as one self-contained HTML file: graph, stages, curves
     Report(commands::report::Args),
     /// Re-read published artifacts and report any that changed after publication
@@ -112,6 +114,7 @@ fn run(ops: Registry) -> i32 {
             | Command::Lineage(_)
             | Command::Diff(_)
             | Command::Plot(_)
+            | Command::Runs(_)
             | Command::Verify(_)
             | Command::Cache(_)
             | Command::Validate(_)
@@ -131,6 +134,7 @@ fn run(ops: Registry) -> i32 {
         Command::Lineage(a) => commands::lineage::exec(a),
         Command::Diff(a) => commands::diff::exec(a),
         Command::Plot(a) => commands::plot::exec(a),
+        Command::Runs(a) => commands::runs::exec(a),
         Command::Report(a) => commands::report::exec(a, ops),
         Command::Verify(a) => commands::verify::exec(a),
         Command::Validate(a) => commands::validate::exec(a, ops),

@@ -20,7 +20,7 @@ use crate::plan::{self, Resolved};
 use crate::store::short;
 use crate::store::{Published, RunRecord, Store};
 use nemo_dag_op::Progress;
-use std::collections::{BTreeSet, HashMap, HashSet, VecDeque};
+use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet, VecDeque};
 use std::io::IsTerminal;
 use std::path::PathBuf;
 use std::process::Stdio;
@@ -781,6 +781,7 @@ async fn schedule(
     let recorded = record_run(manifest, store, &opts.argv, &outcomes);
     if recorded.is_ok() {
         let _ = std::fs::remove_file(store.journal_path(&run_id));
+        record_history(manifest, store, &outcomes);
     }
     if interrupted {
         return Err(Failure::Interrupted);
@@ -788,6 +789,28 @@ async fn schedule(
     match record_error.or(recorded.err()) {
         Some(e) => Err(e),
         None => Ok(outcomes),
+    }
+}
+
+/// Add the run that just ended to the store's run history, after its run record: what
+/// `runs` lists. A history that cannot be written is a warning; the run and its record stand.
+pub fn record_history(manifest: &Manifest, store: &Store, outcomes: &[Outcome]) {
+    let record = plan::last_run_record(manifest, store);
+    let reached: BTreeMap<String, String> = outcomes
+        .iter()
+        .filter(|o| o.published() || o.state == "failed")
+        .map(|o| (o.name.clone(), o.state.to_string()))
+        .collect();
+    let sweep = |name: &str| {
+        let point = manifest.stages.get(name)?.sweep.as_ref()?;
+        Some(crate::store::history::Swept {
+            stage: point.base.clone(),
+            point: point.text(),
+            ordinal: point.ordinal,
+        })
+    };
+    if let Err(e) = store.append_history(&record, &reached, sweep) {
+        eprintln!("nemo-dag: warning: this run is not in the run history (`runs`): {e:?}");
     }
 }
 

@@ -44,6 +44,11 @@ impl Store {
         if let Some(key) = self.resolve_key(target)? {
             return Ok(key);
         }
+        if let Some((stage, run)) = target.rsplit_once('@')
+            && let Ok(run) = run.parse::<u64>()
+        {
+            return self.resolve_in_run(stage, run);
+        }
         let wanted = absolute(manifest);
         let mut found: Vec<(String, String)> = self
             .run_records()
@@ -87,6 +92,34 @@ impl Store {
             .help("give a stage name from a manifest that has been run, or a key (6+ hex digits)")
             .into()),
         }
+    }
+
+    /// `stage@run`: the stage's artifact in run `run` of the history.
+    fn resolve_in_run(&self, stage: &str, run: u64) -> Result<String> {
+        let entry = self.history_entry(run)?;
+        let Some(key) = entry.stages.get(stage).and_then(|s| s.key.clone()) else {
+            let names = entry
+                .stages
+                .iter()
+                .filter(|(_, s)| s.key.is_some())
+                .map(|(n, _)| n.as_str());
+            return Err(
+                InputError::new(format!("run {run} has no artifact for `{stage}`"))
+                    .help(crate::diag::did_you_mean(stage, "its stages", names))
+                    .into(),
+            );
+        };
+        if !self.is_published(&key) {
+            return Err(InputError::new(format!(
+                "`{stage}` of run {run} ({}) is no longer in the store: `gc` removed it",
+                short(&key)
+            ))
+            .help(format!(
+                "the history keeps each run's params and final metrics, not its artifacts: `nemo-dag diff @{run} @N` compares two runs from it"
+            ))
+            .into());
+        }
+        Ok(key)
     }
 
     /// Like [`Store::resolve_target`], but a swept stage's declared name means every copy of
@@ -199,7 +232,7 @@ fn copies_of(stages: &std::collections::BTreeMap<String, String>, base: &str) ->
 }
 
 /// A manifest path as run records name it.
-fn absolute(manifest: Option<&Path>) -> Option<String> {
+pub(super) fn absolute(manifest: Option<&Path>) -> Option<String> {
     manifest.map(|m| {
         std::path::absolute(m)
             .unwrap_or_else(|_| m.to_path_buf())

@@ -9,12 +9,14 @@
 //!   locks/store.lock      held shared by every run and exec, exclusively by `gc`
 //!   runs/<id>.json        the last run of each manifest (+variant): stage → key
 //!   runs/<id>.journal     keys a run in progress (or killed) has published so far
+//!   runs/history/<n>.json every run that ended: its record, with params and final metrics
 //!   pins/<name>           a key that `gc` must keep
 //!   cache/digests.json    the file-digest memo
 //! ```
 //!
 //! The modules: [`fs`] writes files atomically; [`find`] finds a store and resolves a stage
-//! name or key prefix in it; [`attempt`] gives each build a directory of its own; [`pins`]
+//! name or key prefix in it; [`history`] keeps every run; [`attempt`] gives each build a
+//! directory of its own; [`pins`]
 //! keeps artifacts by name; [`gc`] removes what nothing references; [`verify`] re-digests
 //! what is published.
 //!
@@ -31,6 +33,7 @@ pub mod attempt;
 mod find;
 mod fs;
 pub mod gc;
+pub mod history;
 mod pins;
 pub mod verify;
 

@@ -14,6 +14,7 @@ pub mod pin;
 pub mod plot;
 pub mod report;
 pub mod run;
+pub mod runs;
 pub mod show;
 pub mod status;
 pub mod validate;

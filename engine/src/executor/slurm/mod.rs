@@ -352,6 +352,7 @@ pub fn submit(manifest: &Manifest, store: &Store, opts: &SubmitOptions) -> Resul
             if let (Some(cache), Some(_)) = (opts.cache, &opts.profile.node_store) {
                 pull_here(manifest, store, cache, opts.targets);
             }
+            local::record_history(manifest, store, &out);
             Ok(order(manifest, out))
         }
     }
