@@ -556,6 +556,24 @@ fn check_plot(p: &Project, sft_before: &str) {
         sweep.stdout.contains("lr=0.001") && sweep.stdout.contains("lr=0.003"),
         "{sweep}"
     );
+    // The same chart as a PNG, at twice the SVG's width (800); any other file type is refused
+    // and nothing is written.
+    let png = p.ok(&[
+        "plot",
+        "sft_sweep",
+        "--manifest",
+        "recipe.yaml",
+        "-o",
+        "sweep.png",
+    ]);
+    assert!(png.stderr.contains("2 curves of `loss`"), "{png}");
+    let bytes = std::fs::read(p.path("sweep.png")).unwrap();
+    assert_eq!(&bytes[..8], b"\x89PNG\r\n\x1a\n");
+    assert_eq!(u32::from_be_bytes(bytes[16..20].try_into().unwrap()), 1600);
+    let jpeg = p.run(&["plot", "sft", "--manifest", "recipe.yaml", "-o", "c.jpg"]);
+    assert_eq!(jpeg.code, 2, "{jpeg}");
+    assert!(jpeg.stderr.contains("plot writes .svg or .png"), "{jpeg}");
+    assert!(!p.path("c.jpg").exists());
     let none = p.run(&[
         "plot",
         "sft",

@@ -4,7 +4,9 @@
 //! apart: the stage, its key, and the params that differ among the plotted artifacts.
 //!
 //! The SVG is written here, line by line, and is the same bytes for the same artifacts: no
-//! plotting library, no fonts, no scripts; any browser or image viewer shows it.
+//! plotting library, no fonts, no scripts; any browser or image viewer shows it. [`png`] draws
+//! the same SVG as a PNG with resvg, its text in Noto Sans built into the binary, so the
+//! picture does not depend on the fonts a machine has.
 
 use crate::diff::{diff, flatten};
 use crate::graph::escape;
@@ -241,6 +243,43 @@ pub fn svg(series: &[Series], metric: &str) -> String {
     out
 }
 
+/// The family our SVG asks for, and the one font [`png`] has to give it.
+const FONT_FAMILY: &str = "Noto Sans";
+
+/// `svg` drawn as a PNG at `scale` times its size (2 for a sharp picture on a high-density
+/// screen). Only [`notosans`]' Regular face is loaded: the system's fonts are never read, and
+/// the same SVG gives the same bytes.
+pub fn png(svg: &str, scale: f32) -> Result<Vec<u8>, String> {
+    use resvg::{tiny_skia, usvg};
+    let mut fonts = usvg::fontdb::Database::new();
+    fonts.load_font_data(notosans::REGULAR_TTF.to_vec());
+    // Every generic family is the one font we have.
+    fonts.set_sans_serif_family(FONT_FAMILY);
+    fonts.set_serif_family(FONT_FAMILY);
+    let options = usvg::Options {
+        font_family: FONT_FAMILY.into(),
+        fontdb: std::sync::Arc::new(fonts),
+        ..usvg::Options::default()
+    };
+    let tree =
+        usvg::Tree::from_str(svg, &options).map_err(|e| format!("not an SVG we can draw: {e}"))?;
+    let size = tree
+        .size()
+        .to_int_size()
+        .scale_by(scale)
+        .ok_or_else(|| format!("an SVG of {:?} cannot be drawn at {scale}x", tree.size()))?;
+    let mut pixmap = tiny_skia::Pixmap::new(size.width(), size.height())
+        .ok_or_else(|| format!("no {}x{} picture can be made", size.width(), size.height()))?;
+    resvg::render(
+        &tree,
+        tiny_skia::Transform::from_scale(scale, scale),
+        &mut pixmap.as_mut(),
+    );
+    pixmap
+        .encode_png()
+        .map_err(|e| format!("cannot encode the PNG: {e}"))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -292,6 +331,60 @@ mod tests {
         );
         let why = series(&[a], "rewad").unwrap_err();
         assert!(why.contains("no `rewad`") && why.contains("loss"), "{why}");
+    }
+
+    /// The PNG is the SVG drawn: its size is the SVG's times the scale, and its text is there
+    /// (dark pixels in the title's box, none in an empty corner), in the built-in font.
+    #[test]
+    fn the_png_draws_the_svg_with_its_text() {
+        let a = artifact(
+            "aaaaaaaa",
+            1e-3,
+            json!([{"step": 1, "loss": 3.0}, {"step": 2, "loss": 2.0}]),
+        );
+        let doc = svg(&series(&[a], "loss").unwrap(), "loss");
+        let bytes = png(&doc, 2.0).unwrap();
+        assert_eq!(&bytes[..8], b"\x89PNG\r\n\x1a\n");
+        let (width, height) = (
+            u32::from_be_bytes(bytes[16..20].try_into().unwrap()),
+            u32::from_be_bytes(bytes[20..24].try_into().unwrap()),
+        );
+        let svg_height: f64 = doc
+            .split("height=\"")
+            .nth(1)
+            .unwrap()
+            .split('"')
+            .next()
+            .unwrap()
+            .parse()
+            .unwrap();
+        assert_eq!(
+            (width, height),
+            ((2.0 * WIDTH) as u32, (2.0 * svg_height) as u32)
+        );
+        assert_eq!(bytes, png(&doc, 2.0).unwrap(), "the same bytes twice");
+
+        // Decode: count dark pixels in the title's box and in an empty strip at the top left.
+        let pixmap = resvg::tiny_skia::Pixmap::decode_png(&bytes).unwrap();
+        let dark = |x0: u32, y0: u32, x1: u32, y1: u32| {
+            let mut n = 0;
+            for y in y0..y1 {
+                for x in x0..x1 {
+                    let p = pixmap.pixel(x, y).unwrap();
+                    n += usize::from(
+                        u16::from(p.red()) + u16::from(p.green()) + u16::from(p.blue()) < 200,
+                    );
+                }
+            }
+            n
+        };
+        let mid = width / 2;
+        let title = dark(mid - 160, 20, mid + 160, 56);
+        assert!(
+            title > 300,
+            "the title \"loss by step\" is drawn: {title} dark pixels"
+        );
+        assert_eq!(dark(0, 0, 40, 16), 0, "the top-left corner is empty");
     }
 
     #[test]

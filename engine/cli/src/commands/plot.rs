@@ -1,7 +1,7 @@
-//! `nemo-dag plot`: one metric of several artifacts' training curves, overlaid, as SVG.
+//! `nemo-dag plot`: one metric of several artifacts' training curves, overlaid, as SVG or PNG.
 
 use nemo_dag_engine::diag::{Failure, InputError, Result};
-use nemo_dag_engine::plot::{series, svg};
+use nemo_dag_engine::plot::{png, series, svg};
 use nemo_dag_engine::store::Store;
 use std::path::PathBuf;
 
@@ -15,7 +15,8 @@ pub struct Args {
     /// metrics (reward, accuracy, kl, …)
     #[arg(long, default_value = "loss")]
     pub metric: String,
-    /// Where to write the chart (.svg); standard output when not given
+    /// Where to write the chart: FILE.svg, or FILE.png (drawn at twice the SVG's size);
+    /// the SVG on standard output when not given
     #[arg(short, long, value_name = "FILE")]
     pub output: Option<PathBuf>,
     /// The manifest the stages belong to (needed when several manifests share a store)
@@ -26,15 +27,20 @@ pub struct Args {
 }
 
 pub fn exec(a: Args) -> Result<()> {
-    if let Some(out) = &a.output
-        && out.extension().and_then(|e| e.to_str()) != Some("svg")
-    {
-        return Err(InputError::new(format!(
-            "{}: plot writes SVG only; name a .svg file",
-            out.display()
-        ))
-        .into());
-    }
+    let format = match &a.output {
+        None => Format::Svg,
+        Some(out) => match out.extension().and_then(|e| e.to_str()) {
+            Some("svg") => Format::Svg,
+            Some("png") => Format::Png,
+            _ => {
+                return Err(InputError::new(format!(
+                    "{}: plot writes .svg or .png; name a file ending in one",
+                    out.display()
+                ))
+                .into());
+            }
+        },
+    };
     let store = Store::find(a.store.as_deref(), a.manifest.as_deref())?;
     let mut artifacts = Vec::with_capacity(a.targets.len());
     for target in &a.targets {
@@ -44,20 +50,30 @@ pub fn exec(a: Args) -> Result<()> {
     }
     let series = series(&artifacts, &a.metric).map_err(|e| Failure::from(InputError::new(e)))?;
     let doc = svg(&series, &a.metric);
-    match &a.output {
-        Some(path) => {
-            let tmp = path.with_extension("svg.tmp");
-            std::fs::write(&tmp, doc)
-                .and_then(|_| std::fs::rename(&tmp, path))
-                .map_err(|e| InputError::new(format!("{}: {e}", path.display())))?;
-            eprintln!(
-                "wrote {} ({} curves of `{}`)",
-                path.display(),
-                series.len(),
-                a.metric
-            );
-        }
-        None => print!("{doc}"),
-    }
+    let Some(path) = &a.output else {
+        print!("{doc}");
+        return Ok(());
+    };
+    let bytes = match format {
+        Format::Svg => doc.into_bytes(),
+        Format::Png => png(&doc, 2.0).map_err(|e| Failure::Other(miette::miette!("{e}")))?,
+    };
+    // Written beside, then renamed: an interrupted plot leaves no half picture.
+    let mut tmp = path.clone().into_os_string();
+    tmp.push(".tmp");
+    std::fs::write(&tmp, bytes)
+        .and_then(|_| std::fs::rename(&tmp, path))
+        .map_err(|e| InputError::new(format!("{}: {e}", path.display())))?;
+    eprintln!(
+        "wrote {} ({} curves of `{}`)",
+        path.display(),
+        series.len(),
+        a.metric
+    );
     Ok(())
+}
+
+enum Format {
+    Svg,
+    Png,
 }
