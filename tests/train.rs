@@ -259,6 +259,8 @@ fn a_recipe_pretrains_fine_tunes_and_exports_a_model_transformers_reads() {
         "at step 1 the policy is the reference: loss ln 2\n{d}"
     );
 
+    check_tensorboard(&p);
+
     // A second run reruns nothing.
     let again = p.ok(&["run", "recipe.yaml", "--json"]).json();
     assert!(states(&again).values().all(|s| s == "cached"), "{again}");
@@ -584,6 +586,63 @@ fn check_plot(p: &Project, sft_before: &str) {
     ]);
     assert_eq!(none.code, 2, "{none}");
     assert!(none.stderr.contains("has no `rewad`"), "{none}");
+}
+
+/// Each training stage's curve is in a TensorBoard event file in its artifact, which
+/// TensorBoard's own reader (from PyPI) reads back: every figure of every point, at its step.
+fn check_tensorboard(p: &Project) {
+    let Some(py) = python() else { return };
+    for (stage, tags) in [
+        ("sft", vec!["train/loss", "train/lr", "train/grad_norm"]),
+        ("grpo", vec!["train/loss", "train/reward", "train/kl"]),
+        ("dpo", vec!["train/preference_loss"]),
+    ] {
+        let a = show(p, stage);
+        let dir = a["tensorboard"].as_str().unwrap_or_else(|| panic!("{a}"));
+        let read = output({
+            let mut c = Command::new(&py);
+            c.arg(crate::common::repo().join("tests/py/read_tensorboard.py"))
+                .arg(dir);
+            c
+        });
+        assert_eq!(read.code, 0, "{stage}: {read}");
+        let events: Value = serde_json::from_str(&read.stdout).unwrap();
+        let curve = a["metrics"]["curve"].as_array().unwrap();
+        assert_eq!(
+            events["files"].as_array().map(Vec::len),
+            Some(1),
+            "{events}"
+        );
+        assert_eq!(
+            events["records"],
+            curve.len() + 1,
+            "a version record, then a point each"
+        );
+        for tag in tags {
+            let name = tag.trim_start_matches("train/");
+            let want: Vec<(i64, f64)> = curve
+                .iter()
+                .map(|pt| {
+                    let v = pt.get(name).or_else(|| pt["metrics"].get(name)).unwrap();
+                    (pt["step"].as_i64().unwrap(), v.as_f64().unwrap())
+                })
+                .collect();
+            let got: Vec<(i64, f64)> = events["scalars"][tag]
+                .as_array()
+                .unwrap_or_else(|| panic!("{stage}: no {tag} in {events}"))
+                .iter()
+                .map(|e| (e[0].as_i64().unwrap(), e[1].as_f64().unwrap()))
+                .collect();
+            assert_eq!(got.len(), want.len(), "{stage} {tag}");
+            for ((gs, gv), (ws, wv)) in got.iter().zip(&want) {
+                // Scalars are single precision in the file.
+                assert!(
+                    gs == ws && (gv - wv).abs() <= wv.abs() * 1e-6 + 1e-30,
+                    "{stage} {tag}: {got:?} vs {want:?}"
+                );
+            }
+        }
+    }
 }
 
 /// `runs` after the three runs above: a row per run and point of the sweep, the learning rates

@@ -327,6 +327,13 @@ pub fn exec(spec: &JobSpec, ops: Registry) -> Result<JobResult> {
             estimate: spec.estimate.as_ref().map(Estimate::to_json),
         }),
     };
+    // Beside the outputs, not one of them: a warning when it cannot be written.
+    if let Err(e) = crate::tensorboard::write(&tmp, &artifact) {
+        eprintln!(
+            "nemo-dag: warning: no TensorBoard event file for `{}`: {e}",
+            spec.stage
+        );
+    }
     let json = serde_json::to_vec_pretty(&artifact).map_err(|e| miette::miette!("{e}"))?;
     crate::store::sync_tree(&tmp).map_err(|e| io_err("cannot sync", &tmp, e))?;
     let meta = tmp.join("artifact.json");

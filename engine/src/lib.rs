@@ -49,6 +49,7 @@ pub mod runs;
 pub mod stage_log;
 pub mod store;
 pub mod sweep;
+pub mod tensorboard;
 #[cfg(test)]
 mod testing;
 pub mod usage;

@@ -356,7 +356,7 @@ pub fn find_named(dir: &Path, prefix: &str) -> Vec<String> {
 pub fn python() -> Option<String> {
     let candidate = std::env::var("NEMO_DAG_PYTHON").unwrap_or_else(|_| "python3".into());
     let ok = Command::new(&candidate)
-        .args(["-c", "import tokenizers, numpy, jinja2"])
+        .args(["-c", "import tokenizers, numpy, jinja2, tensorboard"])
         .output()
         .is_ok_and(|o| o.status.success());
     if ok {
@@ -364,11 +364,11 @@ pub fn python() -> Option<String> {
     }
     if std::env::var("NEMO_DAG_REQUIRE_PYTHON").as_deref() == Ok("1") {
         panic!(
-            "NEMO_DAG_REQUIRE_PYTHON=1 but {candidate} cannot import tokenizers, numpy and jinja2"
+            "NEMO_DAG_REQUIRE_PYTHON=1 but {candidate} cannot import tokenizers, numpy, jinja2 and tensorboard"
         );
     }
     eprintln!(
-        "skipping the Python comparison: {candidate} lacks tokenizers/numpy/jinja2 (scripts/test installs them)"
+        "skipping the Python comparison: {candidate} lacks tokenizers/numpy/jinja2/tensorboard (scripts/test installs them)"
     );
     None
 }

@@ -217,6 +217,12 @@ pub fn artifact_json(store: &Store, artifact: &Artifact) -> Value {
             }
         }
     }
+    let events = dir
+        .join(crate::tensorboard::DIR)
+        .join(crate::tensorboard::safe(&artifact.stage));
+    if events.is_dir() {
+        v["tensorboard"] = Value::String(events.display().to_string());
+    }
     v["dir"] = Value::String(dir.display().to_string());
     v
 }

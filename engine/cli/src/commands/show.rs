@@ -75,5 +75,8 @@ pub fn exec(a: Args) -> Result<()> {
             o["bytes"]
         );
     }
+    if let Some(events) = v["tensorboard"].as_str() {
+        println!("curves   {events} (TensorBoard event files)");
+    }
     Ok(())
 }
