@@ -778,11 +778,10 @@ async fn schedule(
                 .unwrap_or_else(|| outcome(n, None, "skipped", 0.0))
         })
         .collect();
-    let recorded = record_run(manifest, store, &opts.argv, &outcomes);
-    if recorded.is_ok() {
+    let recorded = record_run(manifest, store, &opts.argv, &outcomes).map(|record| {
         let _ = std::fs::remove_file(store.journal_path(&run_id));
-        record_history(manifest, store, &outcomes);
-    }
+        record_history(manifest, store, &record, &outcomes);
+    });
     if interrupted {
         return Err(Failure::Interrupted);
     }
@@ -792,10 +791,15 @@ async fn schedule(
     }
 }
 
-/// Add the run that just ended to the store's run history, after its run record: what
-/// `runs` lists. A history that cannot be written is a warning; the run and its record stand.
-pub fn record_history(manifest: &Manifest, store: &Store, outcomes: &[Outcome]) {
-    let record = plan::last_run_record(manifest, store);
+/// Add the run that just ended to the store's run history: `record` is the run record it
+/// wrote (not read back: another run of the manifest may write it meanwhile). What `runs`
+/// lists. A history that cannot be written is a warning; the run and its record stand.
+pub fn record_history(
+    manifest: &Manifest,
+    store: &Store,
+    record: &RunRecord,
+    outcomes: &[Outcome],
+) {
     let reached: BTreeMap<String, String> = outcomes
         .iter()
         .filter(|o| o.published() || o.state == "failed")
@@ -809,7 +813,7 @@ pub fn record_history(manifest: &Manifest, store: &Store, outcomes: &[Outcome]) 
             ordinal: point.ordinal,
         })
     };
-    if let Err(e) = store.append_history(&record, &reached, sweep) {
+    if let Err(e) = store.append_history(record, &reached, sweep) {
         eprintln!("nemo-dag: warning: this run is not in the run history (`runs`): {e:?}");
     }
 }
@@ -1111,7 +1115,7 @@ pub fn record_run(
     store: &Store,
     argv: &[String],
     outcomes: &[Outcome],
-) -> Result<()> {
+) -> Result<RunRecord> {
     let path = store.run_record_path(&plan::run_id(manifest));
     let lock = std::fs::File::options()
         .create(true)
@@ -1129,6 +1133,9 @@ pub fn record_run(
             record.outcomes.insert(o.name.clone(), o.state.to_string());
             let now = store.load(key).filter(|_| o.state == "executed");
             match (now, before) {
+                // Recorded already, by the job that built it (a cluster run records its
+                // stages from the nodes, then the run itself).
+                (Some(_), Some(before)) if &before == key => {}
                 (Some(now), Some(before)) => {
                     let why = match store.load(&before) {
                         Some(prev) => plan::why_built(Some(&prev), &now),
@@ -1168,7 +1175,7 @@ pub fn record_run(
     record.argv = argv.to_vec();
     record.finished_at = crate::store::timestamp();
     let bytes = serde_json::to_vec_pretty(&record).map_err(|e| miette::miette!("{e}"))?;
-    crate::store::write_atomic(&path, &bytes, false).map_err(|e| {
+    crate::store::write_atomic(&path, &bytes, false).map(|()| record).map_err(|e| {
         let published = outcomes.iter().any(Outcome::published);
         let consequence = if published {
             ". Until a run record names this run's artifacts, `gc` may delete them; run again once it can be written (they will be found cached)"

@@ -132,11 +132,29 @@ impl Store {
         };
         // Numbers are taken by hard-linking a complete file into place, which fails when the
         // name exists: two runs finishing together in one store take two numbers.
-        let tmp = dir.join(format!(".entry.{}", std::process::id()));
+        // A name no other process has, on this host or another sharing the store.
+        let tmp = dir.join(format!(
+            ".entry.{}.{}.{}",
+            super::hostname(),
+            std::process::id(),
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map(|d| d.as_nanos())
+                .unwrap_or_default()
+        ));
+        let mut tried = 0;
         loop {
-            entry.run = self.history_numbers().last().copied().unwrap_or(0) + 1;
+            // Past the number that clashed, even if a cached listing does not show it yet.
+            entry.run = self
+                .history_numbers()
+                .last()
+                .copied()
+                .unwrap_or(0)
+                .max(tried)
+                + 1;
+            tried = entry.run;
             let bytes = serde_json::to_vec_pretty(&entry).map_err(|e| miette::miette!("{e}"))?;
-            write_atomic(&tmp, &bytes, false)
+            write_atomic(&tmp, &bytes, true)
                 .map_err(|e| crate::diag::io_err("cannot write", &tmp, e))?;
             let path = dir.join(format!("{:06}.json", entry.run));
             let linked = std::fs::hard_link(&tmp, &path);

@@ -352,7 +352,11 @@ pub fn submit(manifest: &Manifest, store: &Store, opts: &SubmitOptions) -> Resul
             if let (Some(cache), Some(_)) = (opts.cache, &opts.profile.node_store) {
                 pull_here(manifest, store, cache, opts.targets);
             }
-            local::record_history(manifest, store, &out);
+            // The jobs recorded their stages as they ended; this records the run itself (its
+            // argv, overrides and end, and what was pulled or cached here), then its history.
+            let argv: Vec<String> = std::env::args().collect();
+            let record = local::record_run(manifest, store, &argv, &out)?;
+            local::record_history(manifest, store, &record, &out);
             Ok(order(manifest, out))
         }
     }
