@@ -2,8 +2,8 @@
 //! is a run (a row for each point of a sweep the run made); its columns are when it ran, its
 //! variant and overrides, how many stages it built, then the params and the final metrics of
 //! its stages by `stage.path`. By default only the params and metrics that differ between the
-//! rows shown are columns: a recipe has hundreds of figures, and the ones that changed are what
-//! a comparison is about.
+//! rows shown are columns (all of them when there is one row): a recipe has hundreds of
+//! figures, and the ones that changed are what a comparison is about.
 
 use crate::diff::number;
 use crate::store::history::Entry;
@@ -96,6 +96,8 @@ fn chosen(
         let values: Vec<Option<&&Value>> = maps.iter().map(|m| m.get(name)).collect();
         values.iter().any(|v| !same(*v, values[0]))
     };
+    // One row differs from nothing: all of it is shown.
+    let all = all || maps.len() < 2;
     let (shown, same): (Vec<&String>, Vec<&String>) =
         names.into_iter().partition(|n| all || differs(n));
     (shown.into_iter().cloned().collect(), same.len())
@@ -112,7 +114,9 @@ fn same(a: Option<&&Value>, b: Option<&&Value>) -> bool {
 fn cell(v: Option<&&Value>) -> String {
     let text = match v {
         None => return "–".into(),
-        Some(Value::Number(n)) => n.as_f64().map_or_else(|| n.to_string(), number),
+        // Integers whole (a seed of 1234567 is not 1.235e6), other numbers short.
+        Some(Value::Number(n)) if n.is_f64() => n.as_f64().map_or_else(|| n.to_string(), number),
+        Some(Value::Number(n)) => n.to_string(),
         Some(Value::String(s)) => s.clone(),
         Some(v) => v.to_string(),
     };
@@ -245,4 +249,20 @@ fn file_name(path: &str) -> String {
     std::path::Path::new(path)
         .file_name()
         .map_or_else(|| path.to_string(), |n| n.to_string_lossy().to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    #[test]
+    fn a_cell_shows_integers_whole_and_other_numbers_short() {
+        let show = |v: Value| cell(Some(&&v));
+        assert_eq!(show(json!(1234567)), "1234567");
+        assert_eq!(show(json!(1234568)), "1234568");
+        assert_eq!(show(json!(0.001)), "0.001");
+        assert_eq!(show(json!(1.5e-5)), "1.500e-5");
+        assert_eq!(cell(None), "–");
+    }
 }

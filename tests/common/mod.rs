@@ -356,7 +356,7 @@ pub fn find_named(dir: &Path, prefix: &str) -> Vec<String> {
 pub fn python() -> Option<String> {
     let candidate = std::env::var("NEMO_DAG_PYTHON").unwrap_or_else(|_| "python3".into());
     let ok = Command::new(&candidate)
-        .args(["-c", "import tokenizers, numpy, jinja2, tensorboard"])
+        .args(["-c", "import tokenizers, numpy, jinja2"])
         .output()
         .is_ok_and(|o| o.status.success());
     if ok {
@@ -364,11 +364,11 @@ pub fn python() -> Option<String> {
     }
     if std::env::var("NEMO_DAG_REQUIRE_PYTHON").as_deref() == Ok("1") {
         panic!(
-            "NEMO_DAG_REQUIRE_PYTHON=1 but {candidate} cannot import tokenizers, numpy, jinja2 and tensorboard"
+            "NEMO_DAG_REQUIRE_PYTHON=1 but {candidate} cannot import tokenizers, numpy and jinja2"
         );
     }
     eprintln!(
-        "skipping the Python comparison: {candidate} lacks tokenizers/numpy/jinja2/tensorboard (scripts/test installs them)"
+        "skipping the Python comparison: {candidate} lacks tokenizers/numpy/jinja2 (scripts/test installs them)"
     );
     None
 }
@@ -378,32 +378,29 @@ pub fn python() -> Option<String> {
 /// header. Headers are single words; cells may hold spaces.
 pub fn table_column(table: &str, name: &str) -> Vec<String> {
     let mut lines = table.lines();
-    let header = lines.next().unwrap_or_default();
-    let mut starts = Vec::new();
-    let mut prev = ' ';
-    for (i, c) in header.char_indices() {
-        if c != ' ' && prev == ' ' {
-            starts.push(i);
-        }
-        prev = c;
-    }
-    let word = |&s: &usize| header[s..].split(' ').next().unwrap_or_default();
+    let header: Vec<char> = lines.next().unwrap_or_default().chars().collect();
+    // Where each header starts, in characters (cells may hold `–`, several bytes).
+    let starts: Vec<usize> = (0..header.len())
+        .filter(|&i| header[i] != ' ' && (i == 0 || header[i - 1] == ' '))
+        .collect();
+    let word = |s: usize| -> String { header[s..].iter().take_while(|c| **c != ' ').collect() };
     let at = starts
         .iter()
-        .position(|s| word(s) == name)
+        .position(|&s| word(s) == name)
         .unwrap_or_else(|| panic!("no column `{name}` in\n{table}"));
-    let (start, end) = (starts[at], starts.get(at + 1).copied());
+    let (start, end) = (
+        starts[at],
+        starts.get(at + 1).copied().unwrap_or(usize::MAX),
+    );
     lines
         .take_while(|l| !l.starts_with('('))
         .map(|l| {
-            let cut = |i: usize| {
-                (0..=i.min(l.len()))
-                    .rev()
-                    .find(|&j| l.is_char_boundary(j))
-                    .unwrap_or(0)
-            };
-            let end = end.map_or(l.len(), cut);
-            l[cut(start)..end].trim().to_string()
+            let cell: String = l
+                .chars()
+                .skip(start)
+                .take(end.saturating_sub(start))
+                .collect();
+            cell.trim().to_string()
         })
         .collect()
 }

@@ -47,7 +47,7 @@ impl Store {
         if let Some((stage, run)) = target.rsplit_once('@')
             && let Ok(run) = run.parse::<u64>()
         {
-            return self.resolve_in_run(stage, run);
+            return self.resolve_in_run(stage, run, manifest);
         }
         let wanted = absolute(manifest);
         let mut found: Vec<(String, String)> = self
@@ -95,8 +95,19 @@ impl Store {
     }
 
     /// `stage@run`: the stage's artifact in run `run` of the history.
-    fn resolve_in_run(&self, stage: &str, run: u64) -> Result<String> {
+    fn resolve_in_run(&self, stage: &str, run: u64, manifest: Option<&Path>) -> Result<String> {
         let entry = self.history_entry(run)?;
+        // Runs are numbered across the store: run N may be another manifest's.
+        if let Some(wanted) = absolute(manifest)
+            && entry.manifest != wanted
+        {
+            return Err(InputError::new(format!(
+                "run {run} is of {}, not of {wanted}",
+                entry.manifest
+            ))
+            .help("`nemo-dag runs MANIFEST` lists a manifest's runs with their numbers")
+            .into());
+        }
         let Some(key) = entry.stages.get(stage).and_then(|s| s.key.clone()) else {
             let names = entry
                 .stages
