@@ -592,6 +592,20 @@ fn check_plot(p: &Project, sft_before: &str) {
 /// TensorBoard's own reader (from PyPI) reads back: every figure of every point, at its step.
 fn check_tensorboard(p: &Project) {
     let Some(py) = python() else { return };
+    let has_reader = Command::new(&py)
+        .args(["-c", "import tensorboard"])
+        .output()
+        .is_ok_and(|o| o.status.success());
+    if !has_reader {
+        assert!(
+            std::env::var("NEMO_DAG_REQUIRE_PYTHON").as_deref() != Ok("1"),
+            "NEMO_DAG_REQUIRE_PYTHON=1 but {py} cannot import tensorboard"
+        );
+        eprintln!(
+            "skipping the TensorBoard read-back: {py} lacks tensorboard (scripts/test installs it)"
+        );
+        return;
+    }
     for (stage, tags) in [
         ("sft", vec!["train/loss", "train/lr", "train/grad_norm"]),
         ("grpo", vec!["train/loss", "train/reward", "train/kl"]),

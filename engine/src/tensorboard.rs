@@ -2,11 +2,11 @@
 //! `wandb sync --sync-tensorboard`) show what `plot` and `report` show.
 //!
 //! Every artifact whose metrics hold a `curve` gets `tensorboard/<stage>/events.out.tfevents.…`
-//! beside its `artifact.json` when it is published (built here or pulled from the shared
-//! cache): one scalar per figure of each curve point, tagged `train/loss`, `train/lr`,
-//! `train/reward`, …, at the point's step. The file is made from `artifact.json` alone, so the
-//! same artifact gives the same bytes wherever it is published. It is not an output: no key or
-//! digest covers it, and a stage that reads the artifact never sees it.
+//! beside its `artifact.json` when it is built (a push to the shared cache carries it with the
+//! rest of the artifact): one scalar per figure of each curve point, tagged `train/loss`,
+//! `train/lr`, `train/reward`, …, at the point's step. The file is made from `artifact.json`
+//! alone: the same artifact gives the same bytes. It is not an output: no key or digest covers
+//! it, and a stage that reads the artifact never sees it.
 //!
 //! The format is TensorFlow's: a file of TFRecords (length, masked CRC-32C of the length, the
 //! bytes, their masked CRC-32C), each an `Event` protocol buffer
@@ -28,17 +28,14 @@ pub fn write(dir: &Path, artifact: &Artifact) -> std::io::Result<Option<PathBuf>
         return Ok(None);
     };
     let start = unix_seconds(&artifact.started_at).unwrap_or(0.0);
-    let last = curve
-        .iter()
-        .filter_map(|p| p["step"].as_f64())
-        .fold(0.0, f64::max);
+    let last = curve.iter().filter_map(step).fold(0, i64::max) as f64;
     let mut file = Vec::new();
     record(
         &mut file,
         &event(start, 0, Body::FileVersion("brain.Event:2")),
     );
     for point in curve {
-        let Some(step) = point["step"].as_i64() else {
+        let Some(step) = step(point) else {
             continue;
         };
         let mut values = Vec::new();
@@ -69,7 +66,16 @@ pub fn write(dir: &Path, artifact: &Artifact) -> std::io::Result<Option<PathBuf>
         safe(&artifact.host)
     ));
     std::fs::write(&path, file)?;
+    // Read-only, as everything published is.
+    crate::store::seal(&dir.join(DIR))?;
     Ok(Some(path))
+}
+
+/// A curve point's step: a whole number, written as an integer or not (`100.0`).
+fn step(point: &Value) -> Option<i64> {
+    let s = &point["step"];
+    s.as_i64()
+        .or_else(|| s.as_f64().filter(|x| x.fract() == 0.0).map(|x| x as i64))
 }
 
 /// A path segment: a copy's name (`sft[lr=1e-3]`) keeps its brackets, a `/` does not pass.
