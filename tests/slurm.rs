@@ -137,6 +137,19 @@ fn a_pipeline_through_slurm_reaches_the_same_keys_as_a_local_run() {
     let show = p.json(&["show", "total", "--manifest", "d.yaml", "--json"]);
     let sum = std::fs::read_to_string(show["outputs"]["sum"]["path"].as_str().unwrap()).unwrap();
     assert_eq!(sum.trim(), (2 * 15 + 55).to_string());
+    // The run is in the history as the user ran it, not as its last job did, each stage built.
+    let runs = p.json(&["runs", "d.yaml", "--json"]);
+    let run = &runs["runs"][0];
+    assert_eq!(runs["runs"].as_array().map(Vec::len), Some(1), "{runs}");
+    assert!(
+        run["argv"]
+            .as_array()
+            .is_some_and(|a| a.iter().any(|x| x == "--run")),
+        "{run}"
+    );
+    for (name, stage) in run["stages"].as_object().unwrap() {
+        assert_eq!(stage["outcome"], "executed", "{name}: {run}");
+    }
     // A second --batch of the up-to-date pipeline submits nothing.
     let again = p.run(&["run", "d.yaml", "--batch", "lab"]);
     assert!(again.code == 0, "{}", again);
