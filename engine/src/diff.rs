@@ -135,10 +135,6 @@ pub fn final_metrics(metrics: &serde_json::Map<String, Value>) -> BTreeMap<Strin
 fn changes(a: &BTreeMap<String, Value>, b: &BTreeMap<String, Value>) -> Vec<Change> {
     let names: BTreeSet<&String> = a.keys().chain(b.keys()).collect();
     // Numbers compare by value: `1` and `1.0` are the same.
-    let same = |x: Option<&Value>, y: Option<&Value>| match (x, y) {
-        (Some(x), Some(y)) if x.is_number() && y.is_number() => x.as_f64() == y.as_f64(),
-        _ => x == y,
-    };
     names
         .into_iter()
         .filter(|n| !same(a.get(*n), b.get(*n)))
@@ -148,6 +144,39 @@ fn changes(a: &BTreeMap<String, Value>, b: &BTreeMap<String, Value>) -> Vec<Chan
             b: b.get(n).cloned(),
         })
         .collect()
+}
+
+/// Whether two values are the same; numbers compare by value: `1` and `1.0` are the same.
+pub(crate) fn same(x: Option<&Value>, y: Option<&Value>) -> bool {
+    match (x, y) {
+        (Some(x), Some(y)) if x.is_number() && y.is_number() => x.as_f64() == y.as_f64(),
+        _ => x == y,
+    }
+}
+
+/// A value as text: a whole number as it is (a seed of 1234567 is not 1.235e6), another
+/// number short ([`number`]), text as it is, anything else as JSON.
+pub(crate) fn plain(v: &Value) -> String {
+    match v {
+        Value::Number(n) => match n.as_f64() {
+            Some(f) if !(n.is_i64() || n.is_u64()) => number(f),
+            _ => n.to_string(),
+        },
+        Value::String(s) => s.clone(),
+        other => other.to_string(),
+    }
+}
+
+/// A change as the last cells of a Markdown table's row: `` `name` | a | b | Δ ``.
+fn markdown_cells(c: &Change) -> String {
+    let cell = |s: String| s.replace('|', "\\|");
+    format!(
+        "`{}` | {} | {} | {}",
+        cell(c.name.replace('`', "'")),
+        cell(shown(&c.a)),
+        cell(shown(&c.b)),
+        c.delta().map(signed).unwrap_or_default()
+    )
 }
 
 fn shown(v: &Option<Value>) -> String {
@@ -252,15 +281,7 @@ impl Diff {
             ("metric", &self.metrics),
         ] {
             for c in list {
-                let cell = |s: String| s.replace('|', "\\|");
-                let _ = writeln!(
-                    out,
-                    "| {title} | `{}` | {} | {} | {} |",
-                    cell(c.name.replace('`', "'")),
-                    cell(shown(&c.a)),
-                    cell(shown(&c.b)),
-                    c.delta().map(signed).unwrap_or_default()
-                );
+                let _ = writeln!(out, "| {title} | {} |", markdown_cells(c));
             }
         }
         out
@@ -409,20 +430,11 @@ impl RunsDiff {
             return out;
         }
         out.push_str("| stage | | name | a | b | Δ |\n| --- | --- | --- | --- | --- | --- |\n");
-        let cell = |s: String| s.replace('|', "\\|");
         for s in &self.stages {
-            let _ = writeln!(out, "| `{}` | key | | {} | | |", s.stage, cell(s.keys()));
+            let _ = writeln!(out, "| `{}` | key | | {} | | |", s.stage, s.keys());
             for (title, list) in [("param", &s.params), ("metric", &s.metrics)] {
                 for c in list {
-                    let _ = writeln!(
-                        out,
-                        "| `{}` | {title} | `{}` | {} | {} | {} |",
-                        s.stage,
-                        cell(c.name.replace('`', "'")),
-                        cell(shown(&c.a)),
-                        cell(shown(&c.b)),
-                        c.delta().map(signed).unwrap_or_default()
-                    );
+                    let _ = writeln!(out, "| `{}` | {title} | {} |", s.stage, markdown_cells(c));
                 }
             }
         }

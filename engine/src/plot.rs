@@ -23,7 +23,7 @@ pub struct Series {
 }
 
 /// The value of `metric` at one curve point, at its top or under `metrics`.
-fn value(point: &Value, metric: &str) -> Option<f64> {
+pub fn value(point: &Value, metric: &str) -> Option<f64> {
     point
         .get(metric)
         .or_else(|| point.get("metrics").and_then(|m| m.get(metric)))

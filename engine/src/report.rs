@@ -394,14 +394,7 @@ fn last_run_note(s: &Shown) -> &'static str {
 /// learning rate of 1e-7 is not 0), a boolean, or text and lists as they are, cut at 120
 /// characters.
 fn cell(v: &Value) -> String {
-    let text = match v {
-        Value::Number(n) => match n.as_f64() {
-            Some(f) if !(n.is_i64() || n.is_u64()) => crate::diff::number(f),
-            _ => n.to_string(),
-        },
-        Value::String(s) => s.clone(),
-        other => other.to_string(),
-    };
+    let text = crate::diff::plain(v);
     match text.char_indices().nth(120) {
         Some((cut, _)) => format!("{}…", escape(&text[..cut])),
         None => escape(&text),

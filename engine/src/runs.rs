@@ -5,7 +5,7 @@
 //! rows shown are columns (all of them when there is one row): a recipe has hundreds of
 //! figures, and the ones that changed are what a comparison is about.
 
-use crate::diff::number;
+use crate::diff::{plain, same};
 use crate::store::history::Entry;
 use serde_json::Value;
 use std::collections::{BTreeMap, BTreeSet};
@@ -94,7 +94,7 @@ fn chosen(
     }
     let differs = |name: &String| {
         let values: Vec<Option<&&Value>> = maps.iter().map(|m| m.get(name)).collect();
-        values.iter().any(|v| !same(*v, values[0]))
+        values.iter().any(|v| !same(v.copied(), values[0].copied()))
     };
     // One row differs from nothing: all of it is shown.
     let all = all || maps.len() < 2;
@@ -103,24 +103,9 @@ fn chosen(
     (shown.into_iter().cloned().collect(), same.len())
 }
 
-/// Numbers compare by value: `1` and `1.0` are the same.
-fn same(a: Option<&&Value>, b: Option<&&Value>) -> bool {
-    match (a, b) {
-        (Some(a), Some(b)) if a.is_number() && b.is_number() => a.as_f64() == b.as_f64(),
-        _ => a == b,
-    }
-}
-
 fn cell(v: Option<&&Value>) -> String {
-    let text = match v {
-        None => return "–".into(),
-        // Integers whole (a seed of 1234567 is not 1.235e6), other numbers short.
-        Some(Value::Number(n)) if n.is_f64() => n.as_f64().map_or_else(|| n.to_string(), number),
-        Some(Value::Number(n)) => n.to_string(),
-        Some(Value::String(s)) => s.clone(),
-        Some(v) => v.to_string(),
-    };
-    let text = text.replace('\n', " ");
+    let Some(v) = v else { return "–".into() };
+    let text = plain(v).replace('\n', " ");
     if text.chars().count() > 40 {
         format!("{}…", text.chars().take(39).collect::<String>())
     } else {

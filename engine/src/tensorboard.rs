@@ -38,17 +38,14 @@ pub fn write(dir: &Path, artifact: &Artifact) -> std::io::Result<Option<PathBuf>
         let Some(step) = step(point) else {
             continue;
         };
-        let mut values = Vec::new();
-        for map in [point.as_object(), point["metrics"].as_object()]
+        // The figures `plot` finds in a point: its own, and those under its `metrics`.
+        let values: Vec<(String, f32)> = crate::plot::names(point)
             .into_iter()
-            .flatten()
-        {
-            for (name, v) in map {
-                if let (Some(x), true) = (v.as_f64(), name != "step") {
-                    values.push((format!("train/{name}"), x as f32));
-                }
-            }
-        }
+            .filter_map(|name| {
+                let x = crate::plot::value(point, &name)?;
+                Some((format!("train/{name}"), x as f32))
+            })
+            .collect();
         let at = if last > 0.0 {
             start + artifact.seconds * step as f64 / last
         } else {

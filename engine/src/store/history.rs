@@ -156,7 +156,7 @@ impl Store {
             let bytes = serde_json::to_vec_pretty(&entry).map_err(|e| miette::miette!("{e}"))?;
             write_atomic(&tmp, &bytes, true)
                 .map_err(|e| crate::diag::io_err("cannot write", &tmp, e))?;
-            let path = dir.join(format!("{:06}.json", entry.run));
+            let path = self.history_path(entry.run);
             let linked = std::fs::hard_link(&tmp, &path);
             let _ = std::fs::remove_file(&tmp);
             match linked {
@@ -165,6 +165,10 @@ impl Store {
                 Err(e) => return Err(crate::diag::io_err("cannot write", &path, e)),
             }
         }
+    }
+
+    fn history_path(&self, n: u64) -> PathBuf {
+        self.history_dir().join(format!("{n:06}.json"))
     }
 
     fn history_numbers(&self) -> Vec<u64> {
@@ -187,7 +191,7 @@ impl Store {
         self.history_numbers()
             .into_iter()
             .filter_map(|n| {
-                let path = self.history_dir().join(format!("{n:06}.json"));
+                let path = self.history_path(n);
                 let read = std::fs::read(&path)
                     .map_err(|e| e.to_string())
                     .and_then(|b| serde_json::from_slice::<Entry>(&b).map_err(|e| e.to_string()));
@@ -215,7 +219,7 @@ impl Store {
 
     /// Run `n` of the history.
     pub fn history_entry(&self, n: u64) -> Result<Entry> {
-        let path = self.history_dir().join(format!("{n:06}.json"));
+        let path = self.history_path(n);
         match std::fs::read(&path) {
             Ok(bytes) => serde_json::from_slice(&bytes).map_err(|e| {
                 InputError::new(format!("{}: not a run history entry: {e}", path.display())).into()

@@ -2,7 +2,7 @@
 
 use nemo_dag_engine::diag::{Failure, InputError, Result};
 use nemo_dag_engine::plot::{png, series, svg};
-use nemo_dag_engine::store::Store;
+use nemo_dag_engine::store::{Store, write_atomic};
 use std::path::PathBuf;
 
 #[derive(clap::Args, Debug)]
@@ -59,10 +59,7 @@ pub fn exec(a: Args) -> Result<()> {
         Format::Png => png(&doc, 2.0).map_err(|e| Failure::Other(miette::miette!("{e}")))?,
     };
     // Written beside, then renamed: an interrupted plot leaves no half picture.
-    let mut tmp = path.clone().into_os_string();
-    tmp.push(".tmp");
-    std::fs::write(&tmp, bytes)
-        .and_then(|_| std::fs::rename(&tmp, path))
+    write_atomic(path, &bytes, false)
         .map_err(|e| InputError::new(format!("{}: {e}", path.display())))?;
     eprintln!(
         "wrote {} ({} curves of `{}`)",
