@@ -10,16 +10,15 @@
 //! A cache that fails never fails a run: the first failure is said once, and the run goes on
 //! building here, as if no cache were configured.
 
-use crate::diag::{InputError, Source};
+use crate::diag::InputError;
 use crate::digest::Digester;
-use crate::doc::{self, Format};
+use crate::executor::profile::Section;
 use crate::store::{Artifact, Published, Store, short};
 use futures::StreamExt;
 use nemo_dag_remote::{Entry, Error, Producer, RECORD_SCHEMA, Record, Remote, Settings, Written};
 use serde_json::Value;
 use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
 use std::sync::Mutex;
 
 /// The keys `[cache]` takes.
@@ -78,52 +77,22 @@ impl Cache {
     /// The `[cache]` of the `env.toml` found from `start`, if there is one, checked: an unknown
     /// key, a bad URL or a bad scope is an error at its place in the file.
     pub fn load(start: &Path) -> Result<Option<Cache>, InputError> {
-        let Some(path) = crate::executor::profile::find_env_file(start) else {
+        let Some(section) = Section::load(start, "cache")? else {
             return Ok(None);
         };
-        let Ok(text) = std::fs::read_to_string(&path) else {
-            return Ok(None); // a missing env.toml is no cache; profile::load reports it where one is needed
-        };
-        let source = Source {
-            name: path.display().to_string(),
-            text: Arc::from(text),
-        };
-        let (tree, spans) = doc::parse(Format::Toml, &source.text, true)
-            .map_err(|e| InputError::new(e.message).at(&source, e.span, "here"))?;
-        let Some(section) = tree.get("cache") else {
-            return Ok(None);
-        };
-        let at = |key: &str, message: String| {
-            let path = vec!["cache".to_string(), key.to_string()];
-            let err = InputError::new(message);
-            match spans.nearest(&path, key.is_empty()) {
-                Some(range) => err.at(&source, range, "here"),
-                None => err,
-            }
-        };
-        let Some(table) = section.as_object() else {
-            return Err(at("", "[cache] must be a table".into()));
-        };
-        for key in table.keys() {
-            if !KEYS.contains(&key.as_str()) {
-                let help = if key.contains("secret")
-                    || key.contains("access_key")
-                    || key.contains("token")
-                {
-                    "credentials never go in env.toml: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY in the environment (or use web identity or the instance's metadata)".to_string()
-                } else {
-                    crate::diag::did_you_mean(key, "[cache] keys", KEYS.iter().copied())
-                };
-                return Err(at(key, format!("[cache] has no key `{key}`")).help(help));
-            }
+        let table = &section.table;
+        let at = |key: &str, message: String| section.at(key, message);
+        if let Some(key) = table.keys().find(|k| {
+            ["secret", "access_key", "token"]
+                .iter()
+                .any(|c| k.contains(c))
+        }) {
+            return Err(at(key, format!("[cache] has no key `{key}`")).help(
+                "credentials never go in env.toml: set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY in the environment (or use web identity or the instance's metadata)",
+            ));
         }
-        let text = |key: &str| -> Result<Option<String>, InputError> {
-            match table.get(key) {
-                None => Ok(None),
-                Some(Value::String(s)) if !s.trim().is_empty() => Ok(Some(s.clone())),
-                Some(_) => Err(at(key, format!("cache.{key} must be a non-empty string"))),
-            }
-        };
+        section.check_keys(&KEYS)?;
+        let text = |key: &str| section.text(key);
         let url = text("url")?.ok_or_else(|| {
             at("", "[cache] needs a `url`".into())
                 .help("`url = \"s3://bucket/prefix\"` or `url = \"file:///a/shared/directory\"`")
@@ -204,7 +173,7 @@ impl Cache {
             Remote::open(settings).map_err(|why| at("url", format!("cache.url: {why}")))?;
         let cache = Cache {
             remote,
-            file: path,
+            file: section.file.clone(),
             down: Mutex::new(None),
             writable: tokio::sync::OnceCell::new(),
         };

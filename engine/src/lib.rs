@@ -30,6 +30,7 @@
 #![allow(clippy::result_large_err)]
 
 pub mod cache;
+pub mod curve;
 pub mod diag;
 pub mod diff;
 pub mod digest;

@@ -376,6 +376,14 @@ impl Locator {
 }
 
 impl Manifest {
+    /// The manifest's name: its file's, without the extension (`super3`).
+    pub fn name(&self) -> &str {
+        self.path
+            .file_stem()
+            .and_then(|s| s.to_str())
+            .unwrap_or("manifest")
+    }
+
     /// Every stage's plan: what it hands downstream and its estimate ([`crate::estimate`]).
     pub fn plans(&self) -> &BTreeMap<String, nemo_dag_op::Plan> {
         self.plans.get_or_init(|| crate::estimate::plans(self))

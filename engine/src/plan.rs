@@ -272,11 +272,7 @@ pub fn last_run_record(manifest: &Manifest, store: &Store) -> RunRecord {
 
 /// One run record per manifest file and variant.
 pub fn run_id(manifest: &Manifest) -> String {
-    let stem = manifest
-        .path
-        .file_stem()
-        .and_then(|s| s.to_str())
-        .unwrap_or("manifest");
+    let stem = manifest.name();
     let variant = manifest
         .variant
         .as_ref()

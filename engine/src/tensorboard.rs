@@ -11,11 +11,10 @@
 //! The format is TensorFlow's: a file of TFRecords (length, masked CRC-32C of the length, the
 //! bytes, their masked CRC-32C), each an `Event` protocol buffer
 //! (tensorflow/core/util/event.proto: `wall_time` 1, `step` 2, `file_version` 3, `summary` 5;
-//! `Summary.Value`: `tag` 1, `simple_value` 2), written here by hand. Steps are not timed one
-//! by one: a point's wall time is spread between the stage's start and end by its step.
+//! `Summary.Value`: `tag` 1, `simple_value` 2), written here by hand. Each point's wall time is
+//! [`crate::curve::points`]'.
 
 use crate::store::Artifact;
-use serde_json::Value;
 use std::path::{Path, PathBuf};
 
 /// The directory under an artifact that holds its event files.
@@ -24,34 +23,25 @@ pub const DIR: &str = "tensorboard";
 /// Write `artifact`'s curve as an event file under `dir/tensorboard/<stage>/`; `None` when it
 /// has no curve.
 pub fn write(dir: &Path, artifact: &Artifact) -> std::io::Result<Option<PathBuf>> {
-    let Some(curve) = artifact.metrics.get("curve").and_then(Value::as_array) else {
+    let Some(points) = crate::curve::points(artifact) else {
         return Ok(None);
     };
-    let start = unix_seconds(&artifact.started_at).unwrap_or(0.0);
-    let last = curve.iter().filter_map(step).fold(0, i64::max) as f64;
+    let start = crate::curve::start(artifact);
     let mut file = Vec::new();
     record(
         &mut file,
         &event(start, 0, Body::FileVersion("brain.Event:2")),
     );
-    for point in curve {
-        let Some(step) = step(point) else {
-            continue;
-        };
-        // The figures `plot` finds in a point: its own, and those under its `metrics`.
-        let values: Vec<(String, f32)> = crate::plot::names(point)
+    for point in points {
+        let values: Vec<(String, f32)> = point
+            .values
             .into_iter()
-            .filter_map(|name| {
-                let x = crate::plot::value(point, &name)?;
-                Some((format!("train/{name}"), x as f32))
-            })
+            .map(|(name, x)| (format!("train/{name}"), x as f32))
             .collect();
-        let at = if last > 0.0 {
-            start + artifact.seconds * step as f64 / last
-        } else {
-            start
-        };
-        record(&mut file, &event(at, step, Body::Scalars(&values)));
+        record(
+            &mut file,
+            &event(point.wall_time, point.step, Body::Scalars(&values)),
+        );
     }
     let out = dir.join(DIR).join(safe(&artifact.stage));
     std::fs::create_dir_all(&out)?;
@@ -66,13 +56,6 @@ pub fn write(dir: &Path, artifact: &Artifact) -> std::io::Result<Option<PathBuf>
     // Read-only, as everything published is.
     crate::store::seal(&dir.join(DIR))?;
     Ok(Some(path))
-}
-
-/// A curve point's step: a whole number, written as an integer or not (`100.0`).
-fn step(point: &Value) -> Option<i64> {
-    let s = &point["step"];
-    s.as_i64()
-        .or_else(|| s.as_f64().filter(|x| x.fract() == 0.0).map(|x| x as i64))
 }
 
 /// A path segment: a copy's name (`sft[lr=1e-3]`) keeps its brackets, a `/` does not pass.
@@ -160,27 +143,6 @@ fn crc32c(data: &[u8]) -> u32 {
     !crc
 }
 
-/// Seconds since 1970 of a timestamp as the store writes it (`2026-11-25T06:41:05.242Z`).
-fn unix_seconds(t: &str) -> Option<f64> {
-    let (date, time) = t.strip_suffix('Z')?.split_once('T')?;
-    let mut d = date.splitn(3, '-').map(|x| x.parse::<i64>().ok());
-    let (y, m, day) = (d.next()??, d.next()??, d.next()??);
-    let mut hms = time.splitn(3, ':');
-    let (h, min) = (
-        hms.next()?.parse::<f64>().ok()?,
-        hms.next()?.parse::<f64>().ok()?,
-    );
-    let s = hms.next()?.parse::<f64>().ok()?;
-    // Days from 1970-01-01 to a civil date (Howard Hinnant's algorithm).
-    let y = if m <= 2 { y - 1 } else { y };
-    let era = y.div_euclid(400);
-    let yoe = y - era * 400;
-    let doy = (153 * (if m > 2 { m - 3 } else { m + 9 }) + 2) / 5 + day - 1;
-    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
-    let days = era * 146_097 + doe - 719_468;
-    Some(days as f64 * 86_400.0 + h * 3600.0 + min * 60.0 + s)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -213,16 +175,6 @@ mod tests {
              2a130a110a0a747261696e2f6c6f7373150000204\
              09c94672d"
         );
-    }
-
-    #[test]
-    fn a_store_timestamp_is_read_as_unix_seconds() {
-        assert_eq!(unix_seconds("1970-01-01T00:00:00.000Z"), Some(0.0));
-        assert_eq!(
-            unix_seconds("2026-11-25T06:41:05.250Z"),
-            Some(1_795_588_865.25)
-        );
-        assert_eq!(unix_seconds("yesterday"), None);
     }
 
     fn hex(b: &[u8]) -> String {

@@ -101,6 +101,87 @@ pub fn find_env_file(start: &Path) -> Option<PathBuf> {
     None
 }
 
+/// One reserved section of the `env.toml` found from a manifest's directory (`[cache]`,
+/// `[mlflow]`), with what its errors need to point into the file.
+pub struct Section {
+    /// The file it is in.
+    pub file: PathBuf,
+    pub table: serde_json::Map<String, Value>,
+    name: &'static str,
+    source: Source,
+    spans: doc::Spans,
+}
+
+impl Section {
+    /// `[name]` of the env file found from `start`; `None` when there is no file or no such
+    /// section. A file that does not parse is an error at its place.
+    pub fn load(start: &Path, name: &'static str) -> Result<Option<Section>, InputError> {
+        let Some(file) = find_env_file(start) else {
+            return Ok(None);
+        };
+        let Ok(text) = std::fs::read_to_string(&file) else {
+            return Ok(None); // a missing env.toml is no section; `load` reports it where a profile is needed
+        };
+        let source = Source {
+            name: file.display().to_string(),
+            text: Arc::from(text),
+        };
+        let (tree, spans) = doc::parse(Format::Toml, &source.text, true)
+            .map_err(|e| InputError::new(e.message).at(&source, e.span, "here"))?;
+        let Some(section) = tree.get(name) else {
+            return Ok(None);
+        };
+        let table = section.as_object().cloned();
+        let section = Section {
+            file,
+            table: table.clone().unwrap_or_default(),
+            name,
+            source,
+            spans,
+        };
+        match table {
+            Some(_) => Ok(Some(section)),
+            None => Err(section.at("", format!("[{name}] must be a table"))),
+        }
+    }
+
+    /// An error at `key` of the section (at its header for `""`).
+    pub fn at(&self, key: &str, message: String) -> InputError {
+        let path = vec![self.name.to_string(), key.to_string()];
+        let err = InputError::new(message);
+        match self.spans.nearest(&path, key.is_empty()) {
+            Some(range) => err.at(&self.source, range, "here"),
+            None => err,
+        }
+    }
+
+    /// A key the section does not take, if any, as an error at it with the nearest name.
+    pub fn check_keys(&self, keys: &[&str]) -> Result<(), InputError> {
+        match self.table.keys().find(|k| !keys.contains(&k.as_str())) {
+            None => Ok(()),
+            Some(key) => Err(self
+                .at(key, format!("[{}] has no key `{key}`", self.name))
+                .help(crate::diag::did_you_mean(
+                    key,
+                    &format!("[{}] keys", self.name),
+                    keys.iter().copied(),
+                ))),
+        }
+    }
+
+    /// The text at `key`: absent, or a non-empty string.
+    pub fn text(&self, key: &str) -> Result<Option<String>, InputError> {
+        match self.table.get(key) {
+            None => Ok(None),
+            Some(Value::String(s)) if !s.trim().is_empty() => Ok(Some(s.clone())),
+            Some(_) => Err(self.at(
+                key,
+                format!("{}.{key} must be a non-empty string", self.name),
+            )),
+        }
+    }
+}
+
 /// Load profile `name` from the env file found from `start`.
 pub fn load(start: &Path, name: &str) -> Result<Profile, InputError> {
     let path = find_env_file(start).ok_or_else(|| {

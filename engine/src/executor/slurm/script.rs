@@ -54,11 +54,7 @@ pub(super) fn job_script(
     let stage = &manifest.stages[name];
     let r = &stage.resources;
     let launch = r.launch();
-    let stem = manifest
-        .path
-        .file_stem()
-        .and_then(|s| s.to_str())
-        .unwrap_or("nemo-dag");
+    let stem = manifest.name();
     let mut s = String::from("#!/bin/bash\n");
     let mut sb = |flag: &str, value: Option<String>| {
         if let Some(v) = value {
