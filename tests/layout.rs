@@ -32,7 +32,11 @@ const ALLOWED: &[(&str, &[&str])] = &[
         ],
     ),
     ("nemo-dag-remote", &[]),
-    ("nemo-dag-engine", &["nemo-dag-op", "nemo-dag-remote"]),
+    ("nemo-dag-mlflow", &[]),
+    (
+        "nemo-dag-engine",
+        &["nemo-dag-op", "nemo-dag-remote", "nemo-dag-mlflow"],
+    ),
     (
         "nemo-dag",
         &["nemo-dag-engine", "nemo-dag-op", "nemo-dag-ops"],
