@@ -46,5 +46,8 @@ mod launch;
 /// The shared cache against a real S3 server: two machines, tampering, scopes, a server down.
 pub(crate) mod cache;
 
+/// Trackers: executed stages as runs of a real MLflow server, and a tracker that is down.
+mod track;
+
 /// The Slurm executor against a real single-node cluster (scripts/slurm-up).
 mod slurm;

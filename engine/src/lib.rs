@@ -43,6 +43,7 @@ pub mod graph;
 pub mod key;
 pub mod launch;
 pub mod manifest;
+pub mod mlflow;
 pub mod plan;
 pub mod plot;
 pub mod report;

@@ -125,6 +125,8 @@ impl Project {
         c.args(args)
             .current_dir(&self.dir)
             .env_remove("NEMO_DAG_STORE")
+            .env_remove("MLFLOW_TRACKING_URI")
+            .env_remove("MLFLOW_EXPERIMENT_NAME")
             .env("NO_COLOR", "1")
             .stdin(Stdio::null());
         c

@@ -41,6 +41,9 @@ pub struct RunOptions {
     /// The shared cache (`[cache]` in env.toml): a stale stage is pulled from it when one of
     /// its read scopes has the key, and what runs here is pushed to its write scope.
     pub cache: Option<std::sync::Arc<crate::cache::Cache>>,
+    /// The MLflow tracker (`[mlflow]` in env.toml, or `MLFLOW_TRACKING_URI`): each stage that
+    /// runs here becomes an MLflow run once it is published.
+    pub tracker: Option<std::sync::Arc<crate::mlflow::Tracker>>,
 }
 
 #[derive(Debug, Clone, serde::Serialize)]
@@ -519,6 +522,12 @@ async fn schedule(
         String,
         std::result::Result<crate::cache::Pushed, nemo_dag_remote::Error>,
     )> = JoinSet::new();
+    // What ran here, logged to MLflow as it is published (one stage at a time, never failing).
+    let mut tracking: JoinSet<()> = JoinSet::new();
+    let run_tags = crate::mlflow::RunTags {
+        argv: opts.argv.clone(),
+        variant: manifest.variant.as_ref().map(|v| v.display().to_string()),
+    };
     let mut interrupted = false;
     // Each key this run publishes is journaled at once; the record is written at the end.
     let run_id = plan::run_id(manifest);
@@ -686,6 +695,14 @@ async fn schedule(
                                     (name, key, pushed)
                                 });
                             }
+                            if let Some(tracker) = &opts.tracker {
+                                let (tracker, store, key, tags) = (tracker.clone(), store.clone(), key.clone(), run_tags.clone());
+                                tracking.spawn(async move {
+                                    if let Some(artifact) = store.load(&key) {
+                                        tracker.stage(&artifact, &store.artifact_dir(&key), &tags).await;
+                                    }
+                                });
+                            }
                             "executed"
                         } else {
                             "cached"
@@ -726,6 +743,7 @@ async fn schedule(
                 ready.clear();
                 pulls.abort_all();
                 pushes.abort_all();
+                tracking.abort_all();
                 failed = true;
             }
         }
@@ -762,6 +780,27 @@ async fn schedule(
             Ok(Pushed::There | Pushed::Off) => {}
             Err(e) => reporter.stage_line(&name, &format!("warning: not pushed: {e}")),
         }
+    }
+    // The tracker's requests are bounded by their timeouts, and stop at its first failure.
+    loop {
+        let tracked = tokio::select! {
+            tracked = tracking.join_next() => tracked,
+            signal = &mut stop, if !interrupted => {
+                interrupted = true;
+                reporter.line(format!("{signal}: what is still going to MLflow is abandoned"));
+                tracking.abort_all();
+                continue;
+            }
+        };
+        if tracked.is_none() {
+            break;
+        }
+    }
+    if let Some(line) = match &opts.tracker {
+        Some(t) => t.summary().await,
+        None => None,
+    } {
+        reporter.line(line);
     }
     if let Some(t) = transfers {
         t.abort();

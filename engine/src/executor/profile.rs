@@ -2,7 +2,7 @@
 //!
 //! ```toml
 //! [wandb]                      # reserved sections are not profiles:
-//! project = "nano3"            #   [wandb] [artifacts] [cache] [cli]
+//! project = "nano3"            #   [wandb] [mlflow] [artifacts] [cache] [cli]
 //!
 //! [cluster]
 //! executor = "slurm"
@@ -30,7 +30,7 @@ use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 
-const RESERVED: [&str; 4] = ["wandb", "artifacts", "cache", "cli"];
+const RESERVED: [&str; 5] = ["wandb", "mlflow", "artifacts", "cache", "cli"];
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Deserialize, Default)]
 #[serde(rename_all = "lowercase")]

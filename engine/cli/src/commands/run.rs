@@ -6,6 +6,7 @@ use nemo_dag_engine::diag::{Failure, Result};
 use nemo_dag_engine::executor::local::{self, Outcome, RunOptions};
 use nemo_dag_engine::executor::profile::{self, Executor};
 use nemo_dag_engine::executor::slurm;
+use nemo_dag_engine::mlflow::Tracker;
 use nemo_dag_engine::plan;
 use nemo_dag_op::Registry;
 use serde_json::json;
@@ -67,6 +68,10 @@ pub fn exec(mut a: Args, argv: Vec<String>, ops: Registry) -> Result<()> {
     } else {
         Cache::load(&manifest.dir)?.map(std::sync::Arc::new)
     };
+    // Not for a dry run, which builds nothing; checked before anything runs all the same.
+    let tracker = Tracker::load(&manifest.dir, manifest.name())?
+        .filter(|_| !a.dry_run)
+        .map(std::sync::Arc::new);
     if let Some((name, mode)) = cluster {
         let profile = profile::load(&manifest.dir, name)?;
         if profile.executor == Executor::Slurm {
@@ -78,6 +83,7 @@ pub fn exec(mut a: Args, argv: Vec<String>, ops: Registry) -> Result<()> {
                 force: &a.force,
                 cache: cache.as_deref(),
                 offline: a.offline,
+                tracker: tracker.as_deref(),
             };
             let outcomes = slurm::submit(&manifest, &store, &opts)?;
             if a.dry_run {
@@ -137,6 +143,7 @@ pub fn exec(mut a: Args, argv: Vec<String>, ops: Registry) -> Result<()> {
         argv,
         check_memory: !a.no_memory_check,
         cache,
+        tracker,
     };
     let outcomes = local::run(&manifest, &store, &opts)?;
     summarize(&outcomes);

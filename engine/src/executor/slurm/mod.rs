@@ -75,6 +75,8 @@ pub struct SubmitOptions<'a> {
     pub cache: Option<&'a Cache>,
     /// `run --offline`: no cache here or in the jobs.
     pub offline: bool,
+    /// The MLflow tracker: with `--run`, each stage the jobs built is logged when they end.
+    pub tracker: Option<&'a crate::mlflow::Tracker>,
 }
 
 /// One job to submit: its script and the stages it waits for.
@@ -357,6 +359,18 @@ pub fn submit(manifest: &Manifest, store: &Store, opts: &SubmitOptions) -> Resul
             let argv: Vec<String> = std::env::args().collect();
             let record = local::record_run(manifest, store, &argv, &out)?;
             local::record_history(manifest, store, &record, &out);
+            if let Some(tracker) = opts.tracker {
+                let built: Vec<String> = out
+                    .iter()
+                    .filter(|o| o.state == "executed")
+                    .filter_map(|o| o.key.clone())
+                    .collect();
+                let tags = crate::mlflow::RunTags {
+                    argv,
+                    variant: manifest.variant.as_ref().map(|v| v.display().to_string()),
+                };
+                tracker.stages(store, &built, &tags);
+            }
             Ok(order(manifest, out))
         }
     }

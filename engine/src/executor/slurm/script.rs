@@ -321,6 +321,7 @@ mod tests {
             force: &[],
             cache: None,
             offline,
+            tracker: None,
         }
     }
 

@@ -1,0 +1,387 @@
+//! Executed stages as MLflow runs: with `[mlflow] tracking_uri` in `env.toml`, or
+//! `MLFLOW_TRACKING_URI` in the environment, each stage a run builds becomes a run of an MLflow
+//! experiment once it is published (over [`nemo_dag_mlflow`], MLflow's REST API).
+//!
+//! ```toml
+//! [mlflow]
+//! tracking_uri = "http://mlflow.internal:5000"   # MLFLOW_TRACKING_URI wins over it
+//! experiment = "super3"                          # default: MLFLOW_EXPERIMENT_NAME, else the manifest's name
+//! ```
+//!
+//! An MLflow run holds the stage's params (flattened: `optim.lr`), every figure of its curve at
+//! each step (`train/loss`, as in TensorBoard), its final metrics and what it used
+//! (`resources.peak_rss_bytes`), and tags that tie it to the store: the stage key, the
+//! upstream keys, the manifest, where the artifact is. The tracker is a copy for people to look
+//! at: it is never read back, and it cannot fail a run. The first request that fails is said
+//! once, and nothing more is sent that run.
+
+use crate::diag::InputError;
+use crate::executor::profile::Section;
+use crate::store::{Artifact, InputRecord};
+use nemo_dag_mlflow::{Client, Metric, Status};
+use serde_json::Value;
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::sync::Mutex;
+
+/// The keys `[mlflow]` takes.
+const KEYS: [&str; 2] = ["tracking_uri", "experiment"];
+
+/// Where a run's stages are tracked, and how far it got.
+#[derive(Debug)]
+pub struct Tracker {
+    client: Client,
+    experiment: String,
+    /// Where the tracking URI came from, for messages.
+    from: String,
+    state: tokio::sync::Mutex<State>,
+    /// Why tracking stopped, once a request failed (said once).
+    down: Mutex<Option<String>>,
+}
+
+#[derive(Debug, Default)]
+struct State {
+    experiment_id: Option<String>,
+    logged: usize,
+}
+
+/// What a run adds to each of its stages' tags.
+#[derive(Debug, Clone, Default)]
+pub struct RunTags {
+    /// The command line that ran it.
+    pub argv: Vec<String>,
+    /// The manifest's variant (`-c tiny`), if any.
+    pub variant: Option<String>,
+}
+
+impl Tracker {
+    /// The tracker of a run of the manifest in `start`, if one is configured: `[mlflow]` in the
+    /// `env.toml` found from there, or `MLFLOW_TRACKING_URI`. A bad `[mlflow]` is an error at
+    /// its place; an `MLFLOW_TRACKING_URI` nemo-dag cannot use is a warning (it may be set for
+    /// other tools), and the run is not tracked.
+    pub fn load(start: &Path, manifest_name: &str) -> Result<Option<Tracker>, InputError> {
+        let section = Section::load(start, "mlflow")?;
+        if let Some(s) = &section {
+            s.check_keys(&KEYS)?;
+        }
+        let from_file = match &section {
+            Some(s) => s.text("tracking_uri")?.map(|uri| (uri, s)),
+            None => None,
+        };
+        let experiment = match &section {
+            Some(s) => s.text("experiment")?,
+            None => None,
+        };
+        let var = |name: &str| std::env::var(name).ok().filter(|v| !v.trim().is_empty());
+        let (uri, from) = match (var("MLFLOW_TRACKING_URI"), &from_file) {
+            (Some(uri), _) => (uri, "MLFLOW_TRACKING_URI".to_string()),
+            (None, Some((uri, s))) => (uri.clone(), format!("[mlflow] in {}", s.file.display())),
+            (None, None) => return Ok(None),
+        };
+        let client = match Client::new(&uri) {
+            Ok(c) => c,
+            Err(why) => match &from_file {
+                Some((_, s)) if from.starts_with('[') => {
+                    return Err(s
+                        .at("tracking_uri", format!("mlflow.tracking_uri: {why}"))
+                        .help("start one with `mlflow server --host 127.0.0.1 --port 5000` and write `tracking_uri = \"http://127.0.0.1:5000\"`"));
+                }
+                _ => {
+                    eprintln!(
+                        "nemo-dag: warning: MLFLOW_TRACKING_URI {why}; this run is not tracked"
+                    );
+                    return Ok(None);
+                }
+            },
+        };
+        let experiment = experiment
+            .or_else(|| var("MLFLOW_EXPERIMENT_NAME"))
+            .unwrap_or_else(|| manifest_name.to_string());
+        Ok(Some(Tracker {
+            client,
+            experiment,
+            from,
+            state: tokio::sync::Mutex::new(State::default()),
+            down: Mutex::new(None),
+        }))
+    }
+
+    /// Log one published stage as an MLflow run. Never fails: the first failure is said once
+    /// (on stderr), and every later call does nothing.
+    pub async fn stage(&self, artifact: &Artifact, artifact_dir: &Path, run: &RunTags) {
+        if !self.up() {
+            return;
+        }
+        // One stage at a time: the experiment is found once, and a server that fails is asked
+        // once, not by every stage that ended meanwhile.
+        let mut state = self.state.lock().await;
+        if !self.up() {
+            return;
+        }
+        if let Err(why) = self.send(&mut state, artifact, artifact_dir, run).await {
+            self.went_down(&why);
+        }
+    }
+
+    async fn send(
+        &self,
+        state: &mut State,
+        artifact: &Artifact,
+        artifact_dir: &Path,
+        run: &RunTags,
+    ) -> Result<(), String> {
+        let experiment_id = match &state.experiment_id {
+            Some(id) => id.clone(),
+            None => {
+                let id = self
+                    .client
+                    .experiment(&self.experiment)
+                    .await
+                    .map_err(|e| format!("experiment `{}`: {e}", self.experiment))?;
+                state.experiment_id = Some(id.clone());
+                id
+            }
+        };
+        let start = ms(crate::curve::start(artifact));
+        let run_id = self
+            .client
+            .create_run(
+                &experiment_id,
+                &artifact.stage,
+                start,
+                &tags(artifact, artifact_dir, run),
+            )
+            .await
+            .map_err(|e| e.to_string())?;
+        self.client
+            .log(&run_id, &params(artifact), &metrics(artifact), &[])
+            .await
+            .map_err(|e| e.to_string())?;
+        self.client
+            .end_run(&run_id, Status::Finished, ms(crate::curve::end(artifact)))
+            .await
+            .map_err(|e| e.to_string())?;
+        state.logged += 1;
+        Ok(())
+    }
+
+    /// The line a run ends with when it tracked something: how many stages, and where.
+    pub async fn summary(&self) -> Option<String> {
+        let state = self.state.lock().await;
+        let id = state.experiment_id.as_ref().filter(|_| state.logged > 0)?;
+        Some(format!(
+            "mlflow: {} stage(s) logged to experiment `{}`: {}",
+            state.logged,
+            self.experiment,
+            self.client.experiment_url(id)
+        ))
+    }
+
+    /// Log each of `keys` (published in `store`) as a run, one after another: what a cluster
+    /// run does once its jobs have ended. A key the store does not have is passed over.
+    pub fn stages(&self, store: &crate::store::Store, keys: &[String], run: &RunTags) {
+        let Ok(runtime) = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+        else {
+            return;
+        };
+        runtime.block_on(async {
+            for key in keys {
+                if let Some(artifact) = store.load(key) {
+                    self.stage(&artifact, &store.artifact_dir(key), run).await;
+                }
+            }
+            if let Some(line) = self.summary().await {
+                eprintln!("{line}");
+            }
+        });
+    }
+
+    fn up(&self) -> bool {
+        self.down.lock().map(|d| d.is_none()).unwrap_or(false)
+    }
+
+    fn went_down(&self, why: &str) {
+        let Ok(mut down) = self.down.lock() else {
+            return;
+        };
+        if down.is_none() {
+            eprintln!(
+                "nemo-dag: warning: MLflow at {} ({}) cannot be used: {why}; the run goes on, and tracks nothing more",
+                self.client.base(),
+                self.from
+            );
+            *down = Some(why.to_string());
+        }
+    }
+}
+
+/// The stage's params by dotted path, as text; a `cmd` stage's command beside them.
+fn params(artifact: &Artifact) -> Vec<(String, String)> {
+    let mut flat = BTreeMap::new();
+    crate::diff::flatten("", &artifact.params, &mut flat);
+    let mut out: Vec<(String, String)> = flat
+        .iter()
+        .map(|(k, v)| (k.clone(), crate::diff::plain(v)))
+        .collect();
+    if let Some(cmd) = &artifact.cmd {
+        out.push(("cmd".to_string(), cmd.clone()));
+    }
+    out
+}
+
+/// Every figure of the curve at its step (`train/<name>`, as TensorBoard's tags), then the
+/// final metrics and what the stage used, at the last step.
+fn metrics(artifact: &Artifact) -> Vec<Metric> {
+    let points = crate::curve::points(artifact).unwrap_or_default();
+    let mut out: Vec<Metric> = points
+        .iter()
+        .flat_map(|p| {
+            p.values.iter().map(|(name, value)| Metric {
+                key: format!("train/{name}"),
+                value: *value,
+                timestamp: ms(p.wall_time),
+                step: p.step,
+            })
+        })
+        .collect();
+    let step = points.last().map_or(0, |p| p.step);
+    let end = ms(crate::curve::end(artifact));
+    let mut finals = crate::diff::final_metrics(&artifact.metrics);
+    if let Some(r) = &artifact.resources {
+        let mut used = BTreeMap::new();
+        let r = serde_json::to_value(r).unwrap_or_default();
+        crate::diff::flatten("resources", &r, &mut used);
+        finals.extend(used.into_iter().filter(|(_, v)| v.is_number()));
+    }
+    finals.insert("seconds".into(), Value::from(artifact.seconds));
+    out.extend(finals.iter().filter_map(|(name, v)| {
+        let value = v.as_f64().or_else(|| v.as_bool().map(f64::from))?;
+        Some(Metric {
+            key: name.clone(),
+            value,
+            timestamp: end,
+            step,
+        })
+    }));
+    out
+}
+
+/// What ties the MLflow run to the store and the recipe.
+fn tags(artifact: &Artifact, artifact_dir: &Path, run: &RunTags) -> Vec<(String, String)> {
+    let mut out = vec![
+        ("nemo_dag.key".into(), artifact.key.clone()),
+        ("nemo_dag.stage".into(), artifact.stage.clone()),
+        (
+            "nemo_dag.op".into(),
+            format!("{}@{}", artifact.op, artifact.op_version),
+        ),
+        ("nemo_dag.manifest".into(), artifact.manifest.clone()),
+        (
+            "nemo_dag.upstream_keys".into(),
+            artifact.upstream_keys.join(" "),
+        ),
+        (
+            "nemo_dag.artifact".into(),
+            artifact_dir.display().to_string(),
+        ),
+        ("nemo_dag.host".into(), artifact.host.clone()),
+        ("nemo_dag.version".into(), artifact.engine_version.clone()),
+        ("nemo_dag.command".into(), run.argv.join(" ")),
+        ("mlflow.source.name".into(), artifact.manifest.clone()),
+    ];
+    if let Some(v) = &run.variant {
+        out.push(("nemo_dag.variant".into(), v.clone()));
+    }
+    for (name, input) in &artifact.inputs {
+        let value = match input {
+            InputRecord::Upstream {
+                stage, output, key, ..
+            } => format!("{stage}:{output} {key}"),
+            InputRecord::File { path, digest } => format!("{path} {digest}"),
+        };
+        out.push((format!("nemo_dag.input.{name}"), value));
+    }
+    if let Ok(user) = std::env::var("USER") {
+        out.push(("mlflow.user".into(), user));
+    }
+    out
+}
+
+/// Seconds since 1970 as whole milliseconds.
+fn ms(seconds: f64) -> i64 {
+    (seconds * 1000.0).round() as i64
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn artifact() -> Artifact {
+        serde_json::from_value(json!({
+            "schema": 1, "key": "abc", "stage": "sft[lr=1e-3]", "op": "sft", "op_version": 2,
+            "params": {"lr": 1e-3, "optim": {"betas": [0.9, 0.95]}, "name": "x"},
+            "inputs": {"model": {"kind": "upstream", "stage": "pretrain", "output": "model", "key": "k1", "digest": "d"}},
+            "outputs": {}, "upstream_keys": ["k1"], "manifest": "recipe.yaml",
+            "started_at": "1970-01-01T00:00:10.000Z", "seconds": 2.0, "host": "h",
+            "engine_version": "0.1.0",
+            "metrics": {
+                "curve": [{"step": 1, "loss": 3.0, "lr": 1e-3}, {"step": 2, "loss": 2.0, "lr": 5e-4}],
+                "final_loss": 2.0,
+                "generation": {"accuracy": 0.5, "samples": 6}
+            }
+        }))
+        .unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    #[test]
+    fn params_are_flattened_to_dotted_names() {
+        let p = params(&artifact());
+        assert_eq!(
+            p,
+            [
+                ("lr".to_string(), "0.001".to_string()),
+                ("name".into(), "x".into()),
+                ("optim.betas".into(), "[0.9,0.95]".into()),
+            ]
+        );
+    }
+
+    #[test]
+    fn a_curve_is_logged_at_its_steps_and_the_final_figures_at_the_last() {
+        let m = metrics(&artifact());
+        let at = |key: &str| -> Vec<(i64, f64, i64)> {
+            m.iter()
+                .filter(|x| x.key == key)
+                .map(|x| (x.step, x.value, x.timestamp))
+                .collect()
+        };
+        assert_eq!(at("train/loss"), [(1, 3.0, 11_000), (2, 2.0, 12_000)]);
+        assert_eq!(at("train/lr").len(), 2);
+        assert_eq!(at("final_loss"), [(2, 2.0, 12_000)]);
+        assert_eq!(at("generation.accuracy"), [(2, 0.5, 12_000)]);
+        assert_eq!(at("seconds"), [(2, 2.0, 12_000)]);
+    }
+
+    #[test]
+    fn tags_tie_the_run_to_its_key_inputs_and_manifest() {
+        let t: BTreeMap<String, String> = tags(
+            &artifact(),
+            Path::new("/s/artifacts/abc"),
+            &RunTags {
+                argv: vec!["nemo-dag".into(), "run".into(), "recipe.yaml".into()],
+                variant: None,
+            },
+        )
+        .into_iter()
+        .collect();
+        assert_eq!(t["nemo_dag.key"], "abc");
+        assert_eq!(t["nemo_dag.op"], "sft@2");
+        assert_eq!(t["nemo_dag.upstream_keys"], "k1");
+        assert_eq!(t["nemo_dag.input.model"], "pretrain:model k1");
+        assert_eq!(t["nemo_dag.artifact"], "/s/artifacts/abc");
+        assert_eq!(t["nemo_dag.command"], "nemo-dag run recipe.yaml");
+    }
+}
