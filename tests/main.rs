@@ -47,7 +47,7 @@ mod launch;
 pub(crate) mod cache;
 
 /// Trackers: executed stages as runs of a real MLflow server, and a tracker that is down.
-mod track;
+pub(crate) mod track;
 
 /// The Slurm executor against a real single-node cluster (scripts/slurm-up).
 mod slurm;

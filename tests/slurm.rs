@@ -120,6 +120,15 @@ fn a_pipeline_through_slurm_reaches_the_same_keys_as_a_local_run() {
     let p = project("keys");
     p.write("d.yaml", DIAMOND);
     let local = p.json(&["run", "d.yaml", "--json", "--store", "local-store"]);
+    // The cluster run is tracked in MLflow, from here, once its jobs have ended.
+    let mlflow = crate::track::Mlflow::start("slurm_same_keys");
+    if let Some(server) = &mlflow {
+        let env = std::fs::read_to_string(p.path("env.toml")).unwrap();
+        p.write(
+            "env.toml",
+            &format!("{env}[mlflow]\ntracking_uri = \"{}\"\n", server.uri),
+        );
+    }
     let out = p.run(&["run", "d.yaml", "--run", "lab", "--json"]);
     assert!(out.code == 0, "{}", out);
     let cluster: Value = out.json();
@@ -149,6 +158,26 @@ fn a_pipeline_through_slurm_reaches_the_same_keys_as_a_local_run() {
     );
     for (name, stage) in run["stages"].as_object().unwrap() {
         assert_eq!(stage["outcome"], "executed", "{name}: {run}");
+    }
+    if let Some(server) = &mlflow {
+        assert!(out.stderr.contains("mlflow: 4 stage(s) logged"), "{out}");
+        let mut tracked: Vec<(String, String)> = server
+            .runs("d")
+            .iter()
+            .map(|r| {
+                let key = r["tags"]["nemo_dag.key"].as_str().unwrap_or("");
+                (
+                    r["name"].as_str().unwrap_or("").to_string(),
+                    key.to_string(),
+                )
+            })
+            .collect();
+        tracked.sort();
+        let built: Vec<(String, String)> = b
+            .iter()
+            .map(|(name, _, key)| (name.clone(), key.clone().unwrap_or_default()))
+            .collect();
+        assert_eq!(tracked, built, "an MLflow run per stage the jobs built");
     }
     // A second --batch of the up-to-date pipeline submits nothing.
     let again = p.run(&["run", "d.yaml", "--batch", "lab"]);

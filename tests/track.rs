@@ -7,7 +7,7 @@ use serde_json::Value;
 use std::collections::BTreeMap;
 use std::os::unix::process::CommandExt;
 use std::process::{Child, Command, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// A tiny pretrain and an eval of it: a curve, and final figures under paths.
 const RECIPE: &str = r#"
@@ -40,19 +40,24 @@ stages:
     inputs: {model: "pretrain:model", data: "data:data"}
     params:
       perplexity: {split: train, seq_length: 32, max_windows: 2}
+  notes:
+    op: cmd
+    params: {blend: {"s3://bucket/x/": 1}, "a[b]": 2, long: LONG}
+    outputs: {o: notes.txt}
+    cmd: "echo noted > {outputs.o}"
 "#;
 
 /// `mlflow server` on a loopback port with a SQLite store of its own; its process group is
 /// stopped when dropped.
-struct Mlflow {
+pub(crate) struct Mlflow {
     child: Child,
-    uri: String,
+    pub(crate) uri: String,
     python: String,
     root: std::path::PathBuf,
 }
 
 impl Mlflow {
-    fn start(test: &str) -> Option<Mlflow> {
+    pub(crate) fn start(test: &str) -> Option<Mlflow> {
         let Ok(bin) = std::env::var("NEMO_DAG_MLFLOW") else {
             assert!(
                 std::env::var("NEMO_DAG_REQUIRE_MLFLOW").as_deref() != Ok("1"),
@@ -109,7 +114,7 @@ impl Mlflow {
     }
 
     /// Every run of `experiment`, as MLflow's own client reads it (tests/py/mlflow_runs.py).
-    fn runs(&self, experiment: &str) -> Vec<Value> {
+    pub(crate) fn runs(&self, experiment: &str) -> Vec<Value> {
         let out = Command::new(&self.python)
             .arg(crate::common::repo().join("tests/py/mlflow_runs.py"))
             .args([&self.uri, experiment])
@@ -147,7 +152,7 @@ fn executed_stages_become_runs_of_a_real_mlflow_server() {
         return;
     };
     let p = Project::new("mlflow");
-    p.write("recipe.yaml", RECIPE);
+    p.write("recipe.yaml", &RECIPE.replace("LONG", &"x".repeat(7000)));
     p.write(
         "env.toml",
         &format!(
@@ -158,14 +163,14 @@ fn executed_stages_become_runs_of_a_real_mlflow_server() {
     let run = p.ok(&["run", "recipe.yaml"]);
     assert!(
         run.stderr
-            .contains("mlflow: 5 stage(s) logged to experiment `tiny`: http://127.0.0.1:"),
+            .contains("mlflow: 6 stage(s) logged to experiment `tiny`: http://127.0.0.1:"),
         "{run}"
     );
     let status = p.json(&["status", "recipe.yaml", "--json"]);
     let runs = by_name(&server.runs("tiny"));
     assert_eq!(
         runs.keys().collect::<Vec<_>>(),
-        ["data", "eval", "pretrain", "problems", "tokenizer"],
+        ["data", "eval", "notes", "pretrain", "problems", "tokenizer"],
         "a run per executed stage"
     );
     for (name, r) in &runs {
@@ -231,10 +236,17 @@ fn executed_stages_become_runs_of_a_real_mlflow_server() {
         "{ppl}"
     );
 
+    // Names the server would refuse as they are (a path with `//`, brackets) and a value longer
+    // than it keeps are made ones it takes.
+    let notes = &runs["notes"]["params"];
+    assert_eq!(notes["blend.s3:/bucket/x"], "1", "{notes}");
+    assert_eq!(notes["a_b_"], "2", "{notes}");
+    assert_eq!(notes["long"].as_str().map(str::len), Some(6000), "{notes}");
+
     // A run that builds nothing logs nothing; one that rebuilds the eval logs the eval.
     let again = p.ok(&["run", "recipe.yaml", "--json"]);
     assert!(!again.stderr.contains("mlflow:"), "{again}");
-    assert_eq!(server.runs("tiny").len(), 5);
+    assert_eq!(server.runs("tiny").len(), 6);
     p.ok(&[
         "run",
         "recipe.yaml",
@@ -242,25 +254,46 @@ fn executed_stages_become_runs_of_a_real_mlflow_server() {
     ]);
     let runs = server.runs("tiny");
     let evals: Vec<&Value> = runs.iter().filter(|r| r["name"] == "eval").collect();
-    assert_eq!((runs.len(), evals.len()), (6, 2));
+    assert_eq!((runs.len(), evals.len()), (7, 2));
     assert!(
         evals
             .iter()
             .any(|r| r["params"]["perplexity.max_windows"] == "1"),
         "{evals:?}"
     );
+
+    // MLFLOW_TRACKING_URI wins over env.toml, and with no experiment named the manifest names
+    // it.
+    let q = Project::new("mlflow-env-wins");
+    q.write(
+        "other.yaml",
+        "stages:\n  a:\n    op: cmd\n    outputs: {o: a.txt}\n    cmd: \"echo a > {outputs.o}\"\n",
+    );
+    q.write(
+        "env.toml",
+        "[mlflow]\ntracking_uri = \"http://127.0.0.1:9\"\n",
+    );
+    let out = crate::common::output({
+        let mut c = q.command(&["run", "other.yaml"]);
+        c.env("MLFLOW_TRACKING_URI", &server.uri);
+        c
+    });
+    assert_eq!(out.code, 0, "{out}");
+    assert!(!out.stderr.contains("warning"), "{out}");
+    let other = server.runs("other");
+    assert_eq!(other.len(), 1, "{other:?}");
+    assert_eq!(other[0]["name"], "a");
 }
 
-/// Two quick stages under a tracker at `uri`: the run succeeds, both stages are published, the
-/// tracker is warned about once, and the run ends within `limit`.
-fn run_under_a_broken_tracker(uri: &str, limit: Duration) {
+/// Two quick stages under a tracker at `uri`: the run succeeds, both stages are published, and
+/// the tracker is warned about once, saying `why`, within `limit`.
+fn run_under_a_broken_tracker(uri: &str, why: &str, limit: Duration) {
     let p = Project::new("mlflow-down");
     p.write(
         "pipeline.yaml",
         "stages:\n  a:\n    op: cmd\n    outputs: {o: a.txt}\n    cmd: \"echo a > {outputs.o}\"\n  b:\n    op: cmd\n    inputs: {i: \"a:o\"}\n    outputs: {o: b.txt}\n    cmd: \"cat {inputs.i} > {outputs.o}\"\n",
     );
     p.write("env.toml", &format!("[mlflow]\ntracking_uri = \"{uri}\"\n"));
-    let clock = Instant::now();
     let mut child = p.spawn(&["run", "pipeline.yaml"]);
     let ended = wait_for(limit, || child.try_wait().is_ok_and(|s| s.is_some()));
     if !ended {
@@ -272,28 +305,59 @@ fn run_under_a_broken_tracker(uri: &str, limit: Duration) {
         "the run did not end within {limit:?} under {uri}\n{out}"
     );
     assert_eq!(out.code, 0, "{out}");
-    assert_eq!(
-        out.stderr.matches("warning: MLflow at").count(),
-        1,
-        "said once\n{out}"
-    );
+    let warnings: Vec<&str> = out
+        .stderr
+        .lines()
+        .filter(|l| l.contains("warning: MLflow at"))
+        .collect();
+    assert_eq!(warnings.len(), 1, "said once\n{out}");
+    assert!(warnings[0].contains(why), "{why}\n{out}");
     let s = states(&p.json(&["status", "pipeline.yaml", "--json"]));
     assert!(s.values().all(|v| v == "up-to-date"), "{s:?}");
-    eprintln!("under {uri}: {:.1}s", clock.elapsed().as_secs_f64());
+}
+
+/// A loopback server that answers every request with `status` and an empty body.
+fn answering(status: &'static str) -> u16 {
+    use std::io::{Read, Write};
+    let listener = std::net::TcpListener::bind(("127.0.0.1", 0)).unwrap();
+    let port = listener.local_addr().unwrap().port();
+    std::thread::spawn(move || {
+        for mut conn in listener.incoming().flatten() {
+            let mut buf = [0u8; 4096];
+            let _ = conn.read(&mut buf);
+            let _ = write!(
+                conn,
+                "HTTP/1.1 {status}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+            );
+        }
+    });
+    port
 }
 
 #[test]
-fn a_tracker_that_is_down_or_never_answers_never_fails_a_run() {
+fn a_tracker_that_is_down_refuses_or_never_answers_never_fails_a_run() {
     // Nothing listens: refused at once.
     let closed = std::net::TcpListener::bind(("127.0.0.1", 0))
         .and_then(|l| l.local_addr())
         .unwrap()
         .port();
+    let limit = Duration::from_secs(20);
+    run_under_a_broken_tracker(&format!("http://127.0.0.1:{closed}"), "no answer", limit);
+    // A server that fails, and one that wants credentials.
+    let failing = answering("500 Internal Server Error");
     run_under_a_broken_tracker(
-        &format!("http://127.0.0.1:{closed}"),
-        Duration::from_secs(60),
+        &format!("http://127.0.0.1:{failing}"),
+        "refused (500)",
+        limit,
     );
-    // Accepts every connection and never answers: without a timeout, the run would wait forever.
+    let locked = answering("401 Unauthorized");
+    run_under_a_broken_tracker(
+        &format!("http://127.0.0.1:{locked}"),
+        "MLFLOW_TRACKING_TOKEN",
+        limit,
+    );
+    // Accepts every connection and never answers: without a timeout, the run would wait
+    // forever; with it, it ends a request's timeout (5 s) later.
     let silent = std::net::TcpListener::bind(("127.0.0.1", 0)).unwrap();
     let port = silent.local_addr().unwrap().port();
     std::thread::spawn(move || {
@@ -302,7 +366,7 @@ fn a_tracker_that_is_down_or_never_answers_never_fails_a_run() {
             held.push(conn);
         }
     });
-    run_under_a_broken_tracker(&format!("http://127.0.0.1:{port}"), Duration::from_secs(60));
+    run_under_a_broken_tracker(&format!("http://127.0.0.1:{port}"), "timed out", limit);
 }
 
 #[test]

@@ -54,6 +54,15 @@ pub struct RunTags {
     pub variant: Option<String>,
 }
 
+impl RunTags {
+    pub fn new(manifest: &crate::manifest::Manifest, argv: &[String]) -> RunTags {
+        RunTags {
+            argv: argv.to_vec(),
+            variant: manifest.variant.as_ref().map(|v| v.display().to_string()),
+        }
+    }
+}
+
 impl Tracker {
     /// The tracker of a run of the manifest in `start`, if one is configured: `[mlflow]` in the
     /// `env.toml` found from there, or `MLFLOW_TRACKING_URI`. A bad `[mlflow]` is an error at
@@ -106,8 +115,9 @@ impl Tracker {
         }))
     }
 
-    /// Log one published stage as an MLflow run. Never fails: the first failure is said once
-    /// (on stderr), and every later call does nothing.
+    /// Log one published stage as an MLflow run. Never fails: a server that cannot be used is
+    /// said once (on stderr), and every later call does nothing; a stage whose run the server
+    /// refuses (a value it will not take) is said, and the next stage is tried.
     pub async fn stage(&self, artifact: &Artifact, artifact_dir: &Path, run: &RunTags) {
         if !self.up() {
             return;
@@ -118,8 +128,13 @@ impl Tracker {
         if !self.up() {
             return;
         }
-        if let Err(why) = self.send(&mut state, artifact, artifact_dir, run).await {
-            self.went_down(&why);
+        match self.send(&mut state, artifact, artifact_dir, run).await {
+            Ok(()) => state.logged += 1,
+            Err(e) if e.is_down() => self.went_down(&e.to_string()),
+            Err(e) => eprintln!(
+                "nemo-dag: warning: MLflow refused the run of `{}`: {e}",
+                artifact.stage
+            ),
         }
     }
 
@@ -129,40 +144,34 @@ impl Tracker {
         artifact: &Artifact,
         artifact_dir: &Path,
         run: &RunTags,
-    ) -> Result<(), String> {
+    ) -> Result<(), nemo_dag_mlflow::Error> {
         let experiment_id = match &state.experiment_id {
             Some(id) => id.clone(),
             None => {
-                let id = self
-                    .client
-                    .experiment(&self.experiment)
-                    .await
-                    .map_err(|e| format!("experiment `{}`: {e}", self.experiment))?;
+                let id = self.client.experiment(&self.experiment).await?;
                 state.experiment_id = Some(id.clone());
                 id
             }
         };
         let start = ms(crate::curve::start(artifact));
+        let end = ms(crate::curve::end(artifact));
+        let tags = tags(artifact, artifact_dir, run);
         let run_id = self
             .client
-            .create_run(
-                &experiment_id,
-                &artifact.stage,
-                start,
-                &tags(artifact, artifact_dir, run),
-            )
-            .await
-            .map_err(|e| e.to_string())?;
-        self.client
+            .create_run(&experiment_id, &artifact.stage, start, &tags)
+            .await?;
+        let logged = self
+            .client
             .log(&run_id, &params(artifact), &metrics(artifact), &[])
-            .await
-            .map_err(|e| e.to_string())?;
-        self.client
-            .end_run(&run_id, Status::Finished, ms(crate::curve::end(artifact)))
-            .await
-            .map_err(|e| e.to_string())?;
-        state.logged += 1;
-        Ok(())
+            .await;
+        let status = match &logged {
+            Ok(()) => Status::Finished,
+            Err(_) => Status::Failed,
+        };
+        // A run that could not be logged whole is ended all the same (marked failed), so that
+        // it does not show as running forever.
+        let ended = self.client.end_run(&run_id, status, end).await;
+        logged.and(ended)
     }
 
     /// The line a run ends with when it tracked something: how many stages, and where.
@@ -177,9 +186,17 @@ impl Tracker {
         ))
     }
 
-    /// Log each of `keys` (published in `store`) as a run, one after another: what a cluster
-    /// run does once its jobs have ended. A key the store does not have is passed over.
-    pub fn stages(&self, store: &crate::store::Store, keys: &[String], run: &RunTags) {
+    /// Log each of `keys` (published in `store`) as a run, one after another, until `stop`
+    /// says the user interrupted: what a cluster run does once its jobs have ended. A key the
+    /// store does not have (built in a node's own store and not pulled back) is said, and
+    /// passed over.
+    pub fn stages(
+        &self,
+        store: &crate::store::Store,
+        keys: &[String],
+        run: &RunTags,
+        stop: &dyn Fn() -> bool,
+    ) {
         let Ok(runtime) = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
@@ -187,10 +204,21 @@ impl Tracker {
             return;
         };
         runtime.block_on(async {
+            let mut absent = 0;
             for key in keys {
-                if let Some(artifact) = store.load(key) {
-                    self.stage(&artifact, &store.artifact_dir(key), run).await;
+                if stop() {
+                    eprintln!("nemo-dag: interrupted: the stages not yet sent to MLflow are not tracked");
+                    break;
                 }
+                match store.load(key) {
+                    Some(artifact) => self.stage(&artifact, &store.artifact_dir(key), run).await,
+                    None => absent += 1,
+                }
+            }
+            if absent > 0 {
+                eprintln!(
+                    "nemo-dag: warning: {absent} stage(s) built on the cluster are not in this store, and are not tracked in MLflow"
+                );
             }
             if let Some(line) = self.summary().await {
                 eprintln!("{line}");
@@ -246,7 +274,7 @@ fn metrics(artifact: &Artifact) -> Vec<Metric> {
             })
         })
         .collect();
-    let step = points.last().map_or(0, |p| p.step);
+    let step = points.iter().map(|p| p.step).max().unwrap_or(0);
     let end = ms(crate::curve::end(artifact));
     let mut finals = crate::diff::final_metrics(&artifact.metrics);
     if let Some(r) = &artifact.resources {

@@ -42,6 +42,19 @@ pub enum Error {
     Unexpected(String),
 }
 
+impl Error {
+    /// Whether the server as a whole cannot be used (no answer, credentials refused, a failure
+    /// of its own), rather than refusing what one request held (a 400 about a value).
+    pub fn is_down(&self) -> bool {
+        match self {
+            Error::Refused { status, .. } => {
+                !(400..500).contains(status) || matches!(status, 401 | 403 | 404 | 405 | 429)
+            }
+            Error::Unreachable(_) | Error::Unexpected(_) => true,
+        }
+    }
+}
+
 impl std::fmt::Display for Error {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
@@ -89,9 +102,13 @@ impl Client {
     /// the server is mounted under). Nothing is sent yet. The error says what is wrong with the
     /// URI.
     pub fn new(tracking_uri: &str) -> Result<Client, String> {
-        let url = Url::parse(tracking_uri)
-            .ok()
-            .filter(|u| matches!(u.scheme(), "http" | "https") && u.host_str().is_some());
+        let uri = tracking_uri.trim();
+        let url = Url::parse(uri).ok().filter(|u| {
+            matches!(u.scheme(), "http" | "https")
+                && u.host_str().is_some()
+                && u.query().is_none()
+                && u.fragment().is_none()
+        });
         if url.is_none() {
             return Err(format!(
                 "`{tracking_uri}` is not an http:// or https:// server: nemo-dag talks to a tracking server (`mlflow server`) through its REST API, not to a file store or a hosted URI scheme"
@@ -115,7 +132,7 @@ impl Client {
         };
         Ok(Client {
             http,
-            base: tracking_uri.trim_end_matches('/').to_string(),
+            base: uri.trim_end_matches('/').to_string(),
             auth,
         })
     }
@@ -286,9 +303,10 @@ impl Client {
 }
 
 /// A name as a key the server takes: letters, digits, `_ - . / :` and spaces (`[`, `]`, `=`
-/// and anything else become `_`, quotes go), at most 250 characters.
+/// and anything else become `_`, quotes go), read as a path that is already normal (the server
+/// refuses `a//b`, a leading or trailing `/`, and `.` or `..` segments), at most 250 characters.
 pub fn key(name: &str) -> String {
-    let mut k: String = name
+    let chars: String = name
         .chars()
         .filter(|c| *c != '"')
         .map(|c| {
@@ -299,7 +317,20 @@ pub fn key(name: &str) -> String {
             }
         })
         .collect();
+    let mut k = chars
+        .split('/')
+        .filter(|segment| !segment.is_empty())
+        .map(|segment| match segment {
+            "." | ".." => "_",
+            other => other,
+        })
+        .collect::<Vec<_>>()
+        .join("/");
     truncate(&mut k, MAX_KEY);
+    // Cutting may leave a trailing `/`.
+    while k.ends_with('/') {
+        k.pop();
+    }
     if k.is_empty() {
         k.push('_');
     }
@@ -323,7 +354,10 @@ fn batches(
             let mut n = 1;
             while !seen.insert(unique.clone()) {
                 n += 1;
-                unique = format!("{base}_{n}");
+                let suffix = format!("_{n}");
+                let mut stem = base.clone();
+                truncate(&mut stem, MAX_KEY - suffix.len());
+                unique = format!("{stem}{suffix}");
             }
             (unique, v.clone())
         })
@@ -421,6 +455,10 @@ mod tests {
         assert_eq!(key("généré"), "g_n_r_");
         assert_eq!(key(""), "_");
         assert_eq!(key(&"x".repeat(300)).len(), 250);
+        // Paths the server normalises, and so refuses.
+        assert_eq!(key("blend.s3://bucket/x/"), "blend.s3:/bucket/x");
+        assert_eq!(key("/a/./b/../c"), "a/_/b/_/c");
+        assert_eq!(key("//"), "_");
     }
 
     fn metric(i: usize) -> Metric {
@@ -474,6 +512,29 @@ mod tests {
         assert_eq!(p[1], json!({"key": "a_b__2", "value": "2"}));
         let cut = p[2]["value"].as_str().unwrap_or("");
         assert_eq!(cut.chars().count(), MAX_PARAM_VALUE);
+        let long = vec![
+            ("y".repeat(300), "1".to_string()),
+            ("y".repeat(260), "2".to_string()),
+        ];
+        let body = &batches("r", &long, &[], &[])[0];
+        let second = body["params"][1]["key"].as_str().unwrap_or("");
+        assert!(
+            second.len() == MAX_KEY && second.ends_with("_2"),
+            "{second}"
+        );
+    }
+
+    #[test]
+    fn a_refused_value_is_the_stages_problem_and_anything_else_the_servers() {
+        let refused = |status| Error::Refused {
+            status,
+            message: String::new(),
+        };
+        assert!(!refused(400).is_down());
+        for status in [401, 403, 404, 500, 503] {
+            assert!(refused(status).is_down(), "{status}");
+        }
+        assert!(Error::Unreachable("timed out".into()).is_down());
     }
 
     #[test]
@@ -509,6 +570,7 @@ mod tests {
         for (port, why) in [(closed, None), (port, Some("timed out"))] {
             let client =
                 Client::new(&format!("http://127.0.0.1:{port}")).unwrap_or_else(|e| panic!("{e}"));
+            let clock = std::time::Instant::now();
             let tried = tokio::time::timeout(
                 REQUEST_TIMEOUT + Duration::from_secs(10),
                 client.experiment("x"),
@@ -520,6 +582,7 @@ mod tests {
                 }
                 other => panic!("port {port}: {other:?}"),
             }
+            assert!(clock.elapsed() < REQUEST_TIMEOUT + Duration::from_secs(2));
         }
     }
 }

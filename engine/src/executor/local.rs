@@ -28,6 +28,9 @@ use std::time::{Duration, Instant};
 use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt, BufReader};
 use tokio::task::JoinSet;
 
+/// How long the stages still being sent to MLflow may take once every stage has ended.
+const TRACKING_GRACE: Duration = Duration::from_secs(60);
+
 #[derive(Debug, Clone, Default)]
 pub struct RunOptions {
     pub jobs: usize,
@@ -524,10 +527,7 @@ async fn schedule(
     )> = JoinSet::new();
     // What ran here, logged to MLflow as it is published (one stage at a time, never failing).
     let mut tracking: JoinSet<()> = JoinSet::new();
-    let run_tags = crate::mlflow::RunTags {
-        argv: opts.argv.clone(),
-        variant: manifest.variant.as_ref().map(|v| v.display().to_string()),
-    };
+    let run_tags = crate::mlflow::RunTags::new(manifest, &opts.argv);
     let mut interrupted = false;
     // Each key this run publishes is journaled at once; the record is written at the end.
     let run_id = plan::run_id(manifest);
@@ -757,6 +757,7 @@ async fn schedule(
                 interrupted = true;
                 reporter.line(format!("{signal}: the pushes still running are abandoned (a record goes up only after its blobs: nothing partial is visible)"));
                 pushes.abort_all();
+                tracking.abort_all();
                 continue;
             }
         };
@@ -781,13 +782,25 @@ async fn schedule(
             Err(e) => reporter.stage_line(&name, &format!("warning: not pushed: {e}")),
         }
     }
-    // The tracker's requests are bounded by their timeouts, and stop at its first failure.
+    // The tracker's requests are bounded by their timeouts, and stop at its first failure; a
+    // slow one that still answers gets TRACKING_GRACE after the stages, then is left.
+    let grace = tokio::time::sleep(TRACKING_GRACE);
+    tokio::pin!(grace);
     loop {
         let tracked = tokio::select! {
             tracked = tracking.join_next() => tracked,
             signal = &mut stop, if !interrupted => {
                 interrupted = true;
                 reporter.line(format!("{signal}: what is still going to MLflow is abandoned"));
+                tracking.abort_all();
+                continue;
+            }
+            () = &mut grace, if !tracking.is_empty() => {
+                reporter.line(format!(
+                    "warning: MLflow is slow: {} stage(s) still being sent after {}s are not tracked",
+                    tracking.len(),
+                    TRACKING_GRACE.as_secs()
+                ));
                 tracking.abort_all();
                 continue;
             }

@@ -365,11 +365,8 @@ pub fn submit(manifest: &Manifest, store: &Store, opts: &SubmitOptions) -> Resul
                     .filter(|o| o.state == "executed")
                     .filter_map(|o| o.key.clone())
                     .collect();
-                let tags = crate::mlflow::RunTags {
-                    argv,
-                    variant: manifest.variant.as_ref().map(|v| v.display().to_string()),
-                };
-                tracker.stages(store, &built, &tags);
+                let tags = crate::mlflow::RunTags::new(manifest, &argv);
+                tracker.stages(store, &built, &tags, &|| interrupt::Interrupt.fired());
             }
             Ok(order(manifest, out))
         }
