@@ -394,6 +394,39 @@ fn the_declaration_is_checked_before_anything_runs() {
         assert!(out.stderr.contains(n), "stderr should say {n:?}\n{out}");
     }
     assert!(!p.store().exists(), "nothing written");
+
+    // SFT's sequence is the packed rows' length: a seq_length that is not the pack stage's
+    // pack_size is refused at its line, for every command that loads the manifest.
+    let p = project("mb-decl-packed");
+    let text = std::fs::read_to_string(p.path("m.yaml"))
+        .unwrap()
+        .replace("      seq_length: 256\n", "      seq_length: 512\n");
+    p.write("m.yaml", &text);
+    let line = text
+        .lines()
+        .position(|l| l == "      seq_length: 512")
+        .unwrap()
+        + 1;
+    for command in [
+        &["run", "m.yaml"][..],
+        &["validate", "m.yaml"],
+        &["status", "m.yaml"],
+    ] {
+        let out = p.run(command);
+        assert_eq!(out.code, 2, "{command:?}: {out}");
+        for n in [
+            "stage `sft`: seq_length 512 is not the length of the `data` input's packed rows (256",
+            // (The manifest has templates: the place is in the rendered text.)
+            &format!("m.yaml (after templating):{line}:"),
+            "set seq_length: 256",
+        ] {
+            assert!(
+                out.stderr.contains(n),
+                "{command:?}: stderr should say {n:?}\n{out}"
+            );
+        }
+        assert!(!p.store().exists(), "{command:?}: nothing written");
+    }
 }
 
 #[test]

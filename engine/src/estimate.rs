@@ -5,7 +5,7 @@
 //! declare they will hand it: `sft` sizes itself by the model its `pretrain` input will
 //! produce, long before that model exists.
 
-use crate::manifest::{Input, Manifest};
+use crate::manifest::{Input, Manifest, Stage};
 use nemo_dag_op::{Device, Estimate, Plan, Upstream, plan::bytes};
 use std::collections::BTreeMap;
 
@@ -14,19 +14,7 @@ pub fn plans(manifest: &Manifest) -> BTreeMap<String, Plan> {
     let mut plans: BTreeMap<String, Plan> = BTreeMap::new();
     for name in &manifest.order {
         let stage = &manifest.stages[name];
-        let mut upstream = Upstream::default();
-        for (input, source) in &stage.inputs {
-            match source {
-                Input::Stage { stage: up, .. } => {
-                    if let Some(plan) = plans.get(up) {
-                        upstream.stages.insert(input, plan.facts.clone());
-                    }
-                }
-                Input::File { path, .. } => {
-                    upstream.files.insert(input, path);
-                }
-            }
-        }
+        let upstream = upstream(stage, &plans);
         // The manifest checked every stage when it loaded: a failure here is not reachable,
         // and a stage without a plan is only a stage nobody estimates.
         let plan = match stage.op.check(&stage.decl()) {
@@ -36,6 +24,25 @@ pub fn plans(manifest: &Manifest) -> BTreeMap<String, Plan> {
         plans.insert(name.clone(), plan);
     }
     plans
+}
+
+/// What `stage`'s inputs will be, from the plans of the stages above it and the files the
+/// manifest names.
+pub fn upstream<'a>(stage: &'a Stage, plans: &BTreeMap<String, Plan>) -> Upstream<'a> {
+    let mut upstream = Upstream::default();
+    for (input, source) in &stage.inputs {
+        match source {
+            Input::Stage { stage: up, .. } => {
+                if let Some(plan) = plans.get(up) {
+                    upstream.stages.insert(input, plan.facts.clone());
+                }
+            }
+            Input::File { path, .. } => {
+                upstream.files.insert(input, path);
+            }
+        }
+    }
+    upstream
 }
 
 /// The memory a stage on `device` can have on this machine, and what it is (`24.0 GiB of RAM`).

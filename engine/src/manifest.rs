@@ -599,7 +599,30 @@ impl Manifest {
         let stages = manifest.expand_sweeps(raw.stages)?;
         manifest.build_stages(stages, args.ops)?;
         manifest.order = manifest.topological_order()?;
+        manifest.check_upstream()?;
         Ok(manifest)
+    }
+
+    /// Every stage against what the stages above it will hand it ([`nemo_dag_op::Op::check_upstream`]):
+    /// a declaration that cannot work with them is an error at its place, before anything runs.
+    fn check_upstream(&self) -> Result<(), InputError> {
+        let plans = self.plans();
+        for name in &self.order {
+            let stage = &self.stages[name];
+            let upstream = crate::estimate::upstream(stage, plans);
+            let refused = match stage.op.check(&stage.decl()) {
+                Ok(checked) => stage.op.check_upstream(&checked, &upstream),
+                Err(_) => Ok(()), // refused when the stage was built
+            };
+            if let Err(e) = refused {
+                let mut path = vec!["stages", name.as_str()];
+                path.extend(e.path.iter().map(String::as_str));
+                return Err(self
+                    .error_at(&path, format!("stage `{name}`: {}", e.message))
+                    .maybe_help(e.help));
+            }
+        }
+        Ok(())
     }
 
     fn check_stage_name(&self, name: &str) -> Result<(), InputError> {

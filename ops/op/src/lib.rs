@@ -288,6 +288,14 @@ pub trait Op: Sync {
         let _ = (params, upstream);
         Plan::default()
     }
+    /// Refuse a declaration that cannot work with what the stages above will hand it (a
+    /// sequence length that is not the packed rows' length), from their facts: called on
+    /// checked params when the manifest loads, so the error points at the manifest before
+    /// anything runs.
+    fn check_upstream(&self, params: &Self::Params, upstream: &Upstream) -> Result<(), DeclError> {
+        let _ = (params, upstream);
+        Ok(())
+    }
 }
 
 /// What a successful [`AnyOp::check`] approved (the op's parsed params), for [`AnyOp::run`].
@@ -308,6 +316,8 @@ pub trait AnyOp: Sync {
     fn run(&self, checked: &Checked, ctx: &mut RunContext) -> Result<Metrics, RunError>;
     /// Plan with what `check` approved for this same stage ([`Op::plan`]).
     fn plan(&self, checked: &Checked, upstream: &Upstream) -> Plan;
+    /// Check what `check` approved against the upstream's facts ([`Op::check_upstream`]).
+    fn check_upstream(&self, checked: &Checked, upstream: &Upstream) -> Result<(), DeclError>;
     /// The container image the stage names through its params ([`Op::image`]).
     fn image(&self, checked: &Checked) -> Option<String>;
     /// What a run of the stage will execute ([`Op::preview`]).
@@ -362,6 +372,13 @@ impl<T: Op> AnyOp for T {
         match checked.0.downcast_ref::<T::Params>() {
             Some(params) => Op::plan(self, params, upstream),
             None => Plan::default(),
+        }
+    }
+
+    fn check_upstream(&self, checked: &Checked, upstream: &Upstream) -> Result<(), DeclError> {
+        match checked.0.downcast_ref::<T::Params>() {
+            Some(params) => Op::check_upstream(self, params, upstream),
+            None => Ok(()),
         }
     }
 

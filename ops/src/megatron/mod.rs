@@ -50,6 +50,7 @@ use crate::training::{blend_split, input};
 use nemo_dag_op::process::{describe_exit, readable_shell_word, run_logged};
 use nemo_dag_op::{
     DeclError, Metrics, Op, Outputs, Port, Progress, RunContext, RunError, Spec, StageDecl,
+    Upstream,
 };
 use overrides::{Override, list, quoted};
 use serde::Deserialize;
@@ -233,6 +234,25 @@ impl Op for Megatron {
         match stage.world_size {
             Some(world) => check_parallel(p, world),
             None => Ok(()),
+        }
+    }
+    /// SFT reads the pack artifact's rows as they are: `seq_length` is the
+    /// `packed_sequence_size` Megatron-Bridge is told, so it must be the rows' `pack_size`.
+    fn check_upstream(&self, p: &Params, upstream: &Upstream) -> Result<(), DeclError> {
+        let packed = upstream.stages.get("data").and_then(|f| f.sequence);
+        match (self.0, packed) {
+            (Mode::Sft, Some(rows)) if rows as u64 != p.seq_length => Err(DeclError::new(
+                &["params", "seq_length"],
+                format!(
+                    "seq_length {} is not the length of the `data` input's packed rows ({rows}, its pack stage's pack_size): Megatron-Bridge takes each packed row as one sequence of seq_length tokens",
+                    p.seq_length
+                ),
+            )
+            .with_help(format!(
+                "set seq_length: {rows}, or pack_size to {} in the pack stage",
+                p.seq_length
+            ))),
+            _ => Ok(()),
         }
     }
     fn image(&self, p: &Params) -> Option<String> {
