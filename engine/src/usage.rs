@@ -86,9 +86,20 @@ mod tests {
     #[test]
     fn counters_see_cpu_io_and_children() {
         let before = Counters::now();
-        let spin = std::time::Instant::now();
+        // Spin for 300 ms of this thread's CPU time (not wall time: on a busy machine a wall
+        // clock spin gets less CPU than it asks for).
+        let thread_cpu = || {
+            let mut t = libc::timespec {
+                tv_sec: 0,
+                tv_nsec: 0,
+            };
+            // SAFETY: clock_gettime writes the timespec it is given.
+            unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut t) };
+            Duration::new(t.tv_sec as u64, t.tv_nsec as u32)
+        };
+        let start = thread_cpu();
         let mut x = 0u64;
-        while spin.elapsed() < Duration::from_millis(300) {
+        while thread_cpu() - start < Duration::from_millis(300) {
             x = std::hint::black_box(x.wrapping_mul(6364136223846793005).wrapping_add(1));
         }
         let dir = std::env::temp_dir().join(format!("nemo-dag-usage-{}", std::process::id()));
