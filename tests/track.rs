@@ -262,6 +262,35 @@ fn executed_stages_become_runs_of_a_real_mlflow_server() {
         "{evals:?}"
     );
 
+    // A stage that fails is a FAILED run, with its params, its key and why.
+    let failed = p.run(&["run", "recipe.yaml", "stages.notes.cmd=exit 3"]);
+    assert_eq!(failed.code, 1, "{failed}");
+    let runs = server.runs("tiny");
+    let broken: Vec<&Value> = runs
+        .iter()
+        .filter(|r| r["name"] == "notes" && r["status"] == "FAILED")
+        .collect();
+    assert_eq!(broken.len(), 1, "{runs:?}");
+    let tags = &broken[0]["tags"];
+    assert!(
+        tags["nemo_dag.error"]
+            .as_str()
+            .is_some_and(|e| e.contains("exit")),
+        "{tags}"
+    );
+    assert!(
+        tags["nemo_dag.log"]
+            .as_str()
+            .is_some_and(|l| l.ends_with("log.txt")),
+        "{tags}"
+    );
+    assert!(
+        crate::common::is_key(tags["nemo_dag.key"].as_str().unwrap_or("")),
+        "{tags}"
+    );
+    assert_eq!(broken[0]["params"]["cmd"], "exit 3");
+    assert_eq!(broken[0]["params"]["a_b_"], "2");
+
     // MLFLOW_TRACKING_URI wins over env.toml, and with no experiment named the manifest names
     // it.
     let q = Project::new("mlflow-env-wins");

@@ -119,6 +119,12 @@ impl Tracker {
     /// said once (on stderr), and every later call does nothing; a stage whose run the server
     /// refuses (a value it will not take) is said, and the next stage is tried.
     pub async fn stage(&self, artifact: &Artifact, artifact_dir: &Path, run: &RunTags) {
+        self.record(Record::built(artifact, artifact_dir, run))
+            .await;
+    }
+
+    /// Log one run ([`Record::failed`]), as [`Tracker::stage`] does.
+    pub async fn record(&self, record: Record) {
         if !self.up() {
             return;
         }
@@ -128,23 +134,17 @@ impl Tracker {
         if !self.up() {
             return;
         }
-        match self.send(&mut state, artifact, artifact_dir, run).await {
+        match self.send(&mut state, &record).await {
             Ok(()) => state.logged += 1,
             Err(e) if e.is_down() => self.went_down(&e.to_string()),
             Err(e) => eprintln!(
                 "nemo-dag: warning: MLflow refused the run of `{}`: {e}",
-                artifact.stage
+                record.name
             ),
         }
     }
 
-    async fn send(
-        &self,
-        state: &mut State,
-        artifact: &Artifact,
-        artifact_dir: &Path,
-        run: &RunTags,
-    ) -> Result<(), nemo_dag_mlflow::Error> {
+    async fn send(&self, state: &mut State, record: &Record) -> Result<(), nemo_dag_mlflow::Error> {
         let experiment_id = match &state.experiment_id {
             Some(id) => id.clone(),
             None => {
@@ -153,24 +153,21 @@ impl Tracker {
                 id
             }
         };
-        let start = ms(crate::curve::start(artifact));
-        let end = ms(crate::curve::end(artifact));
-        let tags = tags(artifact, artifact_dir, run);
         let run_id = self
             .client
-            .create_run(&experiment_id, &artifact.stage, start, &tags)
+            .create_run(&experiment_id, &record.name, record.start, &record.tags)
             .await?;
         let logged = self
             .client
-            .log(&run_id, &params(artifact), &metrics(artifact), &[])
+            .log(&run_id, &record.params, &record.metrics, &[])
             .await;
         let status = match &logged {
-            Ok(()) => Status::Finished,
+            Ok(()) => record.status,
             Err(_) => Status::Failed,
         };
         // A run that could not be logged whole is ended all the same (marked failed), so that
         // it does not show as running forever.
-        let ended = self.client.end_run(&run_id, status, end).await;
+        let ended = self.client.end_run(&run_id, status, record.end).await;
         logged.and(ended)
     }
 
@@ -245,16 +242,95 @@ impl Tracker {
     }
 }
 
+/// A stage that failed, as the run that ran it knows it.
+#[derive(Debug)]
+pub struct Failed<'a> {
+    pub stage: &'a crate::manifest::Stage,
+    pub key: &'a str,
+    /// The keys of the stages it read.
+    pub upstream_keys: Vec<String>,
+    pub manifest: &'a Path,
+    pub error: &'a str,
+    pub log: Option<&'a str>,
+    /// How long it ran, in seconds, up to now.
+    pub seconds: f64,
+}
+
+/// What one MLflow run holds.
+#[derive(Debug)]
+pub struct Record {
+    name: String,
+    /// Milliseconds since 1970.
+    start: i64,
+    end: i64,
+    status: Status,
+    params: Vec<(String, String)>,
+    metrics: Vec<Metric>,
+    tags: Vec<(String, String)>,
+}
+
+impl Record {
+    /// A published stage: its params, curve, final figures and lineage.
+    fn built(artifact: &Artifact, artifact_dir: &Path, run: &RunTags) -> Record {
+        Record {
+            name: artifact.stage.clone(),
+            start: ms(crate::curve::start(artifact)),
+            end: ms(crate::curve::end(artifact)),
+            status: Status::Finished,
+            params: params(&artifact.params, artifact.cmd.as_deref()),
+            metrics: metrics(artifact),
+            tags: tags(artifact, artifact_dir, run),
+        }
+    }
+
+    /// A stage that failed, to be marked `FAILED`: no artifact, so no figures; its params,
+    /// key and what it read, the error and where its log is.
+    pub fn failed(f: &Failed, run: &RunTags) -> Record {
+        let end = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_secs_f64())
+            .unwrap_or(0.0);
+        let stage = f.stage;
+        let mut tags = common_tags(
+            &stage.name,
+            f.key,
+            &format!("{}@{}", stage.op.name(), stage.op.version()),
+            &f.manifest.display().to_string(),
+            &f.upstream_keys,
+            run,
+        );
+        tags.push(("nemo_dag.host".into(), crate::store::hostname()));
+        tags.push(("nemo_dag.error".into(), f.error.to_string()));
+        if let Some(log) = f.log {
+            tags.push(("nemo_dag.log".into(), log.to_string()));
+        }
+        Record {
+            name: stage.name.clone(),
+            start: ms(end - f.seconds),
+            end: ms(end),
+            status: Status::Failed,
+            params: params(&stage.params, stage.cmd.as_deref()),
+            metrics: vec![Metric {
+                key: "seconds".into(),
+                value: f.seconds,
+                timestamp: ms(end),
+                step: 0,
+            }],
+            tags,
+        }
+    }
+}
+
 /// The stage's params by dotted path, as text; a `cmd` stage's command beside them.
-fn params(artifact: &Artifact) -> Vec<(String, String)> {
+fn params(params: &Value, cmd: Option<&str>) -> Vec<(String, String)> {
     let mut flat = BTreeMap::new();
-    crate::diff::flatten("", &artifact.params, &mut flat);
+    crate::diff::flatten("", params, &mut flat);
     let mut out: Vec<(String, String)> = flat
         .iter()
         .map(|(k, v)| (k.clone(), crate::diff::plain(v)))
         .collect();
-    if let Some(cmd) = &artifact.cmd {
-        out.push(("cmd".to_string(), cmd.clone()));
+    if let Some(cmd) = cmd {
+        out.push(("cmd".to_string(), cmd.to_string()));
     }
     out
 }
@@ -298,30 +374,22 @@ fn metrics(artifact: &Artifact) -> Vec<Metric> {
 
 /// What ties the MLflow run to the store and the recipe.
 fn tags(artifact: &Artifact, artifact_dir: &Path, run: &RunTags) -> Vec<(String, String)> {
-    let mut out = vec![
-        ("nemo_dag.key".into(), artifact.key.clone()),
-        ("nemo_dag.stage".into(), artifact.stage.clone()),
-        (
-            "nemo_dag.op".into(),
-            format!("{}@{}", artifact.op, artifact.op_version),
-        ),
-        ("nemo_dag.manifest".into(), artifact.manifest.clone()),
-        (
-            "nemo_dag.upstream_keys".into(),
-            artifact.upstream_keys.join(" "),
-        ),
+    let mut out = common_tags(
+        &artifact.stage,
+        &artifact.key,
+        &format!("{}@{}", artifact.op, artifact.op_version),
+        &artifact.manifest,
+        &artifact.upstream_keys,
+        run,
+    );
+    out.extend([
         (
             "nemo_dag.artifact".into(),
             artifact_dir.display().to_string(),
         ),
         ("nemo_dag.host".into(), artifact.host.clone()),
         ("nemo_dag.version".into(), artifact.engine_version.clone()),
-        ("nemo_dag.command".into(), run.argv.join(" ")),
-        ("mlflow.source.name".into(), artifact.manifest.clone()),
-    ];
-    if let Some(v) = &run.variant {
-        out.push(("nemo_dag.variant".into(), v.clone()));
-    }
+    ]);
     for (name, input) in &artifact.inputs {
         let value = match input {
             InputRecord::Upstream {
@@ -330,6 +398,31 @@ fn tags(artifact: &Artifact, artifact_dir: &Path, run: &RunTags) -> Vec<(String,
             InputRecord::File { path, digest } => format!("{path} {digest}"),
         };
         out.push((format!("nemo_dag.input.{name}"), value));
+    }
+    out
+}
+
+/// The tags of every run: the stage, its key, its op, the manifest, what it read, how it was
+/// run, and who ran it.
+fn common_tags(
+    stage: &str,
+    key: &str,
+    op: &str,
+    manifest: &str,
+    upstream_keys: &[String],
+    run: &RunTags,
+) -> Vec<(String, String)> {
+    let mut out = vec![
+        ("nemo_dag.key".into(), key.to_string()),
+        ("nemo_dag.stage".into(), stage.to_string()),
+        ("nemo_dag.op".into(), op.to_string()),
+        ("nemo_dag.manifest".into(), manifest.to_string()),
+        ("nemo_dag.upstream_keys".into(), upstream_keys.join(" ")),
+        ("nemo_dag.command".into(), run.argv.join(" ")),
+        ("mlflow.source.name".into(), manifest.to_string()),
+    ];
+    if let Some(v) = &run.variant {
+        out.push(("nemo_dag.variant".into(), v.clone()));
     }
     if let Ok(user) = std::env::var("USER") {
         out.push(("mlflow.user".into(), user));
@@ -366,7 +459,8 @@ mod tests {
 
     #[test]
     fn params_are_flattened_to_dotted_names() {
-        let p = params(&artifact());
+        let a = artifact();
+        let p = params(&a.params, a.cmd.as_deref());
         assert_eq!(
             p,
             [

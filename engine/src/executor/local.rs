@@ -724,6 +724,20 @@ async fn schedule(
                         let error = result.error.clone().unwrap_or_else(|| "the stage did not publish an artifact".into());
                         let log_hint = result.log.as_deref().map(|l| format!(" (log: {l})")).unwrap_or_default();
                         reporter.stage_line(&name, &format!("FAILED: {error}{log_hint}"));
+                        if let Some(tracker) = &opts.tracker {
+                            let stage = &manifest.stages[&name];
+                            let failure = crate::mlflow::Failed {
+                                stage,
+                                key: &key,
+                                upstream_keys: stage.deps.iter().filter_map(|d| published.get(d)).map(|p| p.key.clone()).collect(),
+                                manifest: &manifest.path,
+                                error: &error,
+                                log: result.log.as_deref(),
+                                seconds,
+                            };
+                            let (tracker, record) = (tracker.clone(), crate::mlflow::Record::failed(&failure, &run_tags));
+                            tracking.spawn(async move { tracker.record(record).await });
+                        }
                         let mut o = outcome(&name, Some(&key), "failed", seconds);
                         o.error = Some(error);
                         o.log = result.log.clone();
