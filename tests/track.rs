@@ -431,6 +431,22 @@ fn mlflow_settings_that_cannot_work_are_errors_at_their_line_and_nothing_runs() 
             "{setting}: nothing ran"
         );
     }
+    // A bad tracking_uri in the file is an error even where the environment's would win.
+    let p = Project::new("mlflow-bad-masked");
+    p.write("pipeline.yaml", pipeline);
+    p.write(
+        "env.toml",
+        "[mlflow]\ntracking_uri = \"file:///tmp/mlruns\"\n",
+    );
+    let out = crate::common::output({
+        let mut c = p.command(&["run", "pipeline.yaml"]);
+        c.env("MLFLOW_TRACKING_URI", "http://127.0.0.1:9");
+        c
+    });
+    assert_eq!(out.code, 2, "{out}");
+    assert!(out.stderr.contains("env.toml:2:"), "{out}");
+    assert!(!p.store().join("artifacts").exists());
+
     // The environment's MLFLOW_TRACKING_URI may be set for other tools: one nemo-dag cannot
     // use is said, and the run goes on untracked.
     let p = Project::new("mlflow-env");

@@ -6,29 +6,37 @@
 //! produce, long before that model exists.
 
 use crate::manifest::{Input, Manifest, Stage};
-use nemo_dag_op::{Device, Estimate, Plan, Upstream, plan::bytes};
+use nemo_dag_op::{DeclError, Device, Estimate, Plan, Upstream, plan::bytes};
 use std::collections::BTreeMap;
 
-/// Every stage's plan, by stage name.
-pub fn plans(manifest: &Manifest) -> BTreeMap<String, Plan> {
+/// Every stage's plan, by stage name; or the first stage whose op refuses its declaration
+/// against what the stages above will hand it ([`nemo_dag_op::Op::check_upstream`]), with why.
+/// Each stage's params are parsed once for both.
+pub fn plans(manifest: &Manifest) -> Result<BTreeMap<String, Plan>, (String, DeclError)> {
     let mut plans: BTreeMap<String, Plan> = BTreeMap::new();
     for name in &manifest.order {
         let stage = &manifest.stages[name];
         let upstream = upstream(stage, &plans);
-        // The manifest checked every stage when it loaded: a failure here is not reachable,
+        // The manifest checked every stage when it built it: a failure here is not reachable,
         // and a stage without a plan is only a stage nobody estimates.
         let plan = match stage.op.check(&stage.decl()) {
-            Ok(checked) => stage.op.plan(&checked, &upstream),
+            Ok(checked) => {
+                stage
+                    .op
+                    .check_upstream(&checked, &upstream)
+                    .map_err(|e| (name.clone(), e))?;
+                stage.op.plan(&checked, &upstream)
+            }
             Err(_) => Plan::default(),
         };
         plans.insert(name.clone(), plan);
     }
-    plans
+    Ok(plans)
 }
 
 /// What `stage`'s inputs will be, from the plans of the stages above it and the files the
 /// manifest names.
-pub fn upstream<'a>(stage: &'a Stage, plans: &BTreeMap<String, Plan>) -> Upstream<'a> {
+fn upstream<'a>(stage: &'a Stage, plans: &BTreeMap<String, Plan>) -> Upstream<'a> {
     let mut upstream = Upstream::default();
     for (input, source) in &stage.inputs {
         match source {

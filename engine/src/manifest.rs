@@ -90,8 +90,8 @@ pub struct Manifest {
     /// Stage names, every stage after the stages it consumes.
     pub order: Vec<String>,
     locator: Locator,
-    /// Every stage's plan, made on first use ([`Manifest::plans`]).
-    plans: std::sync::OnceLock<BTreeMap<String, nemo_dag_op::Plan>>,
+    /// Every stage's plan, made when the manifest loads ([`Manifest::plans`]).
+    plans: BTreeMap<String, nemo_dag_op::Plan>,
 }
 
 pub struct Stage {
@@ -386,7 +386,7 @@ impl Manifest {
 
     /// Every stage's plan: what it hands downstream and its estimate ([`crate::estimate`]).
     pub fn plans(&self) -> &BTreeMap<String, nemo_dag_op::Plan> {
-        self.plans.get_or_init(|| crate::estimate::plans(self))
+        &self.plans
     }
 
     /// A stage's estimate of what it needs, when its op makes one.
@@ -594,35 +594,21 @@ impl Manifest {
             stages: BTreeMap::new(),
             order: Vec::new(),
             locator,
-            plans: std::sync::OnceLock::new(),
+            plans: BTreeMap::new(),
         };
         let stages = manifest.expand_sweeps(raw.stages)?;
         manifest.build_stages(stages, args.ops)?;
         manifest.order = manifest.topological_order()?;
-        manifest.check_upstream()?;
+        // Planned in graph order, each stage against what the stages above will hand it: a
+        // declaration that cannot work with them is an error at its place, before anything runs.
+        manifest.plans = crate::estimate::plans(&manifest).map_err(|(name, e)| {
+            let mut path = vec!["stages", name.as_str()];
+            path.extend(e.path.iter().map(String::as_str));
+            manifest
+                .error_at(&path, format!("stage `{name}`: {}", e.message))
+                .maybe_help(e.help)
+        })?;
         Ok(manifest)
-    }
-
-    /// Every stage against what the stages above it will hand it ([`nemo_dag_op::Op::check_upstream`]):
-    /// a declaration that cannot work with them is an error at its place, before anything runs.
-    fn check_upstream(&self) -> Result<(), InputError> {
-        let plans = self.plans();
-        for name in &self.order {
-            let stage = &self.stages[name];
-            let upstream = crate::estimate::upstream(stage, plans);
-            let refused = match stage.op.check(&stage.decl()) {
-                Ok(checked) => stage.op.check_upstream(&checked, &upstream),
-                Err(_) => Ok(()), // refused when the stage was built
-            };
-            if let Err(e) = refused {
-                let mut path = vec!["stages", name.as_str()];
-                path.extend(e.path.iter().map(String::as_str));
-                return Err(self
-                    .error_at(&path, format!("stage `{name}`: {}", e.message))
-                    .maybe_help(e.help));
-            }
-        }
-        Ok(())
     }
 
     fn check_stage_name(&self, name: &str) -> Result<(), InputError> {

@@ -73,35 +73,34 @@ impl Tracker {
         if let Some(s) = &section {
             s.check_keys(&KEYS)?;
         }
-        let from_file = match &section {
-            Some(s) => s.text("tracking_uri")?.map(|uri| (uri, s)),
-            None => None,
-        };
+        // A tracking_uri in the file is checked even when the environment's wins over it.
+        let mut from_file = None;
+        if let Some(s) = &section
+            && let Some(uri) = s.text("tracking_uri")?
+        {
+            let client = Client::new(&uri).map_err(|why| {
+                s.at("tracking_uri", format!("mlflow.tracking_uri: {why}"))
+                    .help("start one with `mlflow server --host 127.0.0.1 --port 5000` and write `tracking_uri = \"http://127.0.0.1:5000\"`")
+            })?;
+            from_file = Some((client, s));
+        }
         let experiment = match &section {
             Some(s) => s.text("experiment")?,
             None => None,
         };
         let var = |name: &str| std::env::var(name).ok().filter(|v| !v.trim().is_empty());
-        let (uri, from) = match (var("MLFLOW_TRACKING_URI"), &from_file) {
-            (Some(uri), _) => (uri, "MLFLOW_TRACKING_URI".to_string()),
-            (None, Some((uri, s))) => (uri.clone(), format!("[mlflow] in {}", s.file.display())),
-            (None, None) => return Ok(None),
-        };
-        let client = match Client::new(&uri) {
-            Ok(c) => c,
-            Err(why) => match &from_file {
-                Some((_, s)) if from.starts_with('[') => {
-                    return Err(s
-                        .at("tracking_uri", format!("mlflow.tracking_uri: {why}"))
-                        .help("start one with `mlflow server --host 127.0.0.1 --port 5000` and write `tracking_uri = \"http://127.0.0.1:5000\"`"));
-                }
-                _ => {
+        let (client, from) = match (var("MLFLOW_TRACKING_URI"), from_file) {
+            (Some(uri), _) => match Client::new(&uri) {
+                Ok(c) => (c, "MLFLOW_TRACKING_URI".to_string()),
+                Err(why) => {
                     eprintln!(
                         "nemo-dag: warning: MLFLOW_TRACKING_URI {why}; this run is not tracked"
                     );
                     return Ok(None);
                 }
             },
+            (None, Some((client, s))) => (client, format!("[mlflow] in {}", s.file.display())),
+            (None, None) => return Ok(None),
         };
         let experiment = experiment
             .or_else(|| var("MLFLOW_EXPERIMENT_NAME"))
