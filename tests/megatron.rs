@@ -1,9 +1,10 @@
-//! `megatron_pretrain` and `megatron_sft` (docs/scale.md): the wiring between nemo-dag's
-//! artifacts and Megatron-Bridge's `run_recipe.py`, proven against a stand-in for it
-//! (`tests/py/fake_run_recipe.py`) that checks every argument it gets (the keys against
-//! Megatron-Bridge 0.6's own config tree, the data files, the tokenizer, the checkpoint
-//! directory a resume finds) and writes checkpoints the way Megatron-Bridge does, or dies
-//! half-way through one when told to.
+//! `megatron_pretrain`, `megatron_sft` and `megatron_export` (docs/scale.md): the wiring
+//! between nemo-dag's artifacts and Megatron-Bridge's `run_recipe.py` and
+//! `run_conversion.py`, proven against stand-ins for them (`tests/py/fake_run_recipe.py`,
+//! `tests/py/fake_run_conversion.py`) that check every argument they get (the keys against
+//! Megatron-Bridge 0.6's own config tree, the converter's flags against its parser, the data
+//! files, the tokenizer, the checkpoint directory a resume finds) and write checkpoints and
+//! Hugging Face directories the way Megatron-Bridge does, or fail half-way when told to.
 
 use crate::common::{Out, Project, listing, repo};
 use serde_json::Value;
@@ -17,6 +18,13 @@ pub(crate) fn project(name: &str) -> Project {
     std::os::unix::fs::symlink(
         repo().join("tests/py/fake_run_recipe.py"),
         mb.join("run_recipe.py"),
+    )
+    .unwrap();
+    let conversion = p.path("mb/scripts/conversion");
+    std::fs::create_dir_all(&conversion).unwrap();
+    std::os::unix::fs::symlink(
+        repo().join("tests/py/fake_run_conversion.py"),
+        conversion.join("run_conversion.py"),
     )
     .unwrap();
     let manifest = r#"
@@ -527,18 +535,56 @@ fn the_default_variants_dry_run_shows_the_documented_launch_and_every_override()
             !p.path("manifests/.nemo-dag").exists(),
             "a dry run writes nothing"
         );
-        for (stage, nodes, recipe) in stages {
+        let preview = |stage: &str| -> &str {
             let head = format!(
                 "# ---- {stage}: what nemo-dag exec runs in it (inputs and the attempt directory named; resolved when it runs) ----"
             );
-            let script = out
-                .stdout
+            out.stdout
                 .split(&head)
                 .nth(1)
                 .unwrap_or_else(|| panic!("{manifest} {stage}: no launch.sh preview\n{out}"))
                 .split("\n# ---- ")
                 .next()
-                .unwrap();
+                .unwrap()
+        };
+        // The export: Megatron-Bridge's own Nemotron 3 conversion example
+        // (examples/models/nemotron/nemotron_3/*/conversion.sh): one node of 8 GPUs, tp 1,
+        // ep 8, the Base model as the reference; its argv accepted by the converter's parser.
+        let export = preview("export");
+        assert!(
+            export.contains(&format!(
+                "exec srun --mpi=pmix --nodes=1 --ntasks=8 --ntasks-per-node=8 --kill-on-bad-exit=1 --container-image={image} "
+            )) && export.contains(
+                "nemo-dag-rank python /opt/Megatron-Bridge/scripts/conversion/run_conversion.py \\\n"
+            ),
+            "{export}"
+        );
+        let argv = export
+            .lines()
+            .find(|l| l.starts_with("  export "))
+            .unwrap_or_else(|| panic!("{export}"));
+        let reference = match manifest {
+            "nano3" => "nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-Base-BF16",
+            _ => "nvidia/NVIDIA-Nemotron-3-Super-120B-A12B-BF16",
+        };
+        assert!(
+            argv.contains(&format!("export --device gpu --hf-model {reference} --megatron-path \"<input model>/iter_<final>\" --hf-path \"<out>/hf\""))
+                && argv.contains("--tp 1 --pp 1 --ep 8 --etp 1 --distributed-save"),
+            "{argv}"
+        );
+        let fake = repo().join("tests/py/fake_run_conversion.py");
+        let parsed = crate::common::output({
+            let mut c = std::process::Command::new("bash");
+            c.arg("-c")
+                .arg(format!("exec python3 {} {argv}", fake.display()))
+                .env("FAKE_CONVERT_PARSE_ONLY", "1")
+                .env("WORLD_SIZE", "8")
+                .env("HF_HUB_OFFLINE", "1");
+            c
+        });
+        assert_eq!(parsed.code, 0, "{manifest}: {parsed}");
+        for (stage, nodes, recipe) in stages {
+            let script = preview(stage);
             let srun = format!(
                 "exec srun --mpi=pmix --nodes={nodes} --ntasks={} --ntasks-per-node=8 --kill-on-bad-exit=1 --container-image={image} --container-mounts=/lustre:/lustre,{shared}:{shared} ",
                 nodes * 8
@@ -725,4 +771,175 @@ fn a_run_that_saved_its_last_step_but_was_not_published_publishes_without_a_laun
     );
     assert_eq!(launches(&p).len(), 1, "Megatron-Bridge was launched again");
     assert_final_iteration_alone(&p, "iter_0000010");
+}
+
+/// The export stage the tests add to the project: the SFT checkpoint through the converter on
+/// the CPU, one process.
+const EXPORT_STAGE: &str = r#"
+  hf:
+    op: megatron_export
+    inputs: {model: "sft:checkpoint", tokenizer: "tokenizer:tokenizer"}
+    params:
+      hf_model: nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16
+      mb_root: "MB_ROOT"
+      python: python3
+      device: cpu
+"#;
+
+fn with_export(p: &Project) {
+    let manifest = std::fs::read_to_string(p.path("m.yaml")).unwrap()
+        + &EXPORT_STAGE.replace("MB_ROOT", &p.path("mb").display().to_string());
+    p.write("m.yaml", &manifest);
+}
+
+/// The id of `token` in a tokenizer.json.
+fn token_id(tokenizer: &Value, token: &str) -> Option<u64> {
+    tokenizer["added_tokens"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|t| t["content"] == token)
+        .and_then(|t| t["id"].as_u64())
+        .or_else(|| tokenizer["model"]["vocab"][token].as_u64())
+}
+
+#[test]
+fn an_sft_checkpoint_exports_to_hugging_face_with_the_tokenizer_it_was_trained_with() {
+    let p = project("mb-export");
+    with_export(&p);
+    let out = run(&p, &["run", "m.yaml"], &[]);
+    assert_eq!(out.code, 0, "{out}");
+
+    // The converter got the SFT checkpoint's final iteration and an empty destination.
+    let launches = launches(&p);
+    let export: Vec<&Value> = launches
+        .iter()
+        .filter(|l| l["script"] == "run_conversion.py")
+        .collect();
+    assert_eq!(export.len(), 1, "{launches:?}");
+    let argv: Vec<&str> = export[0]["argv"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter_map(Value::as_str)
+        .collect();
+    let flag = |name: &str| {
+        let at = argv
+            .iter()
+            .position(|w| *w == name)
+            .unwrap_or_else(|| panic!("no {name}: {argv:?}"));
+        argv[at + 1]
+    };
+    let sft_ckpt = output(&p, "sft", "checkpoint");
+    assert_eq!(argv[..3], ["export", "--device", "cpu"]);
+    assert_eq!(
+        flag("--hf-model"),
+        "nvidia/NVIDIA-Nemotron-3-Nano-30B-A3B-BF16"
+    );
+    assert_eq!(
+        flag("--megatron-path"),
+        sft_ckpt.join("iter_0000006").display().to_string()
+    );
+    assert!(flag("--hf-path").ends_with("/hf"), "{argv:?}");
+    assert!(argv.contains(&"--no-distributed-save"), "{argv:?}");
+
+    // The checkpoint carries the chat template of the pack it was fine-tuned on.
+    let template =
+        std::fs::read_to_string(output(&p, "sft_data", "data").join("chat_template.jinja"))
+            .unwrap();
+    assert_eq!(
+        std::fs::read_to_string(sft_ckpt.join("chat_template.jinja")).unwrap(),
+        template
+    );
+
+    // The published directory: the converter's weights, our tokenizer in place of the
+    // reference's, and token ids that are ours.
+    let hf = output(&p, "hf", "hf");
+    let read = |name: &str| -> Value {
+        serde_json::from_str(&std::fs::read_to_string(hf.join(name)).unwrap()).unwrap()
+    };
+    assert!(
+        !hf.join("special_tokens_map.json").exists(),
+        "{:?}",
+        names(&hf)
+    );
+    let ours = output(&p, "tokenizer", "tokenizer");
+    assert_eq!(
+        std::fs::read(hf.join("tokenizer.json")).unwrap(),
+        std::fs::read(&ours).unwrap()
+    );
+    let tokenizer: Value = serde_json::from_str(&std::fs::read_to_string(&ours).unwrap()).unwrap();
+    let tokenizer_config = read("tokenizer_config.json");
+    assert_eq!(tokenizer_config["chat_template"], template.as_str());
+    assert_eq!(tokenizer_config["eos_token"], "<|im_end|>");
+    let config = read("config.json");
+    let stops = [
+        token_id(&tokenizer, "<|im_end|>").unwrap(),
+        token_id(&tokenizer, "<|endoftext|>").unwrap(),
+    ];
+    assert_eq!(config["eos_token_id"], serde_json::json!(stops), "{config}");
+    assert_eq!(config["pad_token_id"], stops[1], "{config}");
+    assert_eq!(config["bos_token_id"], Value::Null, "{config}");
+    assert_eq!(
+        read("generation_config.json")["eos_token_id"],
+        serde_json::json!(stops)
+    );
+    assert_eq!(config["vocab_size"], 384);
+    assert_eq!(config["architectures"][0], "NemotronHForCausalLM");
+    let show = p.json(&["show", "hf", "--manifest", "m.yaml", "--json"]);
+    assert_eq!(show["metrics"]["tensors"], 3, "{show}");
+    assert_eq!(show["metrics"]["iteration"], "iter_0000006", "{show}");
+    let script = std::fs::read_to_string(output(&p, "hf", "run").join("launch.sh")).unwrap();
+    assert!(
+        script.contains("scripts/conversion/run_conversion.py"),
+        "{script}"
+    );
+}
+
+#[test]
+fn an_export_that_is_not_a_whole_model_for_this_tokenizer_fails_and_publishes_nothing() {
+    let p = project("mb-export-bad");
+    with_export(&p);
+    p.ok(&["run", "m.yaml", "--target", "sft"]);
+    for (env, says) in [
+        (
+            "FAKE_CONVERT_TRUNCATE",
+            "describes 48 bytes of tensor data, but 42 follow it",
+        ),
+        (
+            "FAKE_CONVERT_VOCAB",
+            "has vocab_size 128, fewer than the 300 tokens",
+        ),
+        (
+            "FAKE_CONVERT_FAIL",
+            "Megatron-Bridge's converter exited with status 1",
+        ),
+    ] {
+        let value = if env == "FAKE_CONVERT_VOCAB" {
+            "128"
+        } else {
+            "1"
+        };
+        let out = run(&p, &["run", "m.yaml"], &[(env, value)]);
+        assert_eq!(out.code, 1, "{env}: {out}");
+        assert!(out.stderr.contains(says), "{env}: {out}");
+        let status = p.json(&["status", "m.yaml", "--json"]);
+        assert_eq!(
+            crate::common::states(&status)["hf"],
+            "stale",
+            "{env}: nothing is published: {status}"
+        );
+    }
+    // The stage's declaration is checked before anything runs: a GPU export needs a launcher.
+    let gpu = std::fs::read_to_string(p.path("m.yaml"))
+        .unwrap()
+        .replace("device: cpu", "device: gpu");
+    p.write("m.yaml", &gpu);
+    let out = p.run(&["validate", "m.yaml"]);
+    assert_eq!(out.code, 2, "{out}");
+    assert!(
+        out.stderr
+            .contains("the GPU converter runs one rank per GPU and needs a launcher"),
+        "{out}"
+    );
 }

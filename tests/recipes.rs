@@ -55,8 +55,9 @@ fn every_shipped_recipe_and_variant_validates() {
 
 #[test]
 fn the_toml_twin_of_nano3_is_the_same_recipe() {
-    // The default: data, then Megatron-Bridge's pretrain and SFT; tiny: the whole native DAG.
-    for (variant, stages) in [(None, 6), (Some("tiny"), 14)] {
+    // The default: data, then Megatron-Bridge's pretrain, SFT and export; tiny: the whole
+    // native DAG.
+    for (variant, stages) in [(None, 7), (Some("tiny"), 14)] {
         let yaml = load("nano3.yaml", variant);
         let toml = load("nano3.toml", variant);
         assert_eq!(
@@ -118,6 +119,13 @@ fn the_default_variants_train_with_megatron_bridge_on_a_cluster() {
         assert!(matches!(
             &sft.inputs["model"],
             nemo_dag_engine::manifest::Input::Stage { stage, output } if stage == "pretrain" && output == "checkpoint"
+        ));
+        // The fine-tuned checkpoint goes on as a Hugging Face model.
+        let export = &m.stages["export"];
+        assert_eq!(export.op.name(), "megatron_export", "{file}");
+        assert!(matches!(
+            &export.inputs["model"],
+            nemo_dag_engine::manifest::Input::Stage { stage, output } if stage == "sft" && output == "checkpoint"
         ));
     }
 }

@@ -20,7 +20,8 @@
 //! - [`import`]: a file or directory from outside the store as an artifact, with its origin.
 //! - [`eval`]: perplexity, multiple-choice log-likelihood and verifiable generation accuracy.
 //! - [`megatron`]: `megatron_pretrain` and `megatron_sft`, the same stages at real scale, run by
-//!   NVIDIA Megatron-Bridge on a Slurm cluster.
+//!   NVIDIA Megatron-Bridge on a Slurm cluster, and `megatron_export`, its checkpoint as a
+//!   Hugging Face model.
 //!
 //! Each file is an op's params, its spec, its checks and the wiring of its `run` (`training.rs`
 //! holds what the training ops share, `hf/` the Hugging Face layouts export and import share); the formats live in
@@ -71,6 +72,7 @@ pub fn registry() -> Registry {
         &eval::Eval,
         &megatron::Megatron(megatron::Mode::Pretrain),
         &megatron::Megatron(megatron::Mode::Sft),
+        &megatron::export::MegatronExport,
     ];
     Registry::new(OPS).with_gpu_probe(probe_gpu)
 }

@@ -144,34 +144,10 @@ pub fn read_dir(dir: &Path) -> Result<(Value, HashMap<String, Tensor>), String> 
         .map_err(|e| format!("{}: {e}", config_path.display()))?;
     let config: Value =
         serde_json::from_str(&text).map_err(|e| format!("{}: {e}", config_path.display()))?;
-    let index = dir.join("model.safetensors.index.json");
-    let files: Vec<String> = if index.is_file() {
-        let text =
-            std::fs::read_to_string(&index).map_err(|e| format!("{}: {e}", index.display()))?;
-        let v: Value =
-            serde_json::from_str(&text).map_err(|e| format!("{}: {e}", index.display()))?;
-        let map = v["weight_map"]
-            .as_object()
-            .ok_or_else(|| format!("{}: no `weight_map` object", index.display()))?;
-        let mut files: Vec<String> = map
-            .values()
-            .filter_map(|f| f.as_str().map(str::to_string))
-            .collect();
-        files.sort();
-        files.dedup();
-        files
-    } else {
-        vec!["model.safetensors".to_string()]
-    };
+    let files = shard_files(dir)?;
     let mut tensors = HashMap::new();
     for file in files {
         let path = dir.join(&file);
-        if file.contains('/') || file.contains("..") {
-            return Err(format!(
-                "{}: shard `{file}` is outside the directory",
-                index.display()
-            ));
-        }
         let loaded = candle_core::safetensors::load(&path, &Device::Cpu)
             .map_err(|e| format!("{}: {e}", path.display()))?;
         for (name, t) in loaded {
@@ -197,6 +173,79 @@ pub fn read_dir(dir: &Path) -> Result<(Value, HashMap<String, Tensor>), String> 
         }
     }
     Ok((config, tensors))
+}
+
+/// The safetensors files of a Hugging Face directory: the shards its
+/// `model.safetensors.index.json` lists, each once, or `model.safetensors`.
+pub fn shard_files(dir: &Path) -> Result<Vec<String>, String> {
+    let index = dir.join("model.safetensors.index.json");
+    if !index.is_file() {
+        return Ok(vec!["model.safetensors".to_string()]);
+    }
+    let text = std::fs::read_to_string(&index).map_err(|e| format!("{}: {e}", index.display()))?;
+    let v: Value = serde_json::from_str(&text).map_err(|e| format!("{}: {e}", index.display()))?;
+    let map = v["weight_map"]
+        .as_object()
+        .ok_or_else(|| format!("{}: no `weight_map` object", index.display()))?;
+    let mut files: Vec<String> = map
+        .values()
+        .filter_map(|f| f.as_str().map(str::to_string))
+        .collect();
+    files.sort();
+    files.dedup();
+    if let Some(file) = files.iter().find(|f| f.contains('/') || f.contains("..")) {
+        return Err(format!(
+            "{}: shard `{file}` is outside the directory",
+            index.display()
+        ));
+    }
+    Ok(files)
+}
+
+/// The names of a safetensors file's tensors, read from its header alone (a shard may be
+/// gigabytes), once the header is whole and the data it describes fills exactly the rest of
+/// the file: a shard cut short by a failed write is an error, not a model.
+pub fn shard_tensors(path: &Path) -> Result<Vec<String>, String> {
+    use std::io::Read;
+    let fail = |why: String| format!("{}: {why}", path.display());
+    let mut file = std::fs::File::open(path).map_err(|e| fail(e.to_string()))?;
+    let size = file.metadata().map_err(|e| fail(e.to_string()))?.len();
+    let mut len = [0u8; 8];
+    file.read_exact(&mut len)
+        .map_err(|_| fail("shorter than a safetensors header".into()))?;
+    let len = u64::from_le_bytes(len);
+    if len > size.saturating_sub(8) || len > 100 << 20 {
+        return Err(fail(format!(
+            "its header claims {len} bytes, but the file has {size}"
+        )));
+    }
+    let mut header = vec![0u8; len as usize];
+    file.read_exact(&mut header)
+        .map_err(|e| fail(e.to_string()))?;
+    let header: serde_json::Map<String, Value> =
+        serde_json::from_slice(&header).map_err(|e| fail(format!("header: {e}")))?;
+    let mut end = 0u64;
+    let mut names = Vec::new();
+    for (name, info) in &header {
+        if name == "__metadata__" {
+            continue;
+        }
+        let offsets = info["data_offsets"]
+            .as_array()
+            .and_then(|o| Some((o.first()?.as_u64()?, o.get(1)?.as_u64()?)));
+        let Some((_, to)) = offsets.filter(|(from, to)| from <= to) else {
+            return Err(fail(format!("`{name}` has no valid data_offsets")));
+        };
+        end = end.max(to);
+        names.push(name.clone());
+    }
+    let data = size - 8 - len;
+    if end != data {
+        return Err(fail(format!(
+            "the header describes {end} bytes of tensor data, but {data} follow it (a partial write?)"
+        )));
+    }
+    Ok(names)
 }
 
 /// `config.json` and `model.safetensors` into `out` (created if needed).

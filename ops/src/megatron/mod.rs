@@ -43,10 +43,12 @@
 //! ops (`eval`, `export`, `dpo`, `grpo`) do not.
 
 pub mod checkpoint;
+pub mod export;
 pub mod overrides;
 
 use crate::format_weight as float;
-use crate::training::{blend_split, input};
+use crate::training::{blend_split, carried_template, input};
+use nemo_dag_data::chat::CHAT_TEMPLATE_FILE;
 use nemo_dag_op::process::{describe_exit, readable_shell_word, run_logged};
 use nemo_dag_op::{
     DeclError, Metrics, Op, Outputs, Port, Progress, RunContext, RunError, Spec, StageDecl,
@@ -177,7 +179,8 @@ static PRETRAIN: Spec = Spec {
 
 static SFT: Spec = Spec {
     name: "megatron_sft",
-    version: 1,
+    // 2: the checkpoint carries the chat template of the pack it was fine-tuned on.
+    version: 2,
     summary: "fine-tune a Megatron checkpoint with Megatron-Bridge's run_recipe.py on a pack artifact",
     inputs: &[
         Port {
@@ -282,21 +285,7 @@ fn check_params(p: &Params) -> Result<(), DeclError> {
             ),
         ));
     }
-    if p.image.as_deref().is_some_and(|i| i.trim().is_empty()) {
-        return Err(at("image", "an empty image name".into()));
-    }
-    if !p.mb_root.starts_with('/') {
-        return Err(at(
-            "mb_root",
-            format!(
-                "`{}` must be an absolute path inside the image (run_recipe.py changes directory first)",
-                p.mb_root
-            ),
-        ));
-    }
-    if p.python.split_whitespace().next().is_none() {
-        return Err(at("python", "an empty interpreter".into()));
-    }
+    check_software(&p.image, &p.mb_root, &p.python, &p.env)?;
     for (field, value) in [
         ("seq_length", p.seq_length),
         ("steps", p.steps),
@@ -334,7 +323,33 @@ fn check_params(p: &Params) -> Result<(), DeclError> {
             ));
         }
     }
-    for key in p.env.keys() {
+    overrides::check_user(&p.overrides)
+}
+
+/// The software a stage runs, as both ops declare it: an image (if any), Megatron-Bridge's
+/// checkout inside it, the interpreter, and the variables `launch.sh` exports.
+fn check_software(
+    image: &Option<String>,
+    mb_root: &str,
+    python: &str,
+    env: &BTreeMap<String, String>,
+) -> Result<(), DeclError> {
+    let at = |field: &str, message: String| DeclError::new(&["params", field], message);
+    if image.as_deref().is_some_and(|i| i.trim().is_empty()) {
+        return Err(at("image", "an empty image name".into()));
+    }
+    if !mb_root.starts_with('/') {
+        return Err(at(
+            "mb_root",
+            format!(
+                "`{mb_root}` must be an absolute path inside the image (Megatron-Bridge's scripts are run by their path)"
+            ),
+        ));
+    }
+    if python.split_whitespace().next().is_none() {
+        return Err(at("python", "an empty interpreter".into()));
+    }
+    for key in env.keys() {
         let ok = key
             .chars()
             .next()
@@ -347,7 +362,7 @@ fn check_params(p: &Params) -> Result<(), DeclError> {
             ));
         }
     }
-    overrides::check_user(&p.overrides)
+    Ok(())
 }
 
 /// The parallel layout against the stage's `world` ranks, as Megatron-Core's
@@ -360,30 +375,19 @@ fn check_params(p: &Params) -> Result<(), DeclError> {
 fn check_parallel(p: &Params, world: u64) -> Result<(), DeclError> {
     let par = &p.parallel;
     let given = |v: Option<u64>| v.unwrap_or(1);
-    let at = |field: &str, message: String| DeclError::new(&["params", "parallel", field], message);
-    let product = |field: &str, factors: [u64; 3]| {
-        factors
-            .iter()
-            .try_fold(1u64, |acc, f| acc.checked_mul(*f))
-            .ok_or_else(|| at(field, format!("the parallel sizes {factors:?} overflow")))
-    };
-    let model = product("tp", [given(par.tp), given(par.pp), given(par.cp)])?;
-    if !world.is_multiple_of(model) {
-        return Err(at(
-            "tp",
-            format!(
-                "the stage runs {world} ranks (resources: nodes × ranks per node), not a multiple \
-                 of tp·pp·cp = {model}"
-            ),
-        ));
-    }
-    let expert = product("ep", [given(par.etp), given(par.ep), given(par.pp)])?;
-    if !world.is_multiple_of(expert) {
-        return Err(at(
-            "ep",
-            format!("the stage runs {world} ranks, not a multiple of etp·ep·pp = {expert}"),
-        ));
-    }
+    let model = check_groups(
+        world,
+        &[
+            ("tp", given(par.tp)),
+            ("pp", given(par.pp)),
+            ("cp", given(par.cp)),
+        ],
+        &[
+            ("etp", given(par.etp)),
+            ("ep", given(par.ep)),
+            ("pp", given(par.pp)),
+        ],
+    )?;
     if let (Some(_), Some(_), Some(_)) = (par.tp, par.pp, par.cp) {
         let data = world / model;
         if !p
@@ -403,9 +407,41 @@ fn check_parallel(p: &Params, world: u64) -> Result<(), DeclError> {
     Ok(())
 }
 
+/// The ranks against Megatron-Core's two groups: `world` must be a multiple of the product of
+/// the model-parallel sizes (`model`: tp·pp·cp) and of the expert-parallel sizes (`expert`:
+/// etp·ep·pp). An error points at `tp` or at `ep`. Returns the model-parallel size.
+fn check_groups(
+    world: u64,
+    model: &[(&str, u64)],
+    expert: &[(&str, u64)],
+) -> Result<u64, DeclError> {
+    let mut sizes = [0u64; 2];
+    for (i, group) in [model, expert].into_iter().enumerate() {
+        let field = ["tp", "ep"][i];
+        let at = |message: String| DeclError::new(&["params", "parallel", field], message);
+        let names: Vec<&str> = group.iter().map(|(name, _)| *name).collect();
+        let product = group
+            .iter()
+            .try_fold(1u64, |acc, (_, f)| acc.checked_mul(*f))
+            .ok_or_else(|| at(format!("the parallel sizes {} overflow", names.join("·"))))?;
+        if !world.is_multiple_of(product) {
+            let whose = match i {
+                0 => " (resources: nodes × ranks per node)",
+                _ => "",
+            };
+            return Err(at(format!(
+                "the stage runs {world} ranks{whose}, not a multiple of {} = {product}",
+                names.join("·")
+            )));
+        }
+        sizes[i] = product;
+    }
+    Ok(sizes[0])
+}
+
 /// Launch Megatron-Bridge for this attempt, follow it, and publish its final iteration.
 fn run(mode: Mode, p: &Params, ctx: &mut RunContext) -> Result<Metrics, RunError> {
-    check_image(p, ctx)?;
+    check_image(p.image.as_deref(), ctx)?;
     let out = std::path::absolute(ctx.out_dir)?;
     let run_dir = out.join("run");
     let ckpt = out.join("checkpoint");
@@ -491,6 +527,14 @@ fn run(mode: Mode, p: &Params, ctx: &mut RunContext) -> Result<Metrics, RunError
         )));
     }
     checkpoint::keep_only(&ckpt, p.steps)?;
+    // The chat template the model was fine-tuned with goes on with its checkpoint, as a
+    // native model carries it, for an export to write into tokenizer_config.json.
+    if mode == Mode::Sft {
+        let from = [input(ctx, "data")?, input(ctx, "model")?];
+        if let Some(template) = carried_template(&[&from[0], &from[1]])? {
+            std::fs::write(ckpt.join(CHAT_TEMPLATE_FILE), template)?;
+        }
+    }
     // Megatron's index cache: rebuilt from the data by any reader, not part of the result.
     let cache = run_dir.join("data_cache");
     if cache.exists() {
@@ -542,8 +586,8 @@ fn launch(
 
 /// `params.image` names the software, so the ranks must start in it: under Slurm the engine's
 /// `srun` launch carries `--container-image` for it. Anywhere else it cannot be honoured.
-fn check_image(p: &Params, ctx: &RunContext) -> Result<(), RunError> {
-    let Some(image) = &p.image else {
+fn check_image(image: Option<&str>, ctx: &RunContext) -> Result<(), RunError> {
+    let Some(image) = image else {
         return Ok(());
     };
     let flag = format!("--container-image={image}");
@@ -885,12 +929,38 @@ fn launch_script(
     launcher: &[String],
     words: &[Override],
 ) -> String {
-    let mut s = format!(
-        "#!/bin/bash\n# nemo-dag {} · stage {} · recipe {}\nset -euo pipefail\n",
-        mode.spec().name,
-        stage,
-        p.recipe
+    let mut s = script_head(
+        &format!("{} · stage {stage} · recipe {}", mode.spec().name, p.recipe),
+        &p.env,
+        launcher,
+        &p.python,
+        &p.mb_root,
+        "scripts/training/run_recipe.py",
     );
+    s.push_str(&format!(
+        "  --recipe {} --mode {}",
+        readable_shell_word(&p.recipe),
+        mode.name()
+    ));
+    for word in words {
+        s.push_str(&format!(" \\\n  {}", readable_shell_word(&word.word())));
+    }
+    s.push('\n');
+    s
+}
+
+/// The head of a `launch.sh`: a comment naming what it runs, the environment (Megatron-Bridge's
+/// own Slurm examples' NCCL settings, no Hub downloads mid-job, then the stage's `env`), and
+/// `exec`, the launcher, the interpreter and `script` under `mb_root`, its arguments to follow.
+fn script_head(
+    what: &str,
+    env: &BTreeMap<String, String>,
+    launcher: &[String],
+    python: &str,
+    mb_root: &str,
+    script: &str,
+) -> String {
+    let mut s = format!("#!/bin/bash\n# nemo-dag {what}\nset -euo pipefail\n");
     // As Megatron-Bridge's own Slurm examples set them (examples/models/nemotron/…/slurm_*.sh);
     // a recipe that names a Hub model must find it in HF_HOME, never download mid-job.
     for line in [
@@ -901,25 +971,16 @@ fn launch_script(
         s.push_str(line);
         s.push('\n');
     }
-    for (key, value) in &p.env {
+    for (key, value) in env {
         s.push_str(&format!("export {key}={}\n", readable_shell_word(value)));
     }
     let mut head: Vec<String> = launcher.iter().map(|w| readable_shell_word(w)).collect();
-    head.extend(p.python.split_whitespace().map(readable_shell_word));
+    head.extend(python.split_whitespace().map(readable_shell_word));
     head.push(readable_shell_word(&format!(
-        "{}/scripts/training/run_recipe.py",
-        p.mb_root.trim_end_matches('/')
+        "{}/{script}",
+        mb_root.trim_end_matches('/')
     )));
     s.push_str(&format!("exec {} \\\n", head.join(" ")));
-    s.push_str(&format!(
-        "  --recipe {} --mode {}",
-        readable_shell_word(&p.recipe),
-        mode.name()
-    ));
-    for word in words {
-        s.push_str(&format!(" \\\n  {}", readable_shell_word(&word.word())));
-    }
-    s.push('\n');
     s
 }
 
