@@ -437,7 +437,7 @@ stages:
     );
     assert_eq!((train.len(), val.len(), test.len()), (80, 10, 10));
     let r = &train[0];
-    assert_eq!(r["agent_ref"]["name"], "math_with_judge");
+    assert_eq!(r["agent_ref"]["name"], "math_with_judge_simple_agent");
     let prompt = r["responses_create_params"]["input"][0]["content"]
         .as_str()
         .unwrap();

@@ -12,7 +12,8 @@
 //!
 //! ```json
 //! {"responses_create_params": {"input": [{"role": "user", "content": "Solve … \\boxed{}.\n\n2+3?"}]},
-//!  "question": "2+3?", "expected_answer": "5", "env": "math", "agent_ref": {"name": "math_with_judge"}}
+//!  "question": "2+3?", "expected_answer": "5", "env": "math",
+//!  "agent_ref": {"type": "responses_api_agents", "name": "math_with_judge_simple_agent"}}
 //! ```
 //!
 //! Environments: `math` (the answer is compared by value inside the last `\boxed{}`) and `mcq`
@@ -79,17 +80,23 @@ pub struct Params {
     allow_empty: bool,
 }
 
+/// The NeMo-Gym agent server a row is sent to: `agent_ref.name` names an agent instance of the
+/// merged Gym config (its rollout collection posts each row to that server), not the resources
+/// server that grades it (Gym's `resources_servers/*/configs/*.yaml` declare
+/// `math_with_judge_simple_agent` and `mcqa_simple_agent`).
 fn agent_for(env: &str) -> Option<&'static str> {
     match env {
-        "math" => Some("math_with_judge"),
-        "mcq" => Some("mcqa"),
+        "math" => Some("math_with_judge_simple_agent"),
+        "mcq" => Some("mcqa_simple_agent"),
         _ => None,
     }
 }
 
 static SPEC: Spec = Spec {
     name: "rl_data",
-    version: 1,
+    // 2: `agent_ref` names the Gym agent server (`math_with_judge_simple_agent`), with its type;
+    // 1 named the resources server, which Gym's rollout collection cannot post to.
+    version: 2,
     summary: "prompts with verifiable answers → Gym-shaped RL JSONL (train/val/test + manifest.json)",
     inputs: &[],
     other_inputs: Some("the prompt datasets"),
@@ -246,7 +253,7 @@ fn gym_record(
         "question": question,
         "expected_answer": answer,
         "env": env,
-        "agent_ref": {"name": agent},
+        "agent_ref": {"type": "responses_api_agents", "name": agent},
     });
     let prompt = match env.as_str() {
         "mcq" => {
@@ -306,7 +313,10 @@ mod tests {
         .unwrap();
         assert_eq!(split, None);
         assert_eq!(r["expected_answer"], "5");
-        assert_eq!(r["agent_ref"]["name"], "math_with_judge");
+        assert_eq!(
+            r["agent_ref"],
+            json!({"type": "responses_api_agents", "name": "math_with_judge_simple_agent"})
+        );
         let content = r["responses_create_params"]["input"][0]["content"]
             .as_str()
             .unwrap();
@@ -348,7 +358,7 @@ mod tests {
         let mcq = json!({"question": "Sky?", "expected_answer": "B", "env": "mcq", "options": {"A": "red", "B": "blue"}, "split": "validation"});
         let (r, split) = gym_record(&row(mcq), &params()).unwrap();
         assert_eq!(split, Some("val"));
-        assert_eq!(r["agent_ref"]["name"], "mcqa");
+        assert_eq!(r["agent_ref"]["name"], "mcqa_simple_agent");
         assert!(
             r["responses_create_params"]["input"][0]["content"]
                 .as_str()
