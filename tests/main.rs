@@ -28,6 +28,9 @@ mod recipes;
 /// Megatron-Bridge as a backend, against a stand-in that checks its arguments.
 pub(crate) mod megatron;
 
+/// NeMo-RL's GRPO as a backend, against a stand-in that checks its arguments and resumes.
+mod nemo_rl;
+
 /// Plan before running: memory and FLOP estimates, printed, recorded, and refused when too big.
 pub(crate) mod scale;
 

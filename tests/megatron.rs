@@ -583,6 +583,35 @@ fn the_default_variants_dry_run_shows_the_documented_launch_and_every_override()
             c
         });
         assert_eq!(parsed.code, 0, "{manifest}: {parsed}");
+        // nano3's GRPO: NeMo-RL on 32 machines, one Ray node each, in NeMo-RL's image; every
+        // override a key of NeMo-RL 0.7's grpo_nanov3.yaml.
+        if manifest == "nano3" {
+            let rl_keys = std::fs::read_to_string(
+                repo().join("tests/fixtures/nemo-rl-0.7-grpo-nanov3-keys.txt"),
+            )
+            .unwrap();
+            let grpo = preview("grpo");
+            assert!(
+                grpo.contains("exec srun --mpi=pmix --nodes=32 --ntasks=32 --ntasks-per-node=1 --kill-on-bad-exit=1 --container-image=nvcr.io/nvidia/nemo-rl:v0.7.0 "),
+                "{grpo}"
+            );
+            let words: Vec<&str> = grpo
+                .lines()
+                .skip_while(|l| {
+                    !l.contains("run_grpo_nemo_gym.py --config examples/nemo_gym/grpo_nanov3.yaml")
+                })
+                .skip(1)
+                .map(|l| l.trim().trim_end_matches(" \\").trim_matches('"'))
+                .collect();
+            assert!(words.len() >= 14, "{grpo}");
+            for word in words {
+                let key = word.split('=').next().unwrap();
+                assert!(
+                    rl_keys.lines().any(|k| k == key),
+                    "`{key}` is not a NeMo-RL 0.7 key"
+                );
+            }
+        }
         for (stage, nodes, recipe) in stages {
             let script = preview(stage);
             let srun = format!(
@@ -786,7 +815,7 @@ const EXPORT_STAGE: &str = r#"
       device: cpu
 "#;
 
-fn with_export(p: &Project) {
+pub(crate) fn with_export(p: &Project) {
     let manifest = std::fs::read_to_string(p.path("m.yaml")).unwrap()
         + &EXPORT_STAGE.replace("MB_ROOT", &p.path("mb").display().to_string());
     p.write("m.yaml", &manifest);

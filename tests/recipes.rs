@@ -55,9 +55,9 @@ fn every_shipped_recipe_and_variant_validates() {
 
 #[test]
 fn the_toml_twin_of_nano3_is_the_same_recipe() {
-    // The default: data, then Megatron-Bridge's pretrain, SFT and export; tiny: the whole
-    // native DAG.
-    for (variant, stages) in [(None, 7), (Some("tiny"), 14)] {
+    // The default: data, then Megatron-Bridge's pretrain, SFT and export, then NeMo-RL's GRPO;
+    // tiny: the whole native DAG.
+    for (variant, stages) in [(None, 9), (Some("tiny"), 14)] {
         let yaml = load("nano3.yaml", variant);
         let toml = load("nano3.toml", variant);
         assert_eq!(
@@ -127,6 +127,19 @@ fn the_default_variants_train_with_megatron_bridge_on_a_cluster() {
             &export.inputs["model"],
             nemo_dag_engine::manifest::Input::Stage { stage, output } if stage == "sft" && output == "checkpoint"
         ));
+        // nano3's RL stage is NeMo-RL's GRPO on that model; super3's RLVR is not wired in.
+        match m.stages.get("grpo") {
+            Some(grpo) => {
+                assert_eq!(file, "nano3.yaml");
+                assert_eq!(grpo.op.name(), "nemo_rl_grpo");
+                assert!(matches!(
+                    &grpo.inputs["model"],
+                    nemo_dag_engine::manifest::Input::Stage { stage, output } if stage == "export" && output == "hf"
+                ));
+                assert_eq!(grpo.params["config"], "examples/nemo_gym/grpo_nanov3.yaml");
+            }
+            None => assert_eq!(file, "super3.yaml"),
+        }
     }
 }
 

@@ -22,6 +22,7 @@
 //! - [`megatron`]: `megatron_pretrain` and `megatron_sft`, the same stages at real scale, run by
 //!   NVIDIA Megatron-Bridge on a Slurm cluster, and `megatron_export`, its checkpoint as a
 //!   Hugging Face model.
+//! - [`nemo_rl`]: `nemo_rl_grpo`, GRPO at real scale by NVIDIA NeMo-RL and NeMo-Gym.
 //!
 //! Each file is an op's params, its spec, its checks and the wiring of its `run` (`training.rs`
 //! holds what the training ops share, `hf/` the Hugging Face layouts export and import share); the formats live in
@@ -39,6 +40,7 @@ pub mod hf;
 pub mod import;
 pub mod import_model;
 pub mod megatron;
+pub mod nemo_rl;
 pub mod pack;
 pub mod pretrain;
 pub mod rl_data;
@@ -73,6 +75,7 @@ pub fn registry() -> Registry {
         &megatron::Megatron(megatron::Mode::Pretrain),
         &megatron::Megatron(megatron::Mode::Sft),
         &megatron::export::MegatronExport,
+        &nemo_rl::NemoRlGrpo,
     ];
     Registry::new(OPS).with_gpu_probe(probe_gpu)
 }

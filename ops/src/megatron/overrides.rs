@@ -117,15 +117,29 @@ pub const SET_BY_THE_OP: &[(&str, &str)] = &[
 /// Check the stage's `params.overrides`: dotted keys of identifiers, scalar values, none the
 /// op sets. Errors point at `params.overrides.KEY`.
 pub fn check_user(overrides: &std::collections::BTreeMap<String, Value>) -> Result<(), DeclError> {
+    check_user_of(
+        overrides,
+        SET_BY_THE_OP,
+        "Megatron-Bridge",
+        "Megatron-Bridge accepts `+key=` for a key its config lacks and then skips it, so a misspelt key would be silently ignored: override keys that exist, without a prefix",
+    )
+}
+
+/// [`check_user`] for a program (`program`) whose op sets the keys `set_by`; `why_no_prefix`
+/// is the help for a `+`, `++` or `~` override.
+pub fn check_user_of(
+    overrides: &std::collections::BTreeMap<String, Value>,
+    set_by: &[(&str, &str)],
+    program: &str,
+    why_no_prefix: &str,
+) -> Result<(), DeclError> {
     for (key, value) in overrides {
         let at = |message: String| DeclError::new(&["params", "overrides", key], message);
         if let Some(prefix) = ["++", "+", "~"].into_iter().find(|p| key.starts_with(p)) {
             return Err(at(format!(
-                "`{key}`: a `{prefix}` override is not passed to Megatron-Bridge"
+                "`{key}`: a `{prefix}` override is not passed to {program}"
             ))
-            .with_help(
-                "Megatron-Bridge accepts `+key=` for a key its config lacks and then skips it, so a misspelt key would be silently ignored: override keys that exist, without a prefix",
-            ));
+            .with_help(why_no_prefix));
         }
         let identifiers = key.split('.').all(|part| {
             part.chars()
@@ -138,7 +152,7 @@ pub fn check_user(overrides: &std::collections::BTreeMap<String, Value>) -> Resu
                 "`{key}` is not a config key: dotted names of letters, digits and `_` (`model.num_layers`)"
             )));
         }
-        if let Some((_, by)) = SET_BY_THE_OP
+        if let Some((_, by)) = set_by
             .iter()
             .find(|(set, _)| key == set || key.starts_with(&format!("{set}.")))
         {

@@ -1,0 +1,831 @@
+//! `nemo_rl_grpo`: GRPO at real scale, by NVIDIA NeMo-RL (<https://github.com/NVIDIA-NeMo/RL>,
+//! v0.7) with NeMo-Gym environments, on a Hugging Face model and an `rl_data` artifact.
+//!
+//! ```yaml
+//! grpo:
+//!   op: nemo_rl_grpo
+//!   inputs: {model: "export:hf", data: "rl_data:data"}
+//!   resources: {launch: srun, nodes: 4, gpus: 8, ntasks_per_node: 1}
+//!   params:
+//!     image: nvcr.io/nvidia/nemo-rl:v0.7.0
+//!     config: examples/nemo_gym/grpo_nanov3.yaml
+//!     steps: 100
+//!     prompts_per_step: 128
+//!     generations_per_prompt: 16
+//!     save_period: 10
+//! ```
+//!
+//! The stage runs NeMo-RL's `examples/nemo_gym/run_grpo_nemo_gym.py --config C` with `key=value`
+//! overrides, in `image`. NeMo-RL runs on a Ray cluster: under a launcher the stage starts one
+//! Ray node per Slurm node (the first node's rank is Ray's head and runs the driver; the
+//! others join it and leave when it is gone), as NeMo-RL's own `ray.sub` does; without one
+//! NeMo-RL starts Ray itself on the one machine. What the op owns, and the reason:
+//!
+//! - **Data.** `data.train.data_path` and `data.validation.data_path` are the `rl_data`
+//!   artifact's `train.jsonl` and `val.jsonl`: NeMo-Gym rows whose `agent_ref` names the agent
+//!   server each row goes to.
+//! - **Model.** `policy.model_name` and `policy.tokenizer.name` are the `model` input, a Hugging
+//!   Face directory (`megatron_export`'s or `export`'s `hf`): vLLM generates from it, and the
+//!   Megatron policy converts it once into the attempt's `run/megatron_cache`
+//!   (`NRL_MEGATRON_CHECKPOINT_DIR`), never into a cache shared by path under `HF_HOME`.
+//! - **Checkpoints.** `checkpointing.checkpoint_dir` is the attempt's own `checkpoint/`. NeMo-RL
+//!   always resumes from the newest `step_N` there (there is no switch), so a resume is always
+//!   of this key's run. A save writes `tmp_step_N` and renames it: before every launch the
+//!   directory is cut back to its complete `step_N` directories ([`prepare`]).
+//! - **Publish.** Only when NeMo-RL exits 0 *and* `step_<steps>` is saved: its time-budget stop
+//!   (`checkpointing.checkpoint_must_save_by`) saves and exits 0 too. The artifact holds that
+//!   step alone (`checkpoint/step_<steps>`: the policy's weights and optimizer, the resolved
+//!   `config.yaml`, `training_info.json`), and `run/` (`launch.sh`, `rank.sh`, NeMo-RL's logs).
+
+use crate::megatron::overrides::{Override, check_user_of, quoted, scalar};
+use crate::training::input;
+use nemo_dag_op::process::{describe_exit, readable_shell_word, run_logged};
+use nemo_dag_op::{
+    DeclError, Metrics, Op, Outputs, Port, Progress, RunContext, RunError, Spec, StageDecl,
+};
+use serde::Deserialize;
+use serde_json::{Value, json};
+use std::collections::BTreeMap;
+use std::io;
+use std::path::{Path, PathBuf};
+
+pub struct NemoRlGrpo;
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Params {
+    /// The container image every Ray node runs in (pyxis `--container-image`).
+    #[serde(default)]
+    image: Option<String>,
+    /// NeMo-RL's checkout inside the image; the driver runs from it.
+    #[serde(default = "default_root")]
+    rl_root: String,
+    /// The GRPO config, relative to `rl_root` or absolute.
+    #[serde(default = "default_config")]
+    config: String,
+    /// The driver, relative to `rl_root`.
+    #[serde(default = "default_script")]
+    script: String,
+    /// The interpreter, as words (the images run NeMo-RL through uv).
+    #[serde(default = "default_python")]
+    python: String,
+    /// Ray's command line, as words.
+    #[serde(default = "default_ray")]
+    ray: String,
+    /// GPUs of each node NeMo-RL uses (`cluster.gpus_per_node`).
+    #[serde(default = "default_gpus")]
+    gpus_per_node: u64,
+    steps: u64,
+    prompts_per_step: u64,
+    generations_per_prompt: u64,
+    save_period: u64,
+    #[serde(default = "default_seed")]
+    seed: u64,
+    /// Exported in the rank script before anything starts.
+    #[serde(default)]
+    env: BTreeMap<String, String>,
+    /// Any other config key: `{"loss_fn.ratio_clip_max": 0.28}`, passed last.
+    #[serde(default)]
+    overrides: BTreeMap<String, Value>,
+}
+
+fn default_root() -> String {
+    "/opt/nemo-rl".into()
+}
+fn default_config() -> String {
+    "examples/nemo_gym/grpo_nanov3.yaml".into()
+}
+fn default_script() -> String {
+    "examples/nemo_gym/run_grpo_nemo_gym.py".into()
+}
+fn default_python() -> String {
+    "uv run --no-sync python".into()
+}
+fn default_ray() -> String {
+    "uv run --no-sync ray".into()
+}
+fn default_gpus() -> u64 {
+    8
+}
+fn default_seed() -> u64 {
+    42
+}
+
+/// Ray's head port (NeMo-RL's `ray.sub` uses the same).
+const RAY_PORT: u16 = 9900;
+
+/// The keys the op sets, and from what.
+const SET_BY_THE_OP: &[(&str, &str)] = &[
+    ("policy.model_name", "the `model` input"),
+    ("policy.tokenizer.name", "the `model` input"),
+    ("data.train.data_path", "the `data` input"),
+    ("data.validation.data_path", "the `data` input"),
+    ("checkpointing.enabled", "the op (always on)"),
+    (
+        "checkpointing.checkpoint_dir",
+        "the op (the attempt's checkpoint/)",
+    ),
+    ("checkpointing.save_period", "params.save_period"),
+    ("grpo.max_num_steps", "params.steps"),
+    ("grpo.num_prompts_per_step", "params.prompts_per_step"),
+    (
+        "grpo.num_generations_per_prompt",
+        "params.generations_per_prompt",
+    ),
+    ("grpo.seed", "params.seed"),
+    ("cluster.num_nodes", "resources.nodes"),
+    ("cluster.gpus_per_node", "params.gpus_per_node"),
+    ("logger.log_dir", "the op (the attempt's run/logs)"),
+];
+
+static SPEC: Spec = Spec {
+    name: "nemo_rl_grpo",
+    version: 1,
+    summary: "GRPO with NeMo-RL and NeMo-Gym on a Hugging Face model and an rl_data artifact, one Ray node per Slurm node",
+    inputs: &[
+        Port {
+            name: "model",
+            required: true,
+            what: "a Hugging Face model directory (the `hf` of megatron_export or export)",
+        },
+        Port {
+            name: "data",
+            required: true,
+            what: "an rl_data artifact (train.jsonl, val.jsonl)",
+        },
+    ],
+    other_inputs: None,
+    outputs: Outputs::Fixed(&[("checkpoint", "checkpoint"), ("run", "run")]),
+    resumable: true,
+    launched: true,
+};
+
+impl Op for NemoRlGrpo {
+    type Params = Params;
+    fn spec(&self) -> &'static Spec {
+        &SPEC
+    }
+    fn check(&self, p: &Params, _stage: &StageDecl) -> Result<(), DeclError> {
+        check_params(p)
+    }
+    fn image(&self, p: &Params) -> Option<String> {
+        p.image.clone()
+    }
+    fn preview(&self, p: &Params, stage: &StageDecl, launcher: &[String]) -> Option<String> {
+        let words = overrides(p, "<input model>", "<input data>", "<out>");
+        Some(format!(
+            "{}# run/rank.sh, which launch.sh starts on every rank:\n{}",
+            launch_script(stage.name, launcher, "<out>"),
+            rank_script(p, stage.name, "<out>", &words)
+        ))
+    }
+    fn run(&self, p: &Params, ctx: &mut RunContext) -> Result<Metrics, RunError> {
+        run(p, ctx)
+    }
+}
+
+fn check_params(p: &Params) -> Result<(), DeclError> {
+    let at = |field: &str, message: String| DeclError::new(&["params", field], message);
+    if p.image.as_deref().is_some_and(|i| i.trim().is_empty()) {
+        return Err(at("image", "an empty image name".into()));
+    }
+    if !p.rl_root.starts_with('/') {
+        return Err(at(
+            "rl_root",
+            format!("`{}` must be an absolute path inside the image", p.rl_root),
+        ));
+    }
+    for (field, value) in [
+        ("config", &p.config),
+        ("script", &p.script),
+        ("python", &p.python),
+        ("ray", &p.ray),
+    ] {
+        if value.split_whitespace().next().is_none() {
+            return Err(at(field, format!("an empty {field}")));
+        }
+    }
+    for (field, value) in [
+        ("steps", p.steps),
+        ("prompts_per_step", p.prompts_per_step),
+        ("generations_per_prompt", p.generations_per_prompt),
+        ("save_period", p.save_period),
+        ("gpus_per_node", p.gpus_per_node),
+    ] {
+        if value == 0 {
+            return Err(at(field, format!("{field} must be at least 1")));
+        }
+    }
+    for key in p.env.keys() {
+        let ok = key
+            .chars()
+            .next()
+            .is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
+            && key.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
+        if !ok {
+            return Err(DeclError::new(
+                &["params", "env", key],
+                format!("`{key}` is not an environment variable name"),
+            ));
+        }
+    }
+    check_user_of(
+        &p.overrides,
+        SET_BY_THE_OP,
+        "NeMo-RL",
+        "NeMo-RL adds a `+key` its config lacks, and its config model lets unknown keys through, so a misspelt key would be silently ignored: override keys that exist, without a prefix",
+    )
+}
+
+fn run(p: &Params, ctx: &mut RunContext) -> Result<Metrics, RunError> {
+    check_image(p, ctx)?;
+    let out = std::path::absolute(ctx.out_dir)?;
+    let run_dir = out.join("run");
+    let ckpt = out.join("checkpoint");
+    std::fs::create_dir_all(&run_dir)?;
+    let model = input(ctx, "model")?;
+    if !model.join("config.json").is_file() {
+        return Err(RunError::new(format!(
+            "input `model`: {} has no config.json: not a Hugging Face model directory",
+            model.display()
+        ))
+        .with_help("wire `model` to the `hf` output of a megatron_export or export stage"));
+    }
+    let data = input(ctx, "data")?;
+    for split in ["train.jsonl", "val.jsonl"] {
+        let rows = std::fs::read_to_string(data.join(split))
+            .map(|t| t.lines().filter(|l| !l.trim().is_empty()).count())
+            .unwrap_or(0);
+        if rows == 0 {
+            return Err(RunError::new(format!(
+                "input `data`: {} holds no rows (NeMo-RL validates on val.jsonl every val_period steps)",
+                data.join(split).display()
+            ))
+            .with_help("wire `data` to an rl_data artifact; give it a valid_fraction above 0"));
+        }
+    }
+
+    let words = overrides(p, &text(&model)?, &text(&data)?, &text(&out)?);
+    std::fs::write(
+        run_dir.join("rank.sh"),
+        rank_script(p, ctx.stage.name, &text(&out)?, &words),
+    )?;
+    let launch = run_dir.join("launch.sh");
+    std::fs::write(
+        &launch,
+        launch_script(ctx.stage.name, ctx.launcher, &text(&out)?),
+    )?;
+
+    let resumed = prepare(&ckpt)?;
+    let (status, last) = match resumed {
+        Some(n) if n >= p.steps => {
+            writeln!(
+                ctx.log,
+                "nemo-dag: step {n} of {} is saved already; publishing it without a launch",
+                p.steps
+            )?;
+            (None, Last::default())
+        }
+        _ => {
+            match resumed {
+                Some(n) => writeln!(
+                    ctx.log,
+                    "nemo-dag: NeMo-RL resumes from step {n} of {}",
+                    p.steps
+                )?,
+                None => writeln!(
+                    ctx.log,
+                    "nemo-dag: starting NeMo-RL GRPO ({} steps)",
+                    p.steps
+                )?,
+            }
+            writeln!(ctx.log, "nemo-dag: {}", launch.display())?;
+            let (status, last) = follow(ctx, &launch, &out, p.steps)?;
+            (Some(status), last)
+        }
+    };
+    let newest = newest_complete(&ckpt)?;
+    let resume = match newest {
+        Some(n) => format!("the next run resumes from step {n}"),
+        None => "no step was saved: the next run starts over".into(),
+    };
+    if let Some(status) = status.filter(|s| !s.success()) {
+        return Err(
+            RunError::new(format!("NeMo-RL {}; {resume}", describe_exit(status)))
+                .with_help("the log above says why (under a launcher, which rank failed first)"),
+        );
+    }
+    if newest.is_none_or(|n| n < p.steps) {
+        let at = newest.map_or("before its first save".to_string(), |n| {
+            format!("at step {n} of {}", p.steps)
+        });
+        return Err(RunError::new(format!(
+            "NeMo-RL exited 0 but stopped {at} (its checkpoint_must_save_by time budget); {resume}"
+        )));
+    }
+    keep_only(&ckpt, p.steps)?;
+    let cache = run_dir.join("megatron_cache");
+    if cache.exists() {
+        std::fs::remove_dir_all(cache)?;
+    }
+    let info = read_info(&ckpt.join(step_dir(p.steps)))?;
+    let mut m = Metrics::new();
+    m.insert("image".into(), json!(p.image));
+    m.insert("config".into(), json!(p.config));
+    m.insert("final_step".into(), json!(p.steps));
+    m.insert("resumed_from_step".into(), json!(resumed));
+    m.insert("consumed_samples".into(), info["consumed_samples"].clone());
+    m.insert("avg_reward".into(), json!(last.reward));
+    m.insert("loss".into(), json!(last.loss));
+    Ok(m)
+}
+
+/// The last figures NeMo-RL printed.
+#[derive(Default)]
+struct Last {
+    reward: Option<f64>,
+    loss: Option<f64>,
+}
+
+/// Run `launch.sh`, its output into the log; `Step N/T` lines into progress.
+fn follow(
+    ctx: &mut RunContext,
+    launch: &Path,
+    out: &Path,
+    steps: u64,
+) -> Result<(std::process::ExitStatus, Last), RunError> {
+    let mut command = std::process::Command::new("bash");
+    command
+        .arg(launch)
+        .current_dir(out.join("run"))
+        .env("NEMO_DAG_STAGE", ctx.stage.name)
+        .env("NEMO_DAG_OUT", out);
+    let mut last = Last::default();
+    let progress = &mut *ctx.progress;
+    let status = run_logged(&mut command, ctx.log, &mut |line| {
+        if let Some(reward) = figure(line, "Avg Reward:") {
+            last.reward = Some(reward);
+        } else if let Some(loss) = figure(line, "Loss:") {
+            last.loss = Some(loss);
+        } else if let Some(done) = step_line(line) {
+            progress(Progress {
+                done,
+                total: steps,
+                message: last
+                    .reward
+                    .map(|r| format!("avg reward {r:.4}"))
+                    .unwrap_or_default(),
+            });
+        }
+    })?;
+    Ok((status, last))
+}
+
+/// `========================= Step 3/200 =========================` → 3.
+fn step_line(line: &str) -> Option<u64> {
+    let rest = line
+        .trim()
+        .strip_prefix("=")?
+        .trim_start_matches('=')
+        .trim();
+    let (n, _) = rest.strip_prefix("Step ")?.split_once('/')?;
+    n.trim().parse().ok()
+}
+
+/// `  • Avg Reward: 0.4531` → 0.4531, for `label`.
+fn figure(line: &str, label: &str) -> Option<f64> {
+    let rest = line.trim().strip_prefix('•')?.trim().strip_prefix(label)?;
+    rest.trim().parse().ok()
+}
+
+/// `params.image` names the software: the ranks must start in it (see the Megatron ops).
+fn check_image(p: &Params, ctx: &RunContext) -> Result<(), RunError> {
+    let Some(image) = &p.image else {
+        return Ok(());
+    };
+    if ctx.launcher.contains(&format!("--container-image={image}")) {
+        return Ok(());
+    }
+    Err(RunError::new(format!(
+        "stage `{}` names image `{image}`, but this run would start NeMo-RL outside it",
+        ctx.stage.name
+    ))
+    .with_help(format!(
+        "run it on a Slurm profile with `resources.launch: srun`; on a machine already inside the image, override `stages.{}.params.image=null`",
+        ctx.stage.name
+    )))
+}
+
+/// Every override, in order: the inputs, the run's length and shape, the attempt's
+/// directories, then the stage's own. `model`, `data` and `out` are rendered paths.
+fn overrides(p: &Params, model: &str, data: &str, out: &str) -> Vec<Override> {
+    let q = |s: String| format!("'{s}'");
+    let mut words = vec![
+        Override::new("policy.model_name", q(model.to_string())),
+        Override::new("policy.tokenizer.name", q(model.to_string())),
+        Override::new("data.train.data_path", q(format!("{data}/train.jsonl"))),
+        Override::new("data.validation.data_path", q(format!("{data}/val.jsonl"))),
+        Override::new("grpo.max_num_steps", p.steps.to_string()),
+        Override::new("grpo.num_prompts_per_step", p.prompts_per_step.to_string()),
+        Override::new(
+            "grpo.num_generations_per_prompt",
+            p.generations_per_prompt.to_string(),
+        ),
+        Override::new("grpo.seed", p.seed.to_string()),
+        Override::new("checkpointing.enabled", "true"),
+        Override::new(
+            "checkpointing.checkpoint_dir",
+            q(format!("{out}/checkpoint")),
+        ),
+        Override::new("checkpointing.save_period", p.save_period.to_string()),
+        Override::new("logger.log_dir", q(format!("{out}/run/logs"))),
+        // The shape of the Ray cluster the rank script started: known when it runs.
+        Override::new("cluster.num_nodes", "${NEMO_DAG_NODES}"),
+        Override::new("cluster.gpus_per_node", p.gpus_per_node.to_string()),
+    ];
+    // Checked when the manifest loaded.
+    words.extend(
+        p.overrides
+            .iter()
+            .filter_map(|(key, value)| Some(Override::new(key, scalar(value).ok()?))),
+    );
+    words
+}
+
+/// `launch.sh`: the rank script once per rank under the launcher.
+fn launch_script(stage: &str, launcher: &[String], out: &str) -> String {
+    let mut head: Vec<String> = launcher.iter().map(|w| readable_shell_word(w)).collect();
+    head.push("bash".into());
+    head.push(readable_shell_word(&format!("{out}/run/rank.sh")));
+    format!(
+        "#!/bin/bash\n# nemo-dag nemo_rl_grpo · stage {stage}: run/rank.sh once per rank\nset -euo pipefail\nexec {}\n",
+        head.join(" ")
+    )
+}
+
+/// `rank.sh`: one Ray node per machine (the other ranks of a machine leave at once); the first
+/// machine's is the head and runs the driver, the others join it and leave when it is gone.
+fn rank_script(p: &Params, stage: &str, out: &str, words: &[Override]) -> String {
+    let ray = p
+        .ray
+        .split_whitespace()
+        .map(readable_shell_word)
+        .collect::<Vec<_>>()
+        .join(" ");
+    let python = p
+        .python
+        .split_whitespace()
+        .map(readable_shell_word)
+        .collect::<Vec<_>>()
+        .join(" ");
+    let mut s = format!(
+        "#!/bin/bash\n# nemo-dag nemo_rl_grpo · stage {stage} · config {config}\nset -euo pipefail\n",
+        config = p.config
+    );
+    for (key, value) in [
+        ("HF_HUB_OFFLINE", "1".to_string()),
+        ("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0".to_string()),
+        (
+            "NRL_MEGATRON_CHECKPOINT_DIR",
+            format!("{out}/run/megatron_cache"),
+        ),
+    ] {
+        s.push_str(&format!("export {key}={}\n", readable_shell_word(&value)));
+    }
+    for (key, value) in &p.env {
+        s.push_str(&format!("export {key}={}\n", readable_shell_word(value)));
+    }
+    s.push_str(&format!(
+        r#"cd {root}
+# One Ray node per machine: the launcher's other ranks on it leave.
+if [ "${{LOCAL_RANK:-0}}" != 0 ]; then exit 0; fi
+export NEMO_DAG_NODES=$(( ${{WORLD_SIZE:-1}} / ${{LOCAL_WORLD_SIZE:-1}} ))
+if [ "$NEMO_DAG_NODES" -gt 1 ]; then
+  head="${{MASTER_ADDR:?the job script exports MASTER_ADDR}}:{port}"
+  if [ "${{RANK:-0}}" != 0 ]; then
+    # A worker: join the head (retrying while it starts), and leave once it is gone.
+    for _ in $(seq 120); do {ray} start --address="$head" && break; sleep 5; done
+    while {ray} status --address="$head" >/dev/null 2>&1; do sleep 15; done
+    {ray} stop --force >/dev/null 2>&1 || true
+    exit 0
+  fi
+  {ray} start --head --node-ip-address="$MASTER_ADDR" --port={port} --disable-usage-stats
+  trap '{ray} stop --force >/dev/null 2>&1 || true' EXIT
+  export RAY_ADDRESS="$head"
+  # Wait, as ray.sub does, until every machine's GPUs have joined (at most 30 minutes).
+  want=$(( NEMO_DAG_NODES * {gpus} ))
+  for _ in $(seq 360); do
+    have=$({ray} status --address="$head" 2>/dev/null | sed -n 's|^ *[0-9.]*/\([0-9.]*\) GPU.*|\1|p' | head -n1)
+    if [ "${{have%.*}}" -ge "$want" ] 2>/dev/null; then break; fi
+    sleep 5
+  done
+fi
+{python} {script} --config {config}"#,
+        root = readable_shell_word(&p.rl_root),
+        port = RAY_PORT,
+        gpus = p.gpus_per_node,
+        script = readable_shell_word(&p.script),
+        config = readable_shell_word(&p.config),
+    ));
+    for word in words {
+        // cluster.num_nodes is the shell's: every other word is one literal argument.
+        let rendered = match word.value.as_str() {
+            "${NEMO_DAG_NODES}" => format!("{}=\"$NEMO_DAG_NODES\"", word.key),
+            _ => readable_shell_word(&word.word()),
+        };
+        s.push_str(&format!(" \\\n  {rendered}"));
+    }
+    s.push('\n');
+    s
+}
+
+/// A path as text a Hydra quoted string can hold.
+fn text(path: &Path) -> Result<String, RunError> {
+    let text = path
+        .to_str()
+        .ok_or_else(|| RunError::new(format!("{}: not UTF-8", path.display())))?;
+    quoted(text).map_err(|why| {
+        RunError::new(format!("path {why}")).with_help(
+            "move the store (or the input) to a path without quotes, backslashes or control characters",
+        )
+    })?;
+    Ok(text.to_string())
+}
+
+// NeMo-RL's checkpoint directory (`nemo_rl/utils/checkpoint.py`, v0.7.0):
+//
+//   checkpoint/
+//     step_10/              training_info.json, config.yaml, train_dataloader.pt, policy/…
+//     tmp_step_20/          a save in progress: written, then renamed to step_20
+//     old_step_10/          step_10 moved aside while a save of step 10 replaced it
+//
+// NeMo-RL resumes from the highest `step_N` alone. A kill mid-save leaves `tmp_step_N`, which a
+// later save of that step would reuse as it is; a kill between the two renames leaves
+// `old_step_N` as the only whole copy.
+
+/// `step_20` for 20.
+pub fn step_dir(n: u64) -> String {
+    format!("step_{n}")
+}
+
+fn parse_step(name: &str, prefix: &str) -> Option<u64> {
+    let digits = name.strip_prefix(prefix)?;
+    (!digits.is_empty() && digits.bytes().all(|b| b.is_ascii_digit()))
+        .then(|| digits.parse().ok())
+        .flatten()
+}
+
+/// Whether a `step_N` directory is a finished save: its training_info.json parses (NeMo-RL
+/// writes it first, into `tmp_step_N`), and its config and weights are there.
+fn complete(dir: &Path) -> bool {
+    read_info(dir).is_ok_and(|info| info.is_object())
+        && dir.join("config.yaml").is_file()
+        && dir.join("policy/weights").is_dir()
+}
+
+fn read_info(dir: &Path) -> Result<Value, RunError> {
+    let path = dir.join("training_info.json");
+    let text = std::fs::read_to_string(&path)
+        .map_err(|e| RunError::new(format!("{}: {e}", path.display())))?;
+    serde_json::from_str(&text).map_err(|e| RunError::new(format!("{}: {e}", path.display())))
+}
+
+/// Every `step_N` directory, in step order, with whether it is complete.
+fn scan(dir: &Path) -> io::Result<Vec<(u64, bool, PathBuf)>> {
+    let mut found = Vec::new();
+    let entries = match std::fs::read_dir(dir) {
+        Ok(entries) => entries,
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(found),
+        Err(e) => return Err(e),
+    };
+    for entry in entries {
+        let entry = entry?;
+        if let Some(n) = entry
+            .file_name()
+            .to_str()
+            .and_then(|s| parse_step(s, "step_"))
+        {
+            found.push((n, complete(&entry.path()), entry.path()));
+        }
+    }
+    found.sort_unstable();
+    Ok(found)
+}
+
+/// The newest complete step.
+pub fn newest_complete(dir: &Path) -> io::Result<Option<u64>> {
+    Ok(scan(dir)?
+        .into_iter()
+        .filter(|(_, ok, _)| *ok)
+        .map(|(n, _, _)| n)
+        .next_back())
+}
+
+/// Before a launch: an `old_step_N` whose `step_N` is missing is put back; saves in progress
+/// (`tmp_step_*`), what was moved aside, and every `step_N` that is incomplete or newer than
+/// the newest complete one are removed, so NeMo-RL resumes from a whole step. Returns it.
+pub fn prepare(dir: &Path) -> io::Result<Option<u64>> {
+    std::fs::create_dir_all(dir)?;
+    for entry in std::fs::read_dir(dir)? {
+        let entry = entry?;
+        let name = entry.file_name();
+        let Some(name) = name.to_str() else { continue };
+        if let Some(n) = parse_step(name, "old_step_") {
+            let whole = dir.join(step_dir(n));
+            if whole.exists() {
+                std::fs::remove_dir_all(entry.path())?;
+            } else {
+                std::fs::rename(entry.path(), whole)?;
+            }
+        } else if parse_step(name, "tmp_step_").is_some() {
+            std::fs::remove_dir_all(entry.path())?;
+        }
+    }
+    let found = scan(dir)?;
+    let newest = found
+        .iter()
+        .filter(|(_, ok, _)| *ok)
+        .map(|(n, _, _)| *n)
+        .next_back();
+    for (n, ok, path) in found {
+        if !ok || Some(n) > newest {
+            std::fs::remove_dir_all(path)?;
+        }
+    }
+    Ok(newest)
+}
+
+/// After a finished run: step `n` alone.
+pub fn keep_only(dir: &Path, n: u64) -> io::Result<()> {
+    for (m, _, path) in scan(dir)? {
+        if m != n {
+            std::fs::remove_dir_all(path)?;
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn save(dir: &Path, name: &str, n: u64, whole: bool) {
+        let d = dir.join(name);
+        std::fs::create_dir_all(d.join("policy/weights")).unwrap();
+        std::fs::write(d.join("config.yaml"), "grpo: {}\n").unwrap();
+        if whole {
+            std::fs::write(
+                d.join("training_info.json"),
+                format!("{{\"total_steps\": {n}, \"consumed_samples\": 8}}"),
+            )
+            .unwrap();
+        }
+    }
+
+    fn names(dir: &Path) -> Vec<String> {
+        let mut names: Vec<String> = std::fs::read_dir(dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        names.sort();
+        names
+    }
+
+    /// NeMo-RL resumes from the highest `step_N`: whatever a kill left is undone first.
+    #[test]
+    fn a_kill_mid_save_leaves_only_whole_steps_for_nemo_rl_to_resume() {
+        let dir = crate::testing::scratch("rl-ckpt-kill");
+        let ckpt = dir.as_path();
+        save(ckpt, "step_10", 10, true);
+        save(ckpt, "tmp_step_20", 20, true); // killed before the rename
+        save(ckpt, "step_30", 30, false); // no training_info.json: not NeMo-RL's doing, not whole
+        save(ckpt, "old_step_40", 40, true); // killed between the two renames
+        assert_eq!(prepare(ckpt).unwrap(), Some(40));
+        assert_eq!(names(ckpt), ["step_10", "step_40"]);
+        keep_only(ckpt, 40).unwrap();
+        assert_eq!(names(ckpt), ["step_40"]);
+    }
+
+    #[test]
+    fn an_old_step_beside_its_replacement_is_dropped() {
+        let dir = crate::testing::scratch("rl-ckpt-old");
+        let ckpt = dir.as_path();
+        save(ckpt, "step_10", 10, true);
+        save(ckpt, "old_step_10", 10, true);
+        assert_eq!(prepare(ckpt).unwrap(), Some(10));
+        assert_eq!(names(ckpt), ["step_10"]);
+    }
+
+    /// `rank.sh` on two machines, as the launcher starts it: the first machine's rank is Ray's
+    /// head and starts the driver only once both machines' GPUs have joined; the other joins
+    /// and leaves when the head is gone; a second rank on a machine leaves at once. Ray is a
+    /// stand-in that keeps the cluster in a directory (`start`, `status`, `stop` as Ray's CLI).
+    #[test]
+    fn the_rank_script_makes_one_ray_cluster_of_the_machines_and_runs_the_driver_on_its_head() {
+        let dir = crate::testing::scratch("rl-ray");
+        let state = dir.join("ray");
+        std::fs::create_dir_all(&state).unwrap();
+        let ray = dir.join("ray.sh");
+        std::fs::write(
+            &ray,
+            r#"#!/bin/bash
+s="$FAKE_RAY_STATE"
+case "$1" in
+  start)
+    if [ "$2" = --head ]; then echo 2 > "$s/head"; echo "head on $3";
+    elif [ -f "$s/head" ]; then echo $(( $(cat "$s/head") )) > "$s/head"; touch "$s/worker"; echo joined;
+    else exit 1; fi ;;
+  status)
+    [ -f "$s/head" ] || exit 1
+    n=1; [ -f "$s/worker" ] && n=2
+    printf 'Resources\n---\nUsage:\n 0.0/%s.0 CPU\n 0.0/%s.0 GPU\n' $((n * 4)) $((n * 2)) ;;
+  stop)
+    if [ "$RANK" = 0 ]; then rm -f "$s/head"; else rm -f "$s/worker"; echo "$RANK" > "$s/worker-left"; fi ;;
+esac
+"#,
+        )
+        .unwrap();
+        let driver = dir.join("driver.sh");
+        std::fs::write(
+            &driver,
+            "#!/bin/bash\nbash \"$FAKE_RAY\" status > \"$FAKE_RAY_STATE/seen\"\necho \"$@\" > \"$FAKE_RAY_STATE/driver-args\"\n",
+        )
+        .unwrap();
+        let p: Params = serde_json::from_value(json!({
+            "rl_root": dir, "python": "bash", "script": driver, "ray": format!("bash {}", ray.display()),
+            "config": "c.yaml", "gpus_per_node": 2, "steps": 2, "prompts_per_step": 1,
+            "generations_per_prompt": 2, "save_period": 1,
+        }))
+        .unwrap();
+        let words = overrides(&p, "/m", "/d", dir.to_str().unwrap());
+        let script = dir.join("rank.sh");
+        std::fs::write(
+            &script,
+            rank_script(&p, "grpo", dir.to_str().unwrap(), &words),
+        )
+        .unwrap();
+        let rank = |rank: u32, local: u32| {
+            std::process::Command::new("bash")
+                .arg(&script)
+                .env("RANK", rank.to_string())
+                .env("LOCAL_RANK", local.to_string())
+                .env("WORLD_SIZE", "4")
+                .env("LOCAL_WORLD_SIZE", "2")
+                .env("MASTER_ADDR", "127.0.0.1")
+                .env("FAKE_RAY_STATE", &state)
+                .env("FAKE_RAY", &ray)
+                .spawn()
+                .unwrap()
+        };
+        // The worker machine starts first and waits for the head; its second rank leaves.
+        let mut worker = rank(2, 0);
+        let mut idle = rank(3, 1);
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        let mut head = rank(0, 0);
+        assert!(head.wait().unwrap().success());
+        assert!(idle.wait().unwrap().success());
+        assert!(
+            worker.wait().unwrap().success(),
+            "the worker leaves once the head is gone"
+        );
+        let seen = std::fs::read_to_string(state.join("seen")).unwrap();
+        assert!(
+            seen.contains(" 0.0/4.0 GPU"),
+            "the driver started before every GPU joined: {seen}"
+        );
+        let args = std::fs::read_to_string(state.join("driver-args")).unwrap();
+        assert!(
+            args.contains("--config c.yaml") && args.contains("cluster.num_nodes=2"),
+            "{args}"
+        );
+        assert_eq!(
+            std::fs::read_to_string(state.join("worker-left"))
+                .unwrap()
+                .trim(),
+            "2"
+        );
+        assert!(
+            !state.join("head").exists(),
+            "the head stops Ray when the driver ends"
+        );
+    }
+
+    #[test]
+    fn nemo_rl_log_lines_give_progress_and_figures() {
+        assert_eq!(
+            step_line("========================= Step 3/200 ========================="),
+            Some(3)
+        );
+        assert_eq!(
+            step_line("========================= Epoch 1/1 ========================="),
+            None
+        );
+        assert_eq!(step_line("Saving checkpoint for step 10..."), None);
+        assert_eq!(
+            figure("  • Avg Reward: 0.4531", "Avg Reward:"),
+            Some(0.4531)
+        );
+        assert_eq!(figure("  • Loss: 0.0123", "Loss:"), Some(0.0123));
+        assert_eq!(figure("  • Generation KL Error: 0.0011", "Loss:"), None);
+    }
+}
