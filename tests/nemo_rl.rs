@@ -35,6 +35,7 @@ fn grpo_project(name: &str) -> Project {
       prompts_per_step: 4
       generations_per_prompt: 2
       save_period: 2
+      sequence_length: 512
 "#
     .replace("RL_ROOT", &p.path("rl").display().to_string());
     let manifest = std::fs::read_to_string(p.path("m.yaml")).unwrap() + &stages;
@@ -98,6 +99,7 @@ fn grpo_runs_nemo_rl_on_the_exported_model_and_gym_rows_and_publishes_the_last_s
     assert_eq!(arg(l, "grpo.max_num_steps"), Some("6"));
     assert_eq!(arg(l, "grpo.num_generations_per_prompt"), Some("2"));
     assert_eq!(arg(l, "cluster.num_nodes"), Some("1"));
+    assert_eq!(arg(l, "policy.max_total_sequence_length"), Some("512"));
     assert_eq!(l["resumed_from"], Value::Null);
 
     // Published: the last step alone, and the run's scripts; no converted-weights cache.
@@ -109,7 +111,7 @@ fn grpo_runs_nemo_rl_on_the_exported_model_and_gym_rows_and_publishes_the_last_s
     let show = p.json(&["show", "grpo", "--manifest", "m.yaml", "--json"]);
     assert_eq!(show["metrics"]["final_step"], 6, "{show}");
     assert_eq!(show["metrics"]["avg_reward"], 1.0, "{show}");
-    assert_eq!(show["metrics"]["consumed_samples"], 48, "{show}");
+    assert_eq!(show["metrics"]["consumed_samples"], 24, "{show}");
 
     let again = run(&p, &["run", "m.yaml"], &[]);
     assert_eq!(again.code, 0, "{again}");
@@ -173,4 +175,29 @@ fn grpo_overrides_of_keys_the_op_sets_or_with_prefixes_are_refused_before_anythi
         assert!(out.stderr.contains(says), "{key}: {out}");
         assert!(!p.path(".nemo-dag").exists(), "{key}: nothing is written");
     }
+}
+
+#[test]
+fn grpo_refuses_a_context_longer_than_the_models_and_fewer_prompts_than_its_steps_need() {
+    let p = grpo_project("rl-fit");
+    let manifest = std::fs::read_to_string(p.path("m.yaml")).unwrap();
+    for (from, to, says) in [
+        (
+            "sequence_length: 512",
+            "sequence_length: 9000",
+            "params.sequence_length 9000 is longer than the model's context (8192",
+        ),
+        (
+            "steps: 6\n      prompts_per_step: 4",
+            "steps: 600\n      prompts_per_step: 4",
+            "but 600 steps × 4 prompts_per_step need 2400 in 1 epoch(s)",
+        ),
+    ] {
+        assert!(manifest.contains(from), "{from}");
+        p.write("m.yaml", &manifest.replace(from, to));
+        let out = run(&p, &["run", "m.yaml"], &[]);
+        assert_eq!(out.code, 1, "{out}");
+        assert!(out.stderr.contains(says), "{out}");
+    }
+    assert!(launches(&p).is_empty(), "NeMo-RL never started");
 }

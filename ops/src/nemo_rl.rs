@@ -79,6 +79,9 @@ pub struct Params {
     prompts_per_step: u64,
     generations_per_prompt: u64,
     save_period: u64,
+    /// The longest prompt plus generation, in tokens (`policy.max_total_sequence_length`, vLLM's
+    /// `max_model_len`): at most the model's context (`max_position_embeddings`).
+    sequence_length: u64,
     #[serde(default = "default_seed")]
     seed: u64,
     /// Exported in the rank script before anything starts.
@@ -133,6 +136,7 @@ const SET_BY_THE_OP: &[(&str, &str)] = &[
         "params.generations_per_prompt",
     ),
     ("grpo.seed", "params.seed"),
+    ("policy.max_total_sequence_length", "params.sequence_length"),
     ("cluster.num_nodes", "resources.nodes"),
     ("cluster.gpus_per_node", "params.gpus_per_node"),
     ("logger.log_dir", "the op (the attempt's run/logs)"),
@@ -210,6 +214,7 @@ fn check_params(p: &Params) -> Result<(), DeclError> {
         ("prompts_per_step", p.prompts_per_step),
         ("generations_per_prompt", p.generations_per_prompt),
         ("save_period", p.save_period),
+        ("sequence_length", p.sequence_length),
         ("gpus_per_node", p.gpus_per_node),
     ] {
         if value == 0 {
@@ -233,7 +238,7 @@ fn check_params(p: &Params) -> Result<(), DeclError> {
         &p.overrides,
         SET_BY_THE_OP,
         "NeMo-RL",
-        "NeMo-RL adds a `+key` its config lacks, and its config model lets unknown keys through, so a misspelt key would be silently ignored: override keys that exist, without a prefix",
+        "with `+key=` NeMo-RL adds a key its config lacks, and its config model lets unknown keys through, so a misspelt key would be silently ignored: override keys that exist, without a prefix",
     )
 }
 
@@ -251,7 +256,9 @@ fn run(p: &Params, ctx: &mut RunContext) -> Result<Metrics, RunError> {
         ))
         .with_help("wire `model` to the `hf` output of a megatron_export or export stage"));
     }
+    check_context(p, &model)?;
     let data = input(ctx, "data")?;
+    let mut train_rows = 0;
     for split in ["train.jsonl", "val.jsonl"] {
         let rows = std::fs::read_to_string(data.join(split))
             .map(|t| t.lines().filter(|l| !l.trim().is_empty()).count())
@@ -263,7 +270,11 @@ fn run(p: &Params, ctx: &mut RunContext) -> Result<Metrics, RunError> {
             ))
             .with_help("wire `data` to an rl_data artifact; give it a valid_fraction above 0"));
         }
+        if split == "train.jsonl" {
+            train_rows = rows as u64;
+        }
     }
+    check_enough_rows(p, train_rows)?;
 
     let words = overrides(p, &text(&model)?, &text(&data)?, &text(&out)?);
     std::fs::write(
@@ -323,12 +334,13 @@ fn run(p: &Params, ctx: &mut RunContext) -> Result<Metrics, RunError> {
             "NeMo-RL exited 0 but stopped {at} (its checkpoint_must_save_by time budget); {resume}"
         )));
     }
+    // Read before anything is removed; NeMo-RL writes it with Python's json, which may hold NaN.
+    let info = read_info(&ckpt.join(step_dir(p.steps))).unwrap_or(Value::Null);
     keep_only(&ckpt, p.steps)?;
     let cache = run_dir.join("megatron_cache");
     if cache.exists() {
         std::fs::remove_dir_all(cache)?;
     }
-    let info = read_info(&ckpt.join(step_dir(p.steps)))?;
     let mut m = Metrics::new();
     m.insert("image".into(), json!(p.image));
     m.insert("config".into(), json!(p.config));
@@ -338,6 +350,46 @@ fn run(p: &Params, ctx: &mut RunContext) -> Result<Metrics, RunError> {
     m.insert("avg_reward".into(), json!(last.reward));
     m.insert("loss".into(), json!(last.loss));
     Ok(m)
+}
+
+/// vLLM refuses a `max_model_len` beyond the model's context: the stage's sequence length must
+/// fit the `max_position_embeddings` of the model's config.json (which Megatron-Bridge's export
+/// takes from the checkpoint's sequence length).
+fn check_context(p: &Params, model: &Path) -> Result<(), RunError> {
+    let path = model.join("config.json");
+    let config: Value = std::fs::read_to_string(&path)
+        .map_err(|e| e.to_string())
+        .and_then(|t| serde_json::from_str(&t).map_err(|e| e.to_string()))
+        .map_err(|e| RunError::new(format!("input `model`: {}: {e}", path.display())))?;
+    match config["max_position_embeddings"].as_u64() {
+        Some(context) if context < p.sequence_length => Err(RunError::new(format!(
+            "params.sequence_length {} is longer than the model's context ({context}, max_position_embeddings in {}): vLLM would refuse it",
+            p.sequence_length,
+            path.display()
+        ))
+        .with_help(format!("set sequence_length to at most {context}"))),
+        _ => Ok(()),
+    }
+}
+
+/// NeMo-RL ends a run at the end of its last epoch as at its last step (saving, exit 0): with
+/// too few rows for `steps` the stage could never publish. The epochs are an override's, or
+/// the one epoch of NeMo-RL's Nemotron configs (`grpo.max_num_epochs: 1`).
+fn check_enough_rows(p: &Params, rows: u64) -> Result<(), RunError> {
+    let epochs = p
+        .overrides
+        .get("grpo.max_num_epochs")
+        .and_then(Value::as_u64)
+        .unwrap_or(1);
+    let needed = p.steps.saturating_mul(p.prompts_per_step);
+    if rows.saturating_mul(epochs) >= needed {
+        return Ok(());
+    }
+    Err(RunError::new(format!(
+        "input `data`: train.jsonl holds {rows} prompts, but {} steps × {} prompts_per_step need {needed} in {epochs} epoch(s): NeMo-RL would stop at the end of the data, short of step {}",
+        p.steps, p.prompts_per_step, p.steps
+    ))
+    .with_help("lower steps or prompts_per_step, give rl_data more prompts, or set overrides `grpo.max_num_epochs`"))
 }
 
 /// The last figures NeMo-RL printed.
@@ -432,6 +484,10 @@ fn overrides(p: &Params, model: &str, data: &str, out: &str) -> Vec<Override> {
             p.generations_per_prompt.to_string(),
         ),
         Override::new("grpo.seed", p.seed.to_string()),
+        Override::new(
+            "policy.max_total_sequence_length",
+            p.sequence_length.to_string(),
+        ),
         Override::new("checkpointing.enabled", "true"),
         Override::new(
             "checkpointing.checkpoint_dir",
@@ -497,28 +553,47 @@ fn rank_script(p: &Params, stage: &str, out: &str, words: &[Override]) -> String
     }
     s.push_str(&format!(
         r#"cd {root}
+fail() {{ echo "nemo_rl_grpo: $*" >&2; exit 1; }}
 # One Ray node per machine: the launcher's other ranks on it leave.
 if [ "${{LOCAL_RANK:-0}}" != 0 ]; then exit 0; fi
 export NEMO_DAG_NODES=$(( ${{WORLD_SIZE:-1}} / ${{LOCAL_WORLD_SIZE:-1}} ))
 if [ "$NEMO_DAG_NODES" -gt 1 ]; then
-  head="${{MASTER_ADDR:?the job script exports MASTER_ADDR}}:{port}"
+  # Ray must see every GPU of the machine: one task per machine, not one bound to each GPU.
+  [ "${{LOCAL_WORLD_SIZE:-1}}" = 1 ] || fail "one rank per machine is needed (resources.ntasks_per_node: 1), not ${{LOCAL_WORLD_SIZE}}"
+  # The head by its address, as ray.sub resolves it; workers' ports below vLLM's and Gym's.
+  ip=$(getent hosts "${{MASTER_ADDR:?the job script exports MASTER_ADDR}}" | awk '{{print $1; exit}}' || true)
+  head="${{ip:-$MASTER_ADDR}}:{port}"
+  ports="--min-worker-port=10002 --max-worker-port=11000"
+  poll="${{NEMO_DAG_RAY_POLL:-5}}"  # seconds between Ray's answers awaited
   if [ "${{RANK:-0}}" != 0 ]; then
-    # A worker: join the head (retrying while it starts), and leave once it is gone.
-    for _ in $(seq 120); do {ray} start --address="$head" && break; sleep 5; done
-    while {ray} status --address="$head" >/dev/null 2>&1; do sleep 15; done
+    # A worker: join the head (retrying while it starts), and leave once it has been gone for
+    # three polls in a row (the driver ended; one slow answer is not the end).
+    joined=0
+    for _ in $(seq 120); do
+      if {ray} start --address="$head" $ports; then joined=1; break; fi
+      sleep "$poll"
+    done
+    [ "$joined" = 1 ] || fail "could not join Ray's head at $head after 120 tries"
+    gone=0
+    while [ "$gone" -lt 3 ]; do
+      sleep "$poll"
+      if {ray} status --address="$head" >/dev/null 2>&1; then gone=0; else gone=$((gone + 1)); fi
+    done
     {ray} stop --force >/dev/null 2>&1 || true
     exit 0
   fi
-  {ray} start --head --node-ip-address="$MASTER_ADDR" --port={port} --disable-usage-stats
+  {ray} start --head --node-ip-address="${{head%:*}}" --port={port} $ports --disable-usage-stats
   trap '{ray} stop --force >/dev/null 2>&1 || true' EXIT
   export RAY_ADDRESS="$head"
-  # Wait, as ray.sub does, until every machine's GPUs have joined (at most 30 minutes).
+  # Wait, as ray.sub does, until every machine's GPUs have joined (360 polls: 30 minutes).
   want=$(( NEMO_DAG_NODES * {gpus} ))
+  have=0
   for _ in $(seq 360); do
-    have=$({ray} status --address="$head" 2>/dev/null | sed -n 's|^ *[0-9.]*/\([0-9.]*\) GPU.*|\1|p' | head -n1)
+    have=$({ray} status --address="$head" 2>/dev/null | sed -n 's|^ *[0-9.]*/\([0-9.]*\) GPU.*|\1|p' | head -n1 || true)
     if [ "${{have%.*}}" -ge "$want" ] 2>/dev/null; then break; fi
-    sleep 5
+    sleep "$poll"
   done
+  [ "${{have%.*}}" -ge "$want" ] 2>/dev/null || fail "Ray counts ${{have:-no}} GPUs after 360 polls, not the $want of $NEMO_DAG_NODES machines"
 fi
 {python} {script} --config {config}"#,
         root = readable_shell_word(&p.rl_root),
@@ -575,10 +650,11 @@ fn parse_step(name: &str, prefix: &str) -> Option<u64> {
         .flatten()
 }
 
-/// Whether a `step_N` directory is a finished save: its training_info.json parses (NeMo-RL
-/// writes it first, into `tmp_step_N`), and its config and weights are there.
+/// Whether a `step_N` directory is a finished save: a non-empty training_info.json (NeMo-RL
+/// writes it first, into `tmp_step_N`, and renames the directory only after the weights), its
+/// config and its weights. Presence, not parsing: Python's json writes NaN, which is not JSON.
 fn complete(dir: &Path) -> bool {
-    read_info(dir).is_ok_and(|info| info.is_object())
+    std::fs::metadata(dir.join("training_info.json")).is_ok_and(|m| m.is_file() && m.len() > 0)
         && dir.join("config.yaml").is_file()
         && dir.join("policy/weights").is_dir()
 }
@@ -718,7 +794,7 @@ mod tests {
 
     /// `rank.sh` on two machines, as the launcher starts it: the first machine's rank is Ray's
     /// head and starts the driver only once both machines' GPUs have joined; the other joins
-    /// and leaves when the head is gone; a second rank on a machine leaves at once. Ray is a
+    /// and leaves when the head is gone; ranks bound to single GPUs are refused. Ray is a
     /// stand-in that keeps the cluster in a directory (`start`, `status`, `stop` as Ray's CLI).
     #[test]
     fn the_rank_script_makes_one_ray_cluster_of_the_machines_and_runs_the_driver_on_its_head() {
@@ -754,7 +830,7 @@ esac
         let p: Params = serde_json::from_value(json!({
             "rl_root": dir, "python": "bash", "script": driver, "ray": format!("bash {}", ray.display()),
             "config": "c.yaml", "gpus_per_node": 2, "steps": 2, "prompts_per_step": 1,
-            "generations_per_prompt": 2, "save_period": 1,
+            "generations_per_prompt": 2, "save_period": 1, "sequence_length": 64,
         }))
         .unwrap();
         let words = overrides(&p, "/m", "/d", dir.to_str().unwrap());
@@ -764,29 +840,37 @@ esac
             rank_script(&p, "grpo", dir.to_str().unwrap(), &words),
         )
         .unwrap();
-        let rank = |rank: u32, local: u32| {
+        let rank = |rank: u32, local_world: u32| {
             std::process::Command::new("bash")
                 .arg(&script)
                 .env("RANK", rank.to_string())
-                .env("LOCAL_RANK", local.to_string())
-                .env("WORLD_SIZE", "4")
-                .env("LOCAL_WORLD_SIZE", "2")
+                .env("LOCAL_RANK", "0")
+                .env("WORLD_SIZE", (2 * local_world).to_string())
+                .env("LOCAL_WORLD_SIZE", local_world.to_string())
                 .env("MASTER_ADDR", "127.0.0.1")
+                .env("NEMO_DAG_RAY_POLL", "0.2")
                 .env("FAKE_RAY_STATE", &state)
                 .env("FAKE_RAY", &ray)
+                .stderr(std::process::Stdio::piped())
                 .spawn()
                 .unwrap()
         };
-        // The worker machine starts first and waits for the head; its second rank leaves.
-        let mut worker = rank(2, 0);
-        let mut idle = rank(3, 1);
-        std::thread::sleep(std::time::Duration::from_millis(300));
-        let mut head = rank(0, 0);
-        assert!(head.wait().unwrap().success());
-        assert!(idle.wait().unwrap().success());
+        // Two ranks bound to one machine's GPUs each would hide the others from Ray.
+        let bound = rank(0, 2).wait_with_output().unwrap();
+        assert!(!bound.status.success());
         assert!(
-            worker.wait().unwrap().success(),
-            "the worker leaves once the head is gone"
+            String::from_utf8_lossy(&bound.stderr).contains("resources.ntasks_per_node: 1"),
+            "{bound:?}"
+        );
+        // The worker machine starts first and waits for the head.
+        let worker = rank(1, 1);
+        std::thread::sleep(std::time::Duration::from_millis(300));
+        let head = rank(0, 1).wait_with_output().unwrap();
+        assert!(head.status.success(), "{head:?}");
+        let worker = worker.wait_with_output().unwrap();
+        assert!(
+            worker.status.success(),
+            "the worker leaves once the head is gone: {worker:?}"
         );
         let seen = std::fs::read_to_string(state.join("seen")).unwrap();
         assert!(
@@ -802,7 +886,7 @@ esac
             std::fs::read_to_string(state.join("worker-left"))
                 .unwrap()
                 .trim(),
-            "2"
+            "1"
         );
         assert!(
             !state.join("head").exists(),

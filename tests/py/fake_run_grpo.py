@@ -135,7 +135,8 @@ def main():
         print(f"Saving checkpoint for step {step}...", flush=True)
         tmp = ckpt / f"tmp_step_{step}"
         tmp.mkdir()
-        (tmp / "training_info.json").write_text(json.dumps({"total_steps": step, "consumed_samples": step * 8}))
+        prompts = int(cfg["grpo.num_prompts_per_step"])
+        (tmp / "training_info.json").write_text(json.dumps({"total_steps": step, "consumed_samples": step * prompts}))
         (tmp / "config.yaml").write_text("grpo: {}\n")
         if step == die:
             print("killed", flush=True)

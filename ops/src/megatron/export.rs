@@ -199,6 +199,16 @@ fn check_params(p: &Params, world: Option<u64>) -> Result<(), DeclError> {
     {
         return Err(at("hf_revision", "an empty revision".into()));
     }
+    // The converter resolves a revision in the Hub cache; a directory has none.
+    if p.hf_revision.is_some() && p.hf_model.starts_with('/') {
+        return Err(at(
+            "hf_revision",
+            format!(
+                "`{}` is a directory, not a Hub model: it has no revision",
+                p.hf_model
+            ),
+        ));
+    }
     let par = &p.parallel;
     for (name, value) in [
         ("tp", par.tp),
@@ -265,6 +275,7 @@ fn run(p: &Params, ctx: &mut RunContext) -> Result<Metrics, RunError> {
         )
     })?;
     let (tokenizer, tokenizer_path) = crate::load_tokenizer(ctx.inputs)?;
+    let template = carried_template(&[&model])?;
     // The converter refuses a destination that is not empty: an earlier attempt's is removed.
     if hf_dir.exists() {
         std::fs::remove_dir_all(&hf_dir)?;
@@ -304,7 +315,6 @@ fn run(p: &Params, ctx: &mut RunContext) -> Result<Metrics, RunError> {
     }
 
     let checked = check_written(&hf_dir)?;
-    let template = carried_template(&[&model])?;
     let vocab = tokenizer.get_vocab_size(true);
     let mut config = checked.config;
     let declared = config["vocab_size"].as_u64();
@@ -525,6 +535,13 @@ mod tests {
         assert_eq!(
             field(json!({"hf_model": "a b"}), Some(1)),
             "params.hf_model"
+        );
+        assert_eq!(
+            field(
+                json!({"hf_model": "/models/x", "hf_revision": "abc"}),
+                Some(8)
+            ),
+            "params.hf_revision"
         );
     }
 }
