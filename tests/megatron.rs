@@ -98,7 +98,7 @@ pub(crate) fn launches(p: &Project) -> Vec<Value> {
 }
 
 /// The value of `key=` in a launch's argv.
-fn arg<'a>(launch: &'a Value, key: &str) -> Option<&'a str> {
+pub(crate) fn arg<'a>(launch: &'a Value, key: &str) -> Option<&'a str> {
     launch["argv"]
         .as_array()
         .unwrap()
@@ -124,7 +124,7 @@ pub(crate) fn assert_final_iteration_alone(p: &Project, iteration: &str) {
     );
 }
 
-fn names(dir: &Path) -> Vec<String> {
+pub(crate) fn names(dir: &Path) -> Vec<String> {
     let mut names: Vec<String> = std::fs::read_dir(dir)
         .unwrap()
         .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())

@@ -5,7 +5,7 @@
 //! or stops at its time budget, when told to).
 
 use crate::common::{Out, Project, repo};
-use crate::megatron::{output, project, with_export};
+use crate::megatron::{arg, names, output, project, with_export};
 use serde_json::Value;
 
 /// The Megatron project with its export, then Gym data and GRPO through the stand-in.
@@ -58,24 +58,6 @@ fn launches(p: &Project) -> Vec<Value> {
         .lines()
         .map(|l| serde_json::from_str(l).unwrap())
         .collect()
-}
-
-fn arg<'a>(launch: &'a Value, key: &str) -> Option<&'a str> {
-    launch["argv"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .filter_map(Value::as_str)
-        .find_map(|w| w.strip_prefix(key)?.strip_prefix('='))
-}
-
-fn names(dir: &std::path::Path) -> Vec<String> {
-    let mut names: Vec<String> = std::fs::read_dir(dir)
-        .unwrap()
-        .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-        .collect();
-    names.sort();
-    names
 }
 
 #[test]

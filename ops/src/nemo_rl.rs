@@ -37,7 +37,8 @@
 //!   step alone (`checkpoint/step_<steps>`: the policy's weights and optimizer, the resolved
 //!   `config.yaml`, `training_info.json`), and `run/` (`launch.sh`, `rank.sh`, NeMo-RL's logs).
 
-use crate::megatron::overrides::{Override, check_user_of, quoted, scalar};
+use crate::megatron::overrides::{Override, check_user_of, scalar};
+use crate::megatron::{check_env_names, check_image, text};
 use crate::training::input;
 use nemo_dag_op::process::{describe_exit, readable_shell_word, run_logged};
 use nemo_dag_op::{
@@ -221,19 +222,7 @@ fn check_params(p: &Params) -> Result<(), DeclError> {
             return Err(at(field, format!("{field} must be at least 1")));
         }
     }
-    for key in p.env.keys() {
-        let ok = key
-            .chars()
-            .next()
-            .is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
-            && key.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
-        if !ok {
-            return Err(DeclError::new(
-                &["params", "env", key],
-                format!("`{key}` is not an environment variable name"),
-            ));
-        }
-    }
+    check_env_names(&p.env)?;
     check_user_of(
         &p.overrides,
         SET_BY_THE_OP,
@@ -243,7 +232,7 @@ fn check_params(p: &Params) -> Result<(), DeclError> {
 }
 
 fn run(p: &Params, ctx: &mut RunContext) -> Result<Metrics, RunError> {
-    check_image(p, ctx)?;
+    check_image(p.image.as_deref(), "NeMo-RL", ctx)?;
     let out = std::path::absolute(ctx.out_dir)?;
     let run_dir = out.join("run");
     let ckpt = out.join("checkpoint");
@@ -450,24 +439,6 @@ fn figure(line: &str, label: &str) -> Option<f64> {
     rest.trim().parse().ok()
 }
 
-/// `params.image` names the software: the ranks must start in it (see the Megatron ops).
-fn check_image(p: &Params, ctx: &RunContext) -> Result<(), RunError> {
-    let Some(image) = &p.image else {
-        return Ok(());
-    };
-    if ctx.launcher.contains(&format!("--container-image={image}")) {
-        return Ok(());
-    }
-    Err(RunError::new(format!(
-        "stage `{}` names image `{image}`, but this run would start NeMo-RL outside it",
-        ctx.stage.name
-    ))
-    .with_help(format!(
-        "run it on a Slurm profile with `resources.launch: srun`; on a machine already inside the image, override `stages.{}.params.image=null`",
-        ctx.stage.name
-    )))
-}
-
 /// Every override, in order: the inputs, the run's length and shape, the attempt's
 /// directories, then the stage's own. `model`, `data` and `out` are rendered paths.
 fn overrides(p: &Params, model: &str, data: &str, out: &str) -> Vec<Override> {
@@ -614,19 +585,6 @@ fi
     s
 }
 
-/// A path as text a Hydra quoted string can hold.
-fn text(path: &Path) -> Result<String, RunError> {
-    let text = path
-        .to_str()
-        .ok_or_else(|| RunError::new(format!("{}: not UTF-8", path.display())))?;
-    quoted(text).map_err(|why| {
-        RunError::new(format!("path {why}")).with_help(
-            "move the store (or the input) to a path without quotes, backslashes or control characters",
-        )
-    })?;
-    Ok(text.to_string())
-}
-
 // NeMo-RL's checkpoint directory (`nemo_rl/utils/checkpoint.py`, v0.7.0):
 //
 //   checkpoint/
@@ -744,6 +702,7 @@ pub fn keep_only(dir: &Path, n: u64) -> io::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::testing::names;
 
     fn save(dir: &Path, name: &str, n: u64, whole: bool) {
         let d = dir.join(name);
@@ -756,15 +715,6 @@ mod tests {
             )
             .unwrap();
         }
-    }
-
-    fn names(dir: &Path) -> Vec<String> {
-        let mut names: Vec<String> = std::fs::read_dir(dir)
-            .unwrap()
-            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-            .collect();
-        names.sort();
-        names
     }
 
     /// NeMo-RL resumes from the highest `step_N`: whatever a kill left is undone first.

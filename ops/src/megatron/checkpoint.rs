@@ -165,6 +165,7 @@ pub fn final_iteration(dir: &Path) -> Result<PathBuf, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::testing::names;
 
     fn save(dir: &Path, n: u64, whole: bool) {
         let iter = dir.join(iteration_dir(n));
@@ -177,15 +178,6 @@ mod tests {
             std::fs::write(iter.join("run_config.yaml"), b"model: {}\n").unwrap();
         }
         std::fs::write(dir.join(TRACKER), n.to_string()).unwrap();
-    }
-
-    fn names(dir: &Path) -> Vec<String> {
-        let mut names: Vec<String> = std::fs::read_dir(dir)
-            .unwrap()
-            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
-            .collect();
-        names.sort();
-        names
     }
 
     #[test]

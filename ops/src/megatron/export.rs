@@ -263,7 +263,7 @@ fn check_params(p: &Params, world: Option<u64>) -> Result<(), DeclError> {
 }
 
 fn run(p: &Params, ctx: &mut RunContext) -> Result<Metrics, RunError> {
-    check_image(p.image.as_deref(), ctx)?;
+    check_image(p.image.as_deref(), "Megatron-Bridge's converter", ctx)?;
     let out = std::path::absolute(ctx.out_dir)?;
     let hf_dir = out.join("hf");
     let run_dir = out.join("run");

@@ -349,6 +349,11 @@ fn check_software(
     if python.split_whitespace().next().is_none() {
         return Err(at("python", "an empty interpreter".into()));
     }
+    check_env_names(env)
+}
+
+/// Every key of `params.env` is a shell variable's name.
+pub(crate) fn check_env_names(env: &BTreeMap<String, String>) -> Result<(), DeclError> {
     for key in env.keys() {
         let ok = key
             .chars()
@@ -441,7 +446,7 @@ fn check_groups(
 
 /// Launch Megatron-Bridge for this attempt, follow it, and publish its final iteration.
 fn run(mode: Mode, p: &Params, ctx: &mut RunContext) -> Result<Metrics, RunError> {
-    check_image(p.image.as_deref(), ctx)?;
+    check_image(p.image.as_deref(), "Megatron-Bridge", ctx)?;
     let out = std::path::absolute(ctx.out_dir)?;
     let run_dir = out.join("run");
     let ckpt = out.join("checkpoint");
@@ -586,7 +591,11 @@ fn launch(
 
 /// `params.image` names the software, so the ranks must start in it: under Slurm the engine's
 /// `srun` launch carries `--container-image` for it. Anywhere else it cannot be honoured.
-fn check_image(image: Option<&str>, ctx: &RunContext) -> Result<(), RunError> {
+pub(crate) fn check_image(
+    image: Option<&str>,
+    program: &str,
+    ctx: &RunContext,
+) -> Result<(), RunError> {
     let Some(image) = image else {
         return Ok(());
     };
@@ -595,7 +604,7 @@ fn check_image(image: Option<&str>, ctx: &RunContext) -> Result<(), RunError> {
         return Ok(());
     }
     Err(RunError::new(format!(
-        "stage `{}` names image `{image}`, but this run would start Megatron-Bridge outside it",
+        "stage `{}` names image `{image}`, but this run would start {program} outside it",
         ctx.stage.name
     ))
     .with_help(format!(
@@ -908,7 +917,7 @@ fn checkpoints(out: &str, resumed: Option<u64>, p: &Params) -> Vec<Override> {
 }
 
 /// A path as text a Hydra quoted string can hold (see [`overrides::quoted`]).
-fn text(path: &Path) -> Result<String, RunError> {
+pub(crate) fn text(path: &Path) -> Result<String, RunError> {
     let text = path
         .to_str()
         .ok_or_else(|| RunError::new(format!("{}: not UTF-8", path.display())))?;
