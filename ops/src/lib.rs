@@ -44,6 +44,7 @@ pub mod nemo_rl;
 pub mod pack;
 pub mod pretrain;
 pub mod rl_data;
+pub mod saves;
 pub mod sft;
 #[cfg(test)]
 mod testing;

@@ -39,6 +39,7 @@
 
 use crate::megatron::overrides::{Override, check_user_of, scalar};
 use crate::megatron::{check_env_names, check_image, text};
+use crate::saves::{self, Save};
 use crate::training::input;
 use nemo_dag_op::process::{describe_exit, readable_shell_word, run_logged};
 use nemo_dag_op::{
@@ -48,7 +49,7 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 use std::collections::BTreeMap;
 use std::io;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 
 pub struct NemoRlGrpo;
 
@@ -265,15 +266,16 @@ fn run(p: &Params, ctx: &mut RunContext) -> Result<Metrics, RunError> {
     }
     check_enough_rows(p, train_rows)?;
 
-    let words = overrides(p, &text(&model)?, &text(&data)?, &text(&out)?);
+    let out_text = text(&out)?;
+    let words = overrides(p, &text(&model)?, &text(&data)?, &out_text);
     std::fs::write(
         run_dir.join("rank.sh"),
-        rank_script(p, ctx.stage.name, &text(&out)?, &words),
+        rank_script(p, ctx.stage.name, &out_text, &words),
     )?;
     let launch = run_dir.join("launch.sh");
     std::fs::write(
         &launch,
-        launch_script(ctx.stage.name, ctx.launcher, &text(&out)?),
+        launch_script(ctx.stage.name, ctx.launcher, &out_text),
     )?;
 
     let resumed = prepare(&ckpt)?;
@@ -625,34 +627,13 @@ fn read_info(dir: &Path) -> Result<Value, RunError> {
 }
 
 /// Every `step_N` directory, in step order, with whether it is complete.
-fn scan(dir: &Path) -> io::Result<Vec<(u64, bool, PathBuf)>> {
-    let mut found = Vec::new();
-    let entries = match std::fs::read_dir(dir) {
-        Ok(entries) => entries,
-        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(found),
-        Err(e) => return Err(e),
-    };
-    for entry in entries {
-        let entry = entry?;
-        if let Some(n) = entry
-            .file_name()
-            .to_str()
-            .and_then(|s| parse_step(s, "step_"))
-        {
-            found.push((n, complete(&entry.path()), entry.path()));
-        }
-    }
-    found.sort_unstable();
-    Ok(found)
+fn scan(dir: &Path) -> io::Result<Vec<Save>> {
+    saves::scan(dir, |name| parse_step(name, "step_"), complete)
 }
 
 /// The newest complete step.
 pub fn newest_complete(dir: &Path) -> io::Result<Option<u64>> {
-    Ok(scan(dir)?
-        .into_iter()
-        .filter(|(_, ok, _)| *ok)
-        .map(|(n, _, _)| n)
-        .next_back())
+    Ok(saves::newest(&scan(dir)?))
 }
 
 /// Before a launch: an `old_step_N` whose `step_N` is missing is put back; saves in progress
@@ -675,28 +656,12 @@ pub fn prepare(dir: &Path) -> io::Result<Option<u64>> {
             std::fs::remove_dir_all(entry.path())?;
         }
     }
-    let found = scan(dir)?;
-    let newest = found
-        .iter()
-        .filter(|(_, ok, _)| *ok)
-        .map(|(n, _, _)| *n)
-        .next_back();
-    for (n, ok, path) in found {
-        if !ok || Some(n) > newest {
-            std::fs::remove_dir_all(path)?;
-        }
-    }
-    Ok(newest)
+    saves::drop_unusable(scan(dir)?)
 }
 
 /// After a finished run: step `n` alone.
 pub fn keep_only(dir: &Path, n: u64) -> io::Result<()> {
-    for (m, _, path) in scan(dir)? {
-        if m != n {
-            std::fs::remove_dir_all(path)?;
-        }
-    }
-    Ok(())
+    saves::keep_only(scan(dir)?, n)
 }
 
 #[cfg(test)]

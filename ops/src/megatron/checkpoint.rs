@@ -14,6 +14,7 @@
 //! So an iteration is *complete* only when all of those exist, and a tracker may point at one
 //! a kill left half-written: the scan of the directory is the truth, never the tracker.
 
+use crate::saves::{self, Save};
 use std::io;
 use std::path::{Path, PathBuf};
 
@@ -47,34 +48,13 @@ pub fn complete(iter: &Path) -> bool {
 }
 
 /// Every `iter_*` directory: (iteration, complete, path), in iteration order.
-pub fn scan(dir: &Path) -> io::Result<Vec<(u64, bool, PathBuf)>> {
-    let mut found = Vec::new();
-    let entries = match std::fs::read_dir(dir) {
-        Ok(entries) => entries,
-        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(found),
-        Err(e) => return Err(e),
-    };
-    for entry in entries {
-        let entry = entry?;
-        if let Some(n) = entry.file_name().to_str().and_then(parse_iteration) {
-            found.push((n, complete(&entry.path()), entry.path()));
-        }
-    }
-    found.sort_unstable();
-    Ok(found)
+pub fn scan(dir: &Path) -> io::Result<Vec<Save>> {
+    saves::scan(dir, parse_iteration, complete)
 }
 
 /// The newest complete iteration.
 pub fn newest_complete(dir: &Path) -> io::Result<Option<u64>> {
-    Ok(newest_of(&scan(dir)?))
-}
-
-fn newest_of(found: &[(u64, bool, PathBuf)]) -> Option<u64> {
-    found
-        .iter()
-        .filter(|(_, ok, _)| *ok)
-        .map(|(n, _, _)| *n)
-        .next_back()
+    Ok(saves::newest(&scan(dir)?))
 }
 
 /// Before a launch: keep only what a resume may read. Every iteration newer than the newest
@@ -82,13 +62,7 @@ fn newest_of(found: &[(u64, bool, PathBuf)]) -> Option<u64> {
 /// rewritten to name the newest complete iteration, or removed when there is none. Returns it.
 pub fn prepare(dir: &Path) -> io::Result<Option<u64>> {
     std::fs::create_dir_all(dir)?;
-    let found = scan(dir)?;
-    let newest = newest_of(&found);
-    for (n, ok, path) in found {
-        if !ok || Some(n) > newest {
-            std::fs::remove_dir_all(path)?;
-        }
-    }
+    let newest = saves::drop_unusable(scan(dir)?)?;
     for entry in std::fs::read_dir(dir)? {
         let path = entry?.path();
         if path.extension().is_some_and(|e| e == "tmp") && path.is_file() {
@@ -111,11 +85,7 @@ pub fn prepare(dir: &Path) -> io::Result<Option<u64>> {
 
 /// After a finished run: the final iteration `n` alone, with trackers that name it.
 pub fn keep_only(dir: &Path, n: u64) -> io::Result<()> {
-    for (m, _, path) in scan(dir)? {
-        if m != n {
-            std::fs::remove_dir_all(path)?;
-        }
-    }
+    saves::keep_only(scan(dir)?, n)?;
     write_trackers(dir, n)
 }
 
