@@ -162,6 +162,35 @@ pub trait Objective: Sync {
         let _ = tally;
         BTreeMap::new()
     }
+    /// The batches, when the objective is next-token cross-entropy over them and nothing
+    /// else: what the GPU trainer ([`gpu::DeviceStep`]) minimises. `None` (the preference
+    /// and RL objectives): the objective trains on the CPU only.
+    fn next_token_source(&mut self) -> Option<&mut dyn BatchSource> {
+        None
+    }
+}
+
+/// How an optimizer step is taken: on the CPU by candle's autograd ([`OnCpu`]), or on a GPU
+/// by a [`gpu::DeviceStep`] ([`gpu::OnDevice`]). [`Trainer::run_on`] drives either.
+pub trait Stepper {
+    /// One optimizer step of `trainer` (its step count and curve advance); returns (mean
+    /// loss, grad norm before clipping).
+    fn step(&mut self, trainer: &mut Trainer) -> Result<(f64, f64), RunError>;
+    /// Brings `trainer`'s weights and optimizer state up to date with the stepper's, before a
+    /// checkpoint or the model is written from it.
+    fn sync(&mut self, trainer: &mut Trainer) -> Result<(), RunError> {
+        let _ = trainer;
+        Ok(())
+    }
+}
+
+/// Steps on the CPU: [`Trainer::step`] on an objective.
+pub struct OnCpu<'o, 'a>(pub &'o mut (dyn Objective + 'a));
+
+impl Stepper for OnCpu<'_, '_> {
+    fn step(&mut self, trainer: &mut Trainer) -> Result<(f64, f64), RunError> {
+        trainer.step(self.0)
+    }
 }
 
 /// Named sums a micro-batch contributes to its step's figures (see [`Objective::metrics`]).
@@ -195,6 +224,10 @@ impl<'a> NextToken<'a> {
 }
 
 impl Objective for NextToken<'_> {
+    fn next_token_source(&mut self) -> Option<&mut dyn BatchSource> {
+        Some(&mut *self.source)
+    }
+
     fn prepare(&mut self, _model: &Model, step: u64) -> Result<usize, RunError> {
         self.micro = self.source.global_batch(step)?;
         self.normaliser = global_loss_tokens(&self.micro);
@@ -424,13 +457,35 @@ impl Trainer {
         progress: &mut dyn FnMut(u64, u64, &str),
         stop_after: Option<u64>,
     ) -> Result<Value, RunError> {
+        let mut stepper = OnCpu(objective);
+        self.run_on(
+            &mut stepper,
+            ckpt_dir,
+            tokens_per_step,
+            log,
+            progress,
+            stop_after,
+        )
+    }
+
+    /// [`Trainer::run`] with the steps taken by `stepper` (on the CPU or a GPU): the same
+    /// log lines, progress, checkpoints and summary whichever it is.
+    pub fn run_on(
+        &mut self,
+        stepper: &mut dyn Stepper,
+        ckpt_dir: &std::path::Path,
+        tokens_per_step: impl Fn(u64) -> u64,
+        log: &mut dyn Write,
+        progress: &mut dyn FnMut(u64, u64, &str),
+        stop_after: Option<u64>,
+    ) -> Result<Value, RunError> {
         let s = self.schedule.clone();
         let start = self.step;
         let clock = Instant::now();
         let mut window = (Instant::now(), 0u64);
         let mut last = (f64::NAN, f64::NAN);
         while self.step < s.steps {
-            last = self.step(objective)?;
+            last = stepper.step(self)?;
             window.1 += tokens_per_step(self.step - 1);
             if self.step.is_multiple_of(s.log_interval.max(1)) || self.step == s.steps {
                 let secs = window.0.elapsed().as_secs_f64();
@@ -452,6 +507,7 @@ impl Trainer {
             }
             let save = s.save_interval > 0 && self.step.is_multiple_of(s.save_interval);
             if save || self.step == s.steps {
+                stepper.sync(self)?;
                 checkpoint::save(self, ckpt_dir).map_err(|e| {
                     RunError::new(format!(
                         "cannot write checkpoint in {}: {e}",

@@ -1,11 +1,12 @@
 //! `nemo-dag gpu-check`: does the GPU trainer on this device train as the CPU trainer does,
 //! and how fast? Each part prints a line; the verdict is the last.
 //!
-//! 1. **Gradients.** One step of a small model of MLP blocks (SwiGLU, then squared ReLU with a
-//!    tied head): every gradient of the device's step against the CPU trainer's (candle's
-//!    autograd), within [`GRADIENT_TOLERANCE`] of the largest.
-//! 2. **Curve.** Steps with clipping and the lr schedule: the device's losses and gradient
-//!    norms against the CPU trainer's, within [`CURVE_TOLERANCE`].
+//! 1. **Gradients.** One step of small models ([`MODELS`]: MLP blocks with SwiGLU, MLP
+//!    blocks with squared ReLU and a tied head, attention and MLP blocks on packed rows): every
+//!    gradient of the device's step against the CPU trainer's (candle's autograd), within
+//!    [`GRADIENT_TOLERANCE`] of the largest.
+//! 2. **Curve.** Steps of the attention model with clipping and the lr schedule: the device's
+//!    losses and gradient norms against the CPU trainer's, within [`CURVE_TOLERANCE`].
 //! 3. **Determinism.** The same steps again on the device: the same weight bytes.
 //! 4. **Speed** (`speed_steps` > 0): tokens per second of the device and of the CPU trainer on
 //!    a larger model, side by side, with the ratio.
@@ -50,6 +51,17 @@ struct Size {
     steps: u64,
 }
 
+/// The models the gradients are checked on: (pattern, activation, tied head). The attention
+/// model (grouped-query heads, RoPE) trains on [`PackedCounting`]'s rows of two segments.
+pub const MODELS: [(&str, &str, bool); 3] = [
+    ("--", "swiglu", false),
+    ("--", "relu2", true),
+    ("*-*-", "swiglu", false),
+];
+
+/// The curve's and the determinism check's model: attention and MLP blocks.
+const CURVE_MODEL: &str = "*-";
+
 const SMALL: Size = Size {
     hidden: 32,
     ffn: 48,
@@ -66,14 +78,14 @@ pub fn run<L: Launcher>(
 ) -> Result<bool, RunError> {
     writeln!(out, "device       {}", launcher.describe())?;
     let mut ok = true;
-    for (activation, tied) in [("swiglu", false), ("relu2", true)] {
-        let (diff, largest) = gradients(launcher, activation, tied)?;
+    for (pattern, activation, tied) in MODELS {
+        let (diff, largest) = gradients(launcher, pattern, activation, tied)?;
         let pass = diff <= GRADIENT_TOLERANCE * largest.max(1.0);
         ok &= pass;
         writeln!(
             out,
-            "gradients    {activation}, {} head: largest difference {diff:.2e} (largest gradient \
-             {largest:.3}, tolerance {:.0e} of it): {}",
+            "gradients    `{pattern}` {activation}, {} head: largest difference {diff:.2e} \
+             (largest gradient {largest:.3}, tolerance {:.0e} of it): {}",
             if tied { "tied" } else { "untied" },
             GRADIENT_TOLERANCE,
             verdict(pass)
@@ -84,7 +96,7 @@ pub fn run<L: Launcher>(
     ok &= pass;
     writeln!(
         out,
-        "curve        {} steps, losses {}: largest relative difference from the CPU {worst:.2e} \
+        "curve        `{CURVE_MODEL}`, {} steps, losses {}: largest relative difference from the CPU {worst:.2e} \
          (tolerance {CURVE_TOLERANCE:.0e}): {}",
         device_curve.len(),
         device_curve
@@ -117,17 +129,18 @@ fn verdict(pass: bool) -> &'static str {
 }
 
 /// The largest difference between the device's and the CPU's gradients of step 1, and the
-/// largest gradient.
+/// largest gradient, for a model of `pattern` on packed rows.
 pub(crate) fn gradients<L: Launcher>(
     launcher: &L,
+    pattern: &str,
     activation: &str,
     tied: bool,
 ) -> Result<(f32, f32), RunError> {
-    let mut t = trainer("--", activation, tied, SMALL)?;
+    let mut t = trainer(pattern, activation, tied, SMALL)?;
     t.schedule.clip_grad = 0.0;
-    let want = cpu_gradients(&t, &mut Counting(2))?;
+    let want = cpu_gradients(&t, &mut PackedCounting(2))?;
     let mut step = DeviceStep::upload(launcher, &t)?;
-    step.step(&mut t, &mut Counting(2))?;
+    step.step(&mut t, &mut PackedCounting(2))?;
     let got = step.gradients()?;
     let largest = want.iter().flatten().fold(0f32, |m, g| m.max(g.abs()));
     let diff = got
@@ -168,15 +181,15 @@ pub(crate) fn cpu_gradients(
 /// The largest relative difference of the device's losses and norms from the CPU trainer's
 /// over [`SMALL`]'s steps, and the device's losses.
 fn curve<L: Launcher>(launcher: &L) -> Result<(f64, Vec<f64>), RunError> {
-    let mut cpu = trainer("--", "swiglu", false, SMALL)?;
-    let mut source = Counting(2);
+    let mut cpu = trainer(CURVE_MODEL, "swiglu", false, SMALL)?;
+    let mut source = PackedCounting(2);
     let mut objective = NextToken::new(&mut source);
-    let mut on_device = trainer("--", "swiglu", false, SMALL)?;
+    let mut on_device = trainer(CURVE_MODEL, "swiglu", false, SMALL)?;
     let mut step = DeviceStep::upload(launcher, &on_device)?;
     let (mut worst, mut losses) = (0f64, Vec::new());
     for _ in 0..SMALL.steps {
         let (cpu_loss, cpu_norm) = cpu.step(&mut objective)?;
-        let (loss, norm) = step.step(&mut on_device, &mut Counting(2))?;
+        let (loss, norm) = step.step(&mut on_device, &mut PackedCounting(2))?;
         worst = worst
             .max((loss - cpu_loss).abs() / cpu_loss.abs().max(1e-12))
             .max((norm - cpu_norm).abs() / cpu_norm.abs().max(1e-12));
@@ -188,10 +201,10 @@ fn curve<L: Launcher>(launcher: &L) -> Result<(f64, Vec<f64>), RunError> {
 /// Whether two runs of the same steps on the device end with the same weight bytes.
 fn deterministic<L: Launcher>(launcher: &L) -> Result<bool, RunError> {
     let run = || -> Result<Vec<u8>, RunError> {
-        let mut t = trainer("--", "swiglu", false, SMALL)?;
+        let mut t = trainer(CURVE_MODEL, "swiglu", false, SMALL)?;
         let mut step = DeviceStep::upload(launcher, &t)?;
         for _ in 0..SMALL.steps {
-            step.step(&mut t, &mut Counting(2))?;
+            step.step(&mut t, &mut PackedCounting(2))?;
         }
         step.download(&mut t)?;
         let mut bytes = Vec::new();
@@ -234,6 +247,33 @@ impl BatchSource for Counting {
                 })
             })
             .collect()
+    }
+}
+
+/// [`Counting`]'s rows, each packed as two sequences (tokens 0–4 and 5–11) as SFT packs
+/// them: positions restart at 0 at the second, and the first one's last token has no label
+/// in the row (loss mask 0).
+pub struct PackedCounting(pub u64);
+
+/// Where [`PackedCounting`] cuts each row.
+const CUT: usize = 5;
+
+impl BatchSource for PackedCounting {
+    fn global_batch(&mut self, step: u64) -> Result<Vec<Batch>, RunError> {
+        let mut micro = Counting(self.0).global_batch(step)?;
+        for batch in &mut micro {
+            let (rows, len) = (batch.layout.batch, batch.layout.len);
+            for r in 0..rows {
+                for i in 0..len {
+                    let at = r * len + i;
+                    let second = usize::from(i >= CUT);
+                    batch.layout.segments[at] = second as u32;
+                    batch.layout.positions[at] = (i - second * CUT) as u32;
+                }
+                batch.loss_mask[r * len + CUT - 1] = 0.0;
+            }
+        }
+        Ok(micro)
     }
 }
 

@@ -1,6 +1,6 @@
 //! The launches of one micro-batch, each with the geometry its `.cu` file documents.
 
-use super::{Activations, DeviceStep, Slot, device};
+use super::{Activations, BlockActs, DeviceStep, Heads, Slot, device};
 use kernels::launch::{Arg, Geometry, Launcher};
 use model::config::Activation;
 use nemo_dag_op::RunError;
@@ -16,8 +16,60 @@ pub(super) const NT: (i32, i32) = (0, 1);
 pub(super) const NN: (i32, i32) = (0, 0);
 pub(super) const TN: (i32, i32) = (1, 0);
 
+/// Threads per block of attention.cu's kernels (its `ATTN_MAX_THREADS`): four warps, each
+/// owning 2 query rows (forward, dq) or 4 keys (dk/dv).
+const ATTN_BLOCK: u32 = 128;
+const ATTN_WARPS: usize = ATTN_BLOCK as usize / 32;
+
+/// What attention reads besides `qkv`: the micro-batch's shape (`batch` rows of `len` packed
+/// tokens), its segment ids and its rotary tables.
+pub(super) struct Packed<'a, B> {
+    pub batch: usize,
+    pub len: usize,
+    pub acts: &'a Activations<B>,
+}
+
+impl<B> Packed<'_, B> {
+    /// `[qkv, cos, sin, segments]`, the arguments every attention kernel opens with.
+    fn inputs<'a>(&'a self, qkv: Arg<'a, B>) -> Result<[Arg<'a, B>; 4], RunError> {
+        let table = |t: &'a Option<B>| t.as_ref().map_or(Arg::Null, |b| Arg::Ptr(b, 0));
+        let segments = self.acts.segments.as_ref().ok_or_else(|| {
+            RunError::new("GPU trainer: attention without segment ids".to_string())
+        })?;
+        Ok([
+            qkv,
+            table(&self.acts.cos),
+            table(&self.acts.sin),
+            Arg::Ptr(segments, 0),
+        ])
+    }
+
+    /// `[batch, len, heads, kv_heads, head_dim, causal]`, the sizes they close with.
+    fn sizes<'a>(&self, h: Heads) -> [Arg<'a, B>; 6] {
+        [
+            Arg::I32(self.batch as i32),
+            Arg::I32(self.len as i32),
+            Arg::I32(h.heads as i32),
+            Arg::I32(h.kv_heads as i32),
+            Arg::I32(h.dim as i32),
+            Arg::I32(1),
+        ]
+    }
+}
+
+fn lse_of<B>(a: &BlockActs<B>) -> Result<&B, RunError> {
+    a.lse
+        .as_ref()
+        .ok_or_else(|| RunError::new("GPU trainer: an attention block without lse".to_string()))
+}
+
 pub(super) fn row_grid(rows: usize) -> u32 {
     (rows as u32).clamp(1, MAX_GRID)
+}
+
+/// Attention's kernels loop over their work items (grid-stride), so any grid is correct.
+fn attention_grid(items: usize) -> Geometry {
+    Geometry::linear((items as u32).clamp(1, MAX_GRID), ATTN_BLOCK)
 }
 
 pub(super) fn elementwise_grid(n: usize) -> u32 {
@@ -204,6 +256,57 @@ impl<L: Launcher> Kernels<'_, L> {
             geometry,
             &[logits, labels, lse, dloss, dlogits, rows, vocab],
         )
+    }
+
+    /// Causal attention of every head over the packed segments: `y` (`rows × heads·dim`) from
+    /// `qkv` (`rows × (heads + 2·kv_heads)·dim`), and each row's log-sum-exp for the backward.
+    pub(super) fn attention(
+        &self,
+        qkv: Arg<'_, L::Buffer>,
+        y: Arg<'_, L::Buffer>,
+        a: &BlockActs<L::Buffer>,
+        h: Heads,
+        p: &Packed<'_, L::Buffer>,
+    ) -> Result<(), RunError> {
+        let query_tiles = p.batch * h.heads * p.len.div_ceil(2 * ATTN_WARPS);
+        let outputs = [y, Arg::Ptr(lse_of(a)?, 0)];
+        let args = [&p.inputs(qkv)?[..], &outputs, &p.sizes(h)].concat();
+        self.run("attention_fwd_f32", attention_grid(query_tiles), &args)
+    }
+
+    /// The gradient of `qkv` (`dqkv`, RoPE undone) from the gradient `dy` of the block's
+    /// attention output: Σ dy·y per row, then dq per query tile and dk, dv per key tile, with
+    /// no atomics.
+    pub(super) fn attention_backward(
+        &self,
+        a: &BlockActs<L::Buffer>,
+        dy: Arg<'_, L::Buffer>,
+        dqkv: Arg<'_, L::Buffer>,
+        h: Heads,
+        p: &Packed<'_, L::Buffer>,
+    ) -> Result<(), RunError> {
+        let delta = p.acts.delta.as_ref().ok_or_else(|| {
+            RunError::new("GPU trainer: attention without its delta buffer".to_string())
+        })?;
+        let (batch, len) = (Arg::I32(p.batch as i32), Arg::I32(p.len as i32));
+        let delta_args = [
+            Arg::Ptr(&a.mixed, 0),
+            dy,
+            Arg::Ptr(delta, 0),
+            batch,
+            len,
+            Arg::I32(h.heads as i32),
+            Arg::I32(h.dim as i32),
+        ];
+        let rows = (p.batch * h.heads * p.len).div_ceil(ATTN_WARPS);
+        self.run("attention_bwd_delta_f32", attention_grid(rows), &delta_args)?;
+        let grads = [dy, Arg::Ptr(lse_of(a)?, 0), Arg::Ptr(delta, 0), dqkv];
+        let qkv = Arg::Ptr(&a.projected, 0);
+        let args = [&p.inputs(qkv)?[..], &grads, &p.sizes(h)].concat();
+        let query_tiles = p.batch * h.heads * p.len.div_ceil(2 * ATTN_WARPS);
+        self.run("attention_bwd_dq_f32", attention_grid(query_tiles), &args)?;
+        let key_tiles = p.batch * h.kv_heads * p.len.div_ceil(4 * ATTN_WARPS);
+        self.run("attention_bwd_dkv_f32", attention_grid(key_tiles), &args)
     }
 
     /// `c = op(a) · op(b) + beta · c` for `(m, n, k)`.

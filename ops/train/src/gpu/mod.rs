@@ -7,9 +7,20 @@
 //! the other. The same code runs on a GPU ([`kernels::launch::Cuda`]) and, in the tests, on the
 //! SIMT shim ([`kernels::launch::Shim`]), where it is held to the CPU trainer step for step.
 //!
-//! What runs here so far: models whose blocks are all MLPs (pattern `-`, SwiGLU or squared
-//! ReLU), tied or untied output head, no MTP depths, f32 throughout, GEMMs through linear.cu.
-//! [`DeviceStep::upload`] names anything else. Per step, as [`Trainer::step`]:
+//! What runs here so far: models of MLP blocks (`-`, SwiGLU or squared ReLU) and attention
+//! blocks (`*`: grouped-query causal attention over packed segments, RoPE or none), tied or
+//! untied output head, no MTP depths, f32 throughout, GEMMs through linear.cu.
+//! [`DeviceStep::upload`] names anything else. Both block kinds are the same three steps
+//! around a different middle — an input projection, the mixer, an output projection added
+//! onto the residual — so one loop runs them:
+//!
+//! ```text
+//! block:   h = rms_norm(x);  a = h · w_inᵀ;  m = mix(a);  x = x + m · w_outᵀ
+//!          MLP:        w_in = fc1, mix = SwiGLU or squared ReLU,  w_out = fc2
+//!          attention:  w_in = qkv, mix = causal GQA attention,    w_out = proj
+//! ```
+//!
+//! Per step, as [`Trainer::step`]:
 //!
 //! ```text
 //! for each micro-batch:      forward → per-token CE / global loss tokens → backward,
@@ -20,10 +31,11 @@
 pub mod check;
 mod launches;
 
-use crate::{BatchSource, Trainer};
+use crate::{BatchSource, Stepper, Trainer};
 use kernels::launch::{Arg, Geometry, Launcher};
-use launches::{Kernels, NN, NT, TN, elementwise_grid, row_grid};
+use launches::{Kernels, NN, NT, Packed, TN, elementwise_grid, row_grid};
 use model::config::{Activation, BlockKind};
+use model::layers::Rope;
 use model::net::Batch;
 use nemo_dag_op::RunError;
 use std::collections::BTreeMap;
@@ -54,27 +66,50 @@ impl Slot {
     }
 }
 
-/// The parameters of one MLP block.
-struct MlpBlock {
+/// What a block does between its input and output projections.
+#[derive(Debug, Clone, Copy)]
+enum Mixer {
+    /// `-`: fc1 → SwiGLU or squared ReLU → fc2.
+    Mlp(Activation),
+    /// `*`: qkv → causal grouped-query attention (attention.cu) → proj.
+    Attention(Heads),
+}
+
+/// An attention block's heads: `heads` query heads of `dim` share `kv_heads` key/value heads.
+#[derive(Debug, Clone, Copy)]
+struct Heads {
+    heads: usize,
+    kv_heads: usize,
+    dim: usize,
+}
+
+/// The parameters of one block, and the widths its projections are launched with.
+struct Block {
+    mixer: Mixer,
     norm: Slot,
-    fc1: Slot,
-    fc2: Slot,
+    /// `(in_width, hidden)`: fc1 or qkv.
+    w_in: Slot,
+    /// `(hidden, mid_width)`: fc2 or proj.
+    w_out: Slot,
+    /// The input projection's rows: `2·ffn` for SwiGLU (gate, then up), `ffn` for squared
+    /// ReLU, `(heads + 2·kv_heads)·head_dim` for attention.
+    in_width: usize,
+    /// The mixer's output width: `ffn`, or `heads·head_dim`.
+    mid_width: usize,
 }
 
 /// Where each parameter the step touches lives, and the sizes it is launched with.
 struct Layout {
     vocab: usize,
     hidden: usize,
-    ffn: usize,
-    /// fc1's rows: `2·ffn` for SwiGLU (gate, then up), `ffn` for squared ReLU.
-    fc1_rows: usize,
-    activation: Activation,
     eps: f32,
     embedding: Slot,
-    blocks: Vec<MlpBlock>,
+    blocks: Vec<Block>,
     final_norm: Slot,
     /// The output head: the embedding's slot when tied.
     head: Slot,
+    /// Whether attention blocks rotate queries and keys (RoPE).
+    rope: bool,
     slots: Vec<Slot>,
     total: usize,
 }
@@ -83,7 +118,12 @@ impl Layout {
     fn of(trainer: &Trainer) -> Result<Layout, RunError> {
         let model = &trainer.model;
         let cfg = &model.cfg;
-        if let Some(kind) = model.pattern.main.iter().find(|k| **k != BlockKind::Mlp) {
+        if let Some(kind) = model
+            .pattern
+            .main
+            .iter()
+            .find(|k| !matches!(k, BlockKind::Mlp | BlockKind::Attention))
+        {
             return Err(unsupported(format!(
                 "blocks of kind `{}` (pattern `{}`)",
                 kind.symbol(),
@@ -92,6 +132,17 @@ impl Layout {
         }
         if !model.pattern.mtp.is_empty() {
             return Err(unsupported("multi-token prediction depths".to_string()));
+        }
+        let heads = Heads {
+            heads: cfg.heads,
+            kv_heads: cfg.kv_heads(),
+            dim: cfg.head_dim,
+        };
+        if model.pattern.count(BlockKind::Attention) > 0 && heads.dim > MAX_HEAD_DIM {
+            return Err(unsupported(format!(
+                "attention heads of {} dimensions (attention.cu holds at most {MAX_HEAD_DIM})",
+                heads.dim
+            )));
         }
         let mut slots = Vec::new();
         let mut by_name = BTreeMap::new();
@@ -112,12 +163,33 @@ impl Layout {
                 .copied()
                 .ok_or_else(|| RunError::new(format!("GPU trainer: the model has no `{name}`")))
         };
-        let blocks = (0..model.pattern.main.len())
-            .map(|i| {
-                Ok(MlpBlock {
-                    norm: find(&format!("blocks.{i}.norm"))?,
-                    fc1: find(&format!("blocks.{i}.mlp.fc1"))?,
-                    fc2: find(&format!("blocks.{i}.mlp.fc2"))?,
+        let blocks = model
+            .pattern
+            .main
+            .iter()
+            .enumerate()
+            .map(|(i, kind)| {
+                let norm = find(&format!("blocks.{i}.norm"))?;
+                Ok(match kind {
+                    BlockKind::Attention => Block {
+                        mixer: Mixer::Attention(heads),
+                        norm,
+                        w_in: find(&format!("blocks.{i}.attn.qkv"))?,
+                        w_out: find(&format!("blocks.{i}.attn.proj"))?,
+                        in_width: (heads.heads + 2 * heads.kv_heads) * heads.dim,
+                        mid_width: heads.heads * heads.dim,
+                    },
+                    _ => Block {
+                        mixer: Mixer::Mlp(cfg.activation),
+                        norm,
+                        w_in: find(&format!("blocks.{i}.mlp.fc1"))?,
+                        w_out: find(&format!("blocks.{i}.mlp.fc2"))?,
+                        in_width: match cfg.activation {
+                            Activation::Swiglu => 2 * cfg.ffn,
+                            Activation::Relu2 => cfg.ffn,
+                        },
+                        mid_width: cfg.ffn,
+                    },
                 })
             })
             .collect::<Result<Vec<_>, RunError>>()?;
@@ -130,28 +202,43 @@ impl Layout {
         Ok(Layout {
             vocab: model.vocab,
             hidden: cfg.hidden,
-            ffn: cfg.ffn,
-            fc1_rows: match cfg.activation {
-                Activation::Swiglu => 2 * cfg.ffn,
-                Activation::Relu2 => cfg.ffn,
-            },
-            activation: cfg.activation,
             eps: cfg.norm_eps as f32,
             embedding,
             blocks,
             final_norm: find("final_norm")?,
             head,
+            rope: model.rope().is_some(),
             slots,
             total,
         })
     }
+
+    fn attention_heads(&self) -> Option<Heads> {
+        self.blocks.iter().find_map(|b| match b.mixer {
+            Mixer::Attention(heads) => Some(heads),
+            Mixer::Mlp(_) => None,
+        })
+    }
 }
+
+/// The widest head attention.cu holds (its `MAX_D`).
+const MAX_HEAD_DIM: usize = 128;
 
 fn unsupported(what: String) -> RunError {
     RunError::new(format!(
-        "the GPU trainer does not train {what} yet: it trains models of MLP blocks (pattern `-`) \
-         so far; run this stage with `device: cpu`"
+        "the GPU trainer does not train {what} yet: it trains models of MLP and attention \
+         blocks (patterns of `-` and `*`) so far; run this stage with `device: cpu`"
     ))
+}
+
+/// One block's activations kept from the forward for the backward.
+struct BlockActs<B> {
+    /// The input projection's output, `rows × in_width`.
+    projected: B,
+    /// The mixer's output, `rows × mid_width`.
+    mixed: B,
+    /// Attention: each (row, head, token)'s log-sum-exp, `rows × heads` floats.
+    lse: Option<B>,
 }
 
 /// One micro-batch's activations, kept from the forward for the backward, and the backward's
@@ -162,14 +249,17 @@ struct Activations<B> {
     labels: B,
     /// Per token: its loss mask divided by the global batch's loss tokens.
     dloss: B,
+    /// Per token: its packed segment's id, and RoPE's cos and sin at its position
+    /// (`rows × head_dim`); allocated when the model has attention blocks (and RoPE).
+    segments: Option<B>,
+    cos: Option<B>,
+    sin: Option<B>,
     /// The residual stream entering each block, and after the last one: `(L + 1) × rows × D`.
     xs: B,
     /// Each block's normed input, `L × rows × D`, and each norm's 1/rms, `(L + 1) × rows`.
     normed: B,
     rstd: B,
-    /// fc1's output and the activation's, per block.
-    fc1_out: B,
-    act_out: B,
+    blocks: Vec<BlockActs<B>>,
     final_normed: B,
     logits: B,
     ce: B,
@@ -178,8 +268,11 @@ struct Activations<B> {
     dx: B,
     dh: B,
     dnorm_in: B,
-    dfc1_out: B,
-    dact_out: B,
+    /// The gradients of a block's mixer output and projected input (the widest block's).
+    dmixed: B,
+    dprojected: B,
+    /// Attention's Σ dy·y per (row, head, token).
+    delta: Option<B>,
     dw_partial: B,
     dw: B,
     dtable: B,
@@ -280,7 +373,7 @@ impl<'l, L: Launcher> DeviceStep<'l, L> {
         self.zero_grads()?;
         let (mut loss_sum, mut tokens) = (0.0, 0.0);
         for batch in &micro {
-            loss_sum += self.forward_backward(batch, normaliser)?;
+            loss_sum += self.forward_backward(batch, trainer.model.rope(), normaliser)?;
             tokens += crate::loss_tokens(batch);
         }
         let norm = self.clip(trainer.schedule.clip_grad)?;
@@ -294,25 +387,34 @@ impl<'l, L: Launcher> DeviceStep<'l, L> {
 
     /// Forward and backward of one micro-batch, its gradients added into `grads`; returns its
     /// summed masked cross-entropy.
-    fn forward_backward(&mut self, batch: &Batch, normaliser: f64) -> Result<f64, RunError> {
+    fn forward_backward(
+        &mut self,
+        batch: &Batch,
+        rope: Option<&Rope>,
+        normaliser: f64,
+    ) -> Result<f64, RunError> {
         let rows = batch.ids.len();
-        self.prepare(batch, normaliser)?;
+        self.prepare(batch, rope, normaliser)?;
         let (l, acts) = (&self.layout, self.acts.as_ref().ok_or_else(no_acts)?);
         let (w, g) = (&self.weights, &self.grads);
-        let (d, v, f, r) = (l.hidden, l.vocab, l.ffn, l.fc1_rows);
+        let (d, v) = (l.hidden, l.vocab);
         let x_at = |i: usize| Arg::Ptr(&acts.xs, i * rows * d * 4);
         let normed_at = |i: usize| Arg::Ptr(&acts.normed, i * rows * d * 4);
         let rstd_at = |i: usize| Arg::Ptr(&acts.rstd, i * rows * 4);
-        let fc1_out_at = |i: usize| Arg::Ptr(&acts.fc1_out, i * rows * r * 4);
-        let act_out_at = |i: usize| Arg::Ptr(&acts.act_out, i * rows * f * 4);
         let k = Kernels {
             launcher: self.launcher,
             rows,
         };
+        let packed = Packed {
+            batch: batch.layout.batch,
+            len: batch.layout.len,
+            acts,
+        };
 
-        // Forward: x = embed(ids); per block x = x + fc2(act(fc1(rms_norm(x)))).
+        // Forward: x = embed(ids); per block x = x + w_out(mix(w_in(rms_norm(x)))).
         k.embedding(l.embedding.at(w), &acts.ids, x_at(0), v, d)?;
-        for (i, block) in l.blocks.iter().enumerate() {
+        for (i, (block, a)) in l.blocks.iter().zip(&acts.blocks).enumerate() {
+            let (projected, mixed) = (Arg::Ptr(&a.projected, 0), Arg::Ptr(&a.mixed, 0));
             k.rms_norm(
                 x_at(i),
                 block.norm.at(w),
@@ -321,21 +423,25 @@ impl<'l, L: Launcher> DeviceStep<'l, L> {
                 d,
                 l.eps,
             )?;
+            let (n_in, n_mid) = (block.in_width, block.mid_width);
             k.gemm(
                 normed_at(i),
-                block.fc1.at(w),
-                fc1_out_at(i),
-                (rows, r, d),
+                block.w_in.at(w),
+                projected,
+                (rows, n_in, d),
                 NT,
                 0.0,
             )?;
-            k.activation(l.activation, fc1_out_at(i), act_out_at(i), f)?;
+            match block.mixer {
+                Mixer::Mlp(activation) => k.activation(activation, projected, mixed, n_mid)?,
+                Mixer::Attention(heads) => k.attention(projected, mixed, a, heads, &packed)?,
+            }
             k.copy(x_at(i), x_at(i + 1), rows * d)?;
             k.gemm(
-                act_out_at(i),
-                block.fc2.at(w),
+                mixed,
+                block.w_out.at(w),
                 x_at(i + 1),
-                (rows, d, f),
+                (rows, d, n_mid),
                 NT,
                 1.0,
             )?;
@@ -366,20 +472,29 @@ impl<'l, L: Launcher> DeviceStep<'l, L> {
         k.gemm(dlogits, final_normed, l.head.at(g), (v, d, rows), TN, 1.0)?;
         k.gemm(dlogits, l.head.at(w), dh, (rows, d, v), NN, 0.0)?;
         k.rms_norm_backward(x_at(last), l.final_norm, rstd_at(last), dh, dx, acts, self)?;
-        for (i, block) in l.blocks.iter().enumerate().rev() {
-            let (dact_out, dfc1_out) = (Arg::Ptr(&acts.dact_out, 0), Arg::Ptr(&acts.dfc1_out, 0));
-            k.gemm(dx, block.fc2.at(w), dact_out, (rows, f, d), NN, 0.0)?;
-            k.gemm(dx, act_out_at(i), block.fc2.at(g), (d, f, rows), TN, 1.0)?;
-            k.activation_backward(l.activation, fc1_out_at(i), dact_out, dfc1_out, f)?;
+        for (i, (block, a)) in l.blocks.iter().zip(&acts.blocks).enumerate().rev() {
+            let (projected, mixed) = (Arg::Ptr(&a.projected, 0), Arg::Ptr(&a.mixed, 0));
+            let (dmixed, dprojected) = (Arg::Ptr(&acts.dmixed, 0), Arg::Ptr(&acts.dprojected, 0));
+            let (n_in, n_mid) = (block.in_width, block.mid_width);
+            k.gemm(dx, block.w_out.at(w), dmixed, (rows, n_mid, d), NN, 0.0)?;
+            k.gemm(dx, mixed, block.w_out.at(g), (d, n_mid, rows), TN, 1.0)?;
+            match block.mixer {
+                Mixer::Mlp(activation) => {
+                    k.activation_backward(activation, projected, dmixed, dprojected, n_mid)?
+                }
+                Mixer::Attention(heads) => {
+                    k.attention_backward(a, dmixed, dprojected, heads, &packed)?
+                }
+            }
             k.gemm(
-                dfc1_out,
+                dprojected,
                 normed_at(i),
-                block.fc1.at(g),
-                (r, d, rows),
+                block.w_in.at(g),
+                (n_in, d, rows),
                 TN,
                 1.0,
             )?;
-            k.gemm(dfc1_out, block.fc1.at(w), dh, (rows, d, r), NN, 0.0)?;
+            k.gemm(dprojected, block.w_in.at(w), dh, (rows, d, n_in), NN, 0.0)?;
             k.rms_norm_backward(x_at(i), block.norm, rstd_at(i), dh, dnorm_in, acts, self)?;
             k.add(dx, dnorm_in, rows * d)?;
         }
@@ -388,20 +503,46 @@ impl<'l, L: Launcher> DeviceStep<'l, L> {
         Ok(loss_sum)
     }
 
-    /// Uploads a micro-batch's ids, labels and loss weights, allocating the activations for
-    /// its size on first use.
-    fn prepare(&mut self, batch: &Batch, normaliser: f64) -> Result<(), RunError> {
+    /// Uploads a micro-batch's ids, labels and loss weights (and, for attention, its segment
+    /// ids and rotary tables), allocating the activations for its size on first use.
+    fn prepare(
+        &mut self,
+        batch: &Batch,
+        rope: Option<&Rope>,
+        normaliser: f64,
+    ) -> Result<(), RunError> {
         let rows = batch.ids.len();
-        if batch.labels.len() != rows || batch.loss_mask.len() != rows {
+        let layout = &batch.layout;
+        if batch.labels.len() != rows
+            || batch.loss_mask.len() != rows
+            || layout.batch * layout.len != rows
+            || layout.segments.len() != rows
+            || layout.positions.len() != rows
+        {
             return Err(RunError::new(format!(
-                "GPU trainer: a micro-batch of {rows} ids has {} labels and {} loss weights",
+                "GPU trainer: a micro-batch of {rows} ids has {} labels, {} loss weights and a \
+                 layout of {} × {} ({} segment ids, {} positions)",
                 batch.labels.len(),
-                batch.loss_mask.len()
+                batch.loss_mask.len(),
+                layout.batch,
+                layout.len,
+                layout.segments.len(),
+                layout.positions.len()
             )));
         }
         if self.acts.as_ref().is_none_or(|a| a.rows < rows) {
             self.acts = Some(self.allocate(rows)?);
         }
+        let attention = self.layout.attention_heads().is_some();
+        let tables = match (attention && self.layout.rope, rope) {
+            (false, _) => None,
+            (true, Some(rope)) => Some(rope.fused_tables(layout).map_err(crate::err)?),
+            (true, None) => {
+                return Err(RunError::new(
+                    "GPU trainer: the model uses RoPE but has no rotary tables".to_string(),
+                ));
+            }
+        };
         let acts = self.acts.as_mut().ok_or_else(no_acts)?;
         let dloss: Vec<f32> = batch
             .loss_mask
@@ -409,27 +550,63 @@ impl<'l, L: Launcher> DeviceStep<'l, L> {
             .map(|m| (*m as f64 / normaliser) as f32)
             .collect();
         let u32_bytes = |v: &[u32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
+        let f32_bytes = kernels::launch::f32_bytes;
         let l = self.launcher;
         l.write(&mut acts.ids, 0, &u32_bytes(&batch.ids))
             .and_then(|_| l.write(&mut acts.labels, 0, &u32_bytes(&batch.labels)))
-            .and_then(|_| l.write(&mut acts.dloss, 0, &kernels::launch::f32_bytes(&dloss)))
-            .map_err(device)
+            .and_then(|_| l.write(&mut acts.dloss, 0, &f32_bytes(&dloss)))
+            .map_err(device)?;
+        if let Some(segments) = acts.segments.as_mut() {
+            l.write(segments, 0, &u32_bytes(&layout.segments))
+                .map_err(device)?;
+        }
+        if let (Some(t), Some(cos), Some(sin)) = (tables, acts.cos.as_mut(), acts.sin.as_mut()) {
+            l.write(cos, 0, &f32_bytes(&t.cos))
+                .and_then(|_| l.write(sin, 0, &f32_bytes(&t.sin)))
+                .map_err(device)?;
+        }
+        Ok(())
     }
 
     fn allocate(&self, rows: usize) -> Result<Activations<L::Buffer>, RunError> {
         let l = &self.layout;
-        let (d, v, f, r, blocks) = (l.hidden, l.vocab, l.ffn, l.fc1_rows, l.blocks.len());
+        let (d, v, blocks) = (l.hidden, l.vocab, l.blocks.len());
         let floats = |n: usize| self.launcher.alloc(n * 4).map_err(device);
+        let widest = |width: fn(&Block) -> usize| l.blocks.iter().map(width).max().unwrap_or(0);
+        let heads = l.attention_heads();
+        let attention = |n: usize| heads.map(|_| floats(n)).transpose();
+        let per_head = |h: Heads| rows * h.heads;
         Ok(Activations {
             rows,
             ids: floats(rows)?,
             labels: floats(rows)?,
             dloss: floats(rows)?,
+            segments: attention(rows)?,
+            cos: heads
+                .filter(|_| l.rope)
+                .map(|h| floats(rows * h.dim))
+                .transpose()?,
+            sin: heads
+                .filter(|_| l.rope)
+                .map(|h| floats(rows * h.dim))
+                .transpose()?,
             xs: floats((blocks + 1) * rows * d)?,
             normed: floats(blocks * rows * d)?,
             rstd: floats((blocks + 1) * rows)?,
-            fc1_out: floats(blocks * rows * r)?,
-            act_out: floats(blocks * rows * f)?,
+            blocks: l
+                .blocks
+                .iter()
+                .map(|b| {
+                    Ok(BlockActs {
+                        projected: floats(rows * b.in_width)?,
+                        mixed: floats(rows * b.mid_width)?,
+                        lse: match b.mixer {
+                            Mixer::Attention(h) => Some(floats(per_head(h))?),
+                            Mixer::Mlp(_) => None,
+                        },
+                    })
+                })
+                .collect::<Result<_, RunError>>()?,
             final_normed: floats(rows * d)?,
             logits: floats(rows * v)?,
             ce: floats(rows)?,
@@ -438,8 +615,9 @@ impl<'l, L: Launcher> DeviceStep<'l, L> {
             dx: floats(rows * d)?,
             dh: floats(rows * d)?,
             dnorm_in: floats(rows * d)?,
-            dfc1_out: floats(rows * r)?,
-            dact_out: floats(rows * f)?,
+            dmixed: floats(rows * widest(|b| b.mid_width))?,
+            dprojected: floats(rows * widest(|b| b.in_width))?,
+            delta: heads.map(|h| floats(per_head(h))).transpose()?,
             dw_partial: floats(row_grid(rows) as usize * d)?,
             dw: floats(d)?,
             dtable: floats(v * d)?,
@@ -539,6 +717,29 @@ impl<'l, L: Launcher> DeviceStep<'l, L> {
     }
 }
 
+/// A [`DeviceStep`] as the training loop's [`Stepper`]: next-token steps on `source`'s
+/// batches, the host's weights and moments brought back before each checkpoint.
+pub struct OnDevice<'l, 's, L: Launcher> {
+    pub step: DeviceStep<'l, L>,
+    pub source: &'s mut dyn BatchSource,
+}
+
+impl<L: Launcher> Stepper for OnDevice<'_, '_, L> {
+    fn step(&mut self, trainer: &mut Trainer) -> Result<(f64, f64), RunError> {
+        self.step.step(trainer, self.source)
+    }
+
+    fn sync(&mut self, trainer: &mut Trainer) -> Result<(), RunError> {
+        self.step.download(trainer)
+    }
+}
+
+/// Whether the GPU trainer can train `trainer`'s model: `Err` names what it cannot, before
+/// anything touches a device.
+pub fn supports(trainer: &Trainer) -> Result<(), RunError> {
+    Layout::of(trainer).map(|_| ())
+}
+
 fn no_acts() -> RunError {
     RunError::new("GPU trainer: the activations were not allocated".to_string())
 }
@@ -546,18 +747,19 @@ fn no_acts() -> RunError {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::tests::{Counting, tempdir, weights};
+    use crate::tests::{tempdir, weights};
     use crate::{NextToken, Schedule, checkpoint};
+    use check::PackedCounting as Counting;
     use kernels::launch::Shim;
     use kernels::simt::Schedule as Warps;
     use model::config::ModelConfig;
     use model::net::Model;
     use serde_json::json;
 
-    /// A model of MLP blocks on the counting task: two blocks, untied head unless `tied`.
+    /// An attention block and an MLP block on the counting task, untied head unless `tied`.
     fn trainer(activation: &str, tied: bool, clip: f64) -> Trainer {
         let cfg: ModelConfig = serde_json::from_value(json!({
-            "pattern": "--", "hidden": 32, "heads": 4, "kv_heads": 2, "head_dim": 8, "ffn": 48,
+            "pattern": "*-", "hidden": 32, "heads": 4, "kv_heads": 2, "head_dim": 8, "ffn": 48,
             "activation": activation, "tie_embeddings": tied
         }))
         .unwrap();
@@ -578,15 +780,21 @@ mod tests {
     }
 
     /// The step's kernels, run by the SIMT shim, give the CPU trainer's gradients: every
-    /// launch of the forward and backward (embedding, RMSNorm, GEMMs, activations,
-    /// cross-entropy, and the sums over paths and micro-batches) is in this comparison.
+    /// launch of the forward and backward (embedding, RMSNorm, GEMMs, activations, attention
+    /// over packed rows with RoPE and grouped heads, cross-entropy, and the sums over paths
+    /// and micro-batches) is in this comparison.
     #[test]
     fn one_step_on_the_shim_gives_the_cpu_gradients() {
-        for (activation, tied) in [("relu2", false), ("swiglu", true)] {
-            let (diff, largest) = check::gradients(&Shim::default(), activation, tied).unwrap();
+        let cases = check::MODELS
+            .into_iter()
+            .chain([("-*", "relu2", true), ("*", "swiglu", false)]);
+        for (pattern, activation, tied) in cases {
+            let (diff, largest) =
+                check::gradients(&Shim::default(), pattern, activation, tied).unwrap();
             assert!(
                 diff <= check::GRADIENT_TOLERANCE * largest.max(1.0),
-                "{activation}, tied {tied}: gradients {diff} apart (largest {largest})"
+                "`{pattern}` {activation}, tied {tied}: gradients {diff} apart (largest \
+                 {largest})"
             );
         }
     }
@@ -650,10 +858,68 @@ mod tests {
         assert!((last(&resumed) - last(&cpu)).abs() < 1e-3 * last(&cpu));
     }
 
+    /// The training loop on the device (`Trainer::run_on` with `OnDevice`), as `pretrain` and
+    /// `sft` drive it under `device: cuda`: checkpoints are written from the device's state,
+    /// a run stopped after step 2 and resumed from its checkpoint on the device ends with the
+    /// same bytes as one that never stopped, and the log has the CPU loop's lines.
+    #[test]
+    fn the_loop_on_the_device_checkpoints_and_resumes_to_the_same_bytes() {
+        let shim = Shim::default();
+        let run = |dir: &std::path::Path, stop_after: Option<u64>| {
+            let mut t = trainer("swiglu", false, 0.5);
+            t.schedule.steps = 4;
+            t.schedule.save_interval = 2;
+            if let Some(latest) = checkpoint::latest(dir) {
+                checkpoint::restore(&mut t, &latest).unwrap();
+            }
+            let mut source = Counting(2);
+            let mut stepper = OnDevice {
+                step: DeviceStep::upload(&shim, &t).unwrap(),
+                source: &mut source,
+            };
+            let mut log = Vec::new();
+            let r = t.run_on(
+                &mut stepper,
+                dir,
+                |_| 48,
+                &mut log,
+                &mut |_, _, _| {},
+                stop_after,
+            );
+            (
+                t,
+                r.map_err(|e| e.to_string()),
+                String::from_utf8(log).unwrap(),
+            )
+        };
+        let whole = tempdir("gpu-loop-whole");
+        let (uninterrupted, r, log) = run(&whole, None);
+        assert!(r.is_ok(), "{r:?}");
+        assert!(log.contains("step      4/4 | loss") && log.contains("checkpoint: step 4 saved"));
+
+        let cut = tempdir("gpu-loop-cut");
+        let (_, r, _) = run(&cut, Some(2));
+        assert!(r.unwrap_err().contains("stopped after step 2"));
+        let (resumed, r, _) = run(&cut, None);
+        assert_eq!(r.unwrap()["resumed_from_step"], 2);
+        assert_eq!(weights(&resumed), weights(&uninterrupted));
+        assert_eq!(resumed.opt, uninterrupted.opt);
+        // What was written is the device's state, not the host's initial weights.
+        let mut saved = trainer("swiglu", false, 0.5);
+        checkpoint::restore(&mut saved, &checkpoint::latest(&whole).unwrap()).unwrap();
+        assert_eq!(weights(&saved), weights(&uninterrupted));
+        let initial = weights(&trainer("swiglu", false, 0.5));
+        assert!(
+            weights(&saved) != initial,
+            "the checkpoint holds the initial weights"
+        );
+    }
+
     #[test]
     fn a_model_the_gpu_trainer_cannot_train_yet_is_named() {
         let cfg: ModelConfig = serde_json::from_value(json!({
-            "pattern": "*-", "hidden": 32, "heads": 4, "kv_heads": 2, "head_dim": 8, "ffn": 48
+            "pattern": "*M-", "hidden": 32, "heads": 4, "kv_heads": 2, "head_dim": 8, "ffn": 48,
+            "mamba": {"heads": 2, "head_dim": 8, "state": 4, "chunk": 4}
         }))
         .unwrap();
         let t = Trainer::new(
@@ -665,7 +931,7 @@ mod tests {
             .unwrap()
             .to_string();
         assert!(
-            err.contains("blocks of kind `*`") && err.contains("device: cpu"),
+            err.contains("blocks of kind `M`") && err.contains("device: cpu"),
             "{err}"
         );
     }
