@@ -97,14 +97,16 @@ fn gpu_check_on_the_shim_holds_the_gpu_trainer_to_the_cpu_trainer() {
     let out = p.run(&["gpu-check", "--shim"]);
     assert_eq!(out.code, 0, "{out}");
     let lines: Vec<&str> = out.stdout.lines().collect();
-    for part in ["gradients", "gradients", "curve", "determinism"] {
-        assert!(
-            lines
-                .iter()
-                .any(|l| l.starts_with(part) && l.ends_with("ok")),
-            "no passing `{part}` line\n{out}"
-        );
-    }
+    let passing = |part: &str| {
+        lines
+            .iter()
+            .filter(|l| l.starts_with(part) && l.ends_with("ok"))
+            .count()
+    };
+    assert_eq!(passing("gradients    `--`"), 2, "{out}");
+    assert_eq!(passing("gradients    `*-*-`"), 1, "{out}");
+    assert_eq!(passing("curve        `*-`"), 1, "{out}");
+    assert_eq!(passing("determinism"), 1, "{out}");
     assert_eq!(lines.last().copied(), Some("result       ok"), "{out}");
 }
 
@@ -131,4 +133,21 @@ fn gpu_check_without_a_gpu_says_what_is_missing_and_fails() {
     let out = p.run(&["gpu-check", "--device", "cpu"]);
     assert_eq!(out.code, 2, "{out}");
     assert!(out.stderr.contains("--device cpu is not a GPU"), "{out}");
+}
+
+/// `nemo-dag ops` says which ops train on a GPU: the ones `device: cuda` is allowed for.
+#[test]
+fn the_ops_that_train_on_a_gpu_are_listed() {
+    let p = Project::new("ops-gpu");
+    let out = p.ok(&["ops"]);
+    let mut op = "";
+    let mut on_gpu = Vec::new();
+    for line in out.stdout.lines() {
+        if !line.starts_with(' ') {
+            op = line.split_whitespace().next().unwrap_or("");
+        } else if line.trim() == "device: trains on a GPU under `device: cuda` or `auto`" {
+            on_gpu.push(op);
+        }
+    }
+    assert_eq!(on_gpu, ["pretrain", "sft"], "{out}");
 }

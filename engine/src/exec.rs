@@ -23,7 +23,7 @@ use crate::manifest::{LoadArgs, Manifest};
 use crate::stage_log::StageLog;
 use crate::store::{ARTIFACT_SCHEMA, Artifact, InputRecord, OutputRecord, ResourceRecord, Store};
 use crate::usage::Counters;
-use nemo_dag_op::{Device, Estimate, Progress, Registry, RunContext, StageDecl};
+use nemo_dag_op::{AnyOp, Device, Estimate, Progress, Registry, RunContext, StageDecl};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
 use std::collections::BTreeMap;
@@ -77,11 +77,12 @@ pub struct JobResult {
     pub log: Option<String>,
 }
 
-/// Checks `resources.device` on this machine. `cuda`/`cuda:N` with no usable GPU is an error
-/// carrying the probe's reason; `auto` says on stderr what it found. The ops train on the CPU
-/// (the GPU trainer is issue #16), so `auto` uses the CPU even where a GPU is found, and says
-/// so; `cuda` on a machine with a GPU runs only `cmd` stages, whose command may use it.
-fn check_device(spec: &JobSpec, ops: Registry) -> Result<()> {
+/// Checks `resources.device` on this machine and resolves it for the op
+/// ([`RunContext::device`]). `cuda`/`cuda:N` with no usable GPU is an error carrying the
+/// probe's reason; so is `cuda` for an op that trains on the CPU only (a `cmd` stage runs, its
+/// command may use the GPU). `auto` says on stderr what it found, and hands a found GPU to an
+/// op that trains on one.
+fn check_device(spec: &JobSpec, op: &dyn AnyOp, ops: Registry) -> Result<Device> {
     let device = match spec.device.as_deref().map(Device::parse).transpose() {
         Ok(device) => device.unwrap_or(Device::Cpu),
         Err(why) => return Err(stage_error(spec, &format!("resources.device: {why}"), None)),
@@ -90,18 +91,29 @@ fn check_device(spec: &JobSpec, ops: Registry) -> Result<()> {
         Some(probe) => probe(ordinal),
         None => Err("this nemo-dag was built without GPU support".to_string()),
     };
+    let trains_on_gpu = op.spec().gpu;
     match device {
-        Device::Cpu => Ok(()),
+        Device::Cpu => Ok(Device::Cpu),
         Device::Auto => {
-            let found = match probe(0) {
-                Ok(gpu) => format!("found {gpu}, but nemo-dag's ops do not train on a GPU yet"),
-                Err(why) => format!("no usable GPU ({why})"),
+            let (found, resolved) = match probe(0) {
+                Ok(gpu) if trains_on_gpu => (
+                    format!("found {gpu}; op `{}` trains on it", spec.op),
+                    Device::Auto,
+                ),
+                Ok(gpu) => (
+                    format!(
+                        "found {gpu}, but op `{}` trains on the CPU only; running on the CPU",
+                        spec.op
+                    ),
+                    Device::Cpu,
+                ),
+                Err(why) => (
+                    format!("no usable GPU ({why}); running on the CPU"),
+                    Device::Cpu,
+                ),
             };
-            eprintln!(
-                "nemo-dag: stage `{}`: device auto: {found}; running on the CPU",
-                spec.stage
-            );
-            Ok(())
+            eprintln!("nemo-dag: stage `{}`: device auto: {found}", spec.stage);
+            Ok(resolved)
         }
         Device::Cuda(ordinal) => match probe(ordinal) {
             Err(why) => Err(stage_error(
@@ -109,17 +121,24 @@ fn check_device(spec: &JobSpec, ops: Registry) -> Result<()> {
                 &format!("asks for device cuda:{ordinal}, which is not usable here: {why}"),
                 Some("write `device: auto` to run on the CPU where there is no GPU"),
             )),
-            Ok(gpu) if spec.cmd.is_none() => Err(stage_error(
+            Ok(gpu) if spec.cmd.is_none() && !trains_on_gpu => Err(stage_error(
                 spec,
                 &format!(
-                    "asks for device cuda:{ordinal} ({gpu}), but op `{}` runs on the CPU only",
+                    "asks for device cuda:{ordinal} ({gpu}), but op `{}` trains on the CPU only",
                     spec.op
                 ),
-                Some("write `device: auto` or `cpu`: nemo-dag's ops do not train on a GPU yet"),
+                Some(
+                    "write `device: auto` or `cpu`; `nemo-dag ops` lists the ops that train on \
+                     a GPU",
+                ),
             )),
             Ok(gpu) => {
                 eprintln!("nemo-dag: stage `{}`: device {gpu}", spec.stage);
-                Ok(())
+                Ok(if trains_on_gpu {
+                    Device::Cuda(ordinal)
+                } else {
+                    Device::Cpu
+                })
             }
         },
     }
@@ -225,7 +244,7 @@ pub fn exec(spec: &JobSpec, ops: Registry) -> Result<JobResult> {
     })?;
 
     // Before the attempt exists: a stage that cannot have its device or launcher writes nothing.
-    check_device(spec, ops)?;
+    let device = check_device(spec, op, ops)?;
     check_launcher(spec)?;
     let attempt = store.start_attempt(&spec.key, op.resumable())?;
     let tmp = attempt.dir;
@@ -253,6 +272,7 @@ pub fn exec(spec: &JobSpec, ops: Registry) -> Result<JobResult> {
         progress: &mut progress,
         stop_after_step: stop_after_step(),
         launcher: &spec.launcher,
+        device,
     };
     allow_a_save(op, &spec.launcher);
     let ran = op.run(&checked, &mut ctx);
@@ -734,4 +754,52 @@ fn read_spec(path: &Path) -> Result<JobSpec> {
         .map_err(|e| {
             InputError::new(format!("cannot read the job spec {}: {e}", path.display())).into()
         })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn spec(op: &str, device: &str, cmd: Option<&str>) -> JobSpec {
+        serde_json::from_value(serde_json::json!({
+            "store": "/nowhere", "key": "k", "stage": "s", "op": op, "op_version": 1,
+            "params": {}, "cmd": cmd, "outputs": {}, "inputs": {}, "input_paths": {},
+            "upstream_keys": [], "manifest": "m.yaml", "force": false, "device": device
+        }))
+        .unwrap()
+    }
+
+    /// What each `resources.device` resolves to for an op that trains on a GPU (`trains`) and
+    /// one that does not (`resumable`), on a machine whose probe finds a GPU and one whose
+    /// probe finds none.
+    #[test]
+    fn a_device_resolves_for_the_op_and_the_machine() {
+        let with_gpu = crate::testing::ops().with_gpu_probe(|n| Ok(format!("GPU {n}")));
+        let without = crate::testing::ops().with_gpu_probe(|_| Err("no driver".to_string()));
+        let resolve = |ops: Registry, op: &str, device: &str, cmd: Option<&str>| {
+            let spec = spec(op, device, cmd);
+            let op = ops.get(&spec.op).unwrap();
+            check_device(&spec, op, ops).map_err(|e| e.to_string())
+        };
+        assert_eq!(
+            resolve(with_gpu, "trains", "cuda:1", None),
+            Ok(Device::Cuda(1))
+        );
+        assert_eq!(resolve(with_gpu, "trains", "auto", None), Ok(Device::Auto));
+        assert_eq!(resolve(with_gpu, "trains", "cpu", None), Ok(Device::Cpu));
+        assert_eq!(
+            resolve(with_gpu, "resumable", "auto", None),
+            Ok(Device::Cpu)
+        );
+        // A command may use the GPU itself; the op does not train on it.
+        assert_eq!(
+            resolve(with_gpu, "cmd", "cuda", Some("nvidia-smi")),
+            Ok(Device::Cpu)
+        );
+        let cpu_only = resolve(with_gpu, "resumable", "cuda", None).unwrap_err();
+        assert!(cpu_only.contains("trains on the CPU only"), "{cpu_only}");
+        assert_eq!(resolve(without, "trains", "auto", None), Ok(Device::Cpu));
+        let missing = resolve(without, "trains", "cuda", None).unwrap_err();
+        assert!(missing.contains("not usable here: no driver"), "{missing}");
+    }
 }

@@ -1,6 +1,7 @@
 //! Test doubles for the engine's own unit tests, which build without any real op: an op named
 //! `cmd` that accepts any declaration and produces the outputs the stage declares, and
-//! `resumable`, the same but saving on SIGTERM and resuming, as a launched training op does.
+//! `resumable`, the same but saving on SIGTERM and resuming, as a launched training op does;
+//! `trains`, the same, for an op that trains on a GPU.
 //! They are never run; the engine's tests only load, key and plan manifests with them.
 
 use nemo_dag_op::{
@@ -18,6 +19,7 @@ static SPEC: Spec = Spec {
     outputs: Outputs::Declared,
     resumable: false,
     launched: true,
+    gpu: false,
 };
 
 static RESUMABLE: Spec = Spec {
@@ -29,6 +31,19 @@ static RESUMABLE: Spec = Spec {
     outputs: Outputs::Declared,
     resumable: true,
     launched: true,
+    gpu: false,
+};
+
+static TRAINS: Spec = Spec {
+    name: "trains",
+    summary: "test double: an op that trains on a GPU when its stage's device asks",
+    version: 1,
+    inputs: &[],
+    other_inputs: Some("any"),
+    outputs: Outputs::Declared,
+    resumable: true,
+    launched: false,
+    gpu: true,
 };
 
 impl Op for DeclaredOutputs {
@@ -46,6 +61,10 @@ impl Op for DeclaredOutputs {
 }
 
 pub fn ops() -> Registry {
-    static OPS: &[&dyn AnyOp] = &[&DeclaredOutputs(&SPEC), &DeclaredOutputs(&RESUMABLE)];
+    static OPS: &[&dyn AnyOp] = &[
+        &DeclaredOutputs(&SPEC),
+        &DeclaredOutputs(&RESUMABLE),
+        &DeclaredOutputs(&TRAINS),
+    ];
     Registry::new(OPS)
 }

@@ -36,6 +36,7 @@ static SPEC: Spec = Spec {
     outputs: Outputs::Declared,
     resumable: false,
     launched: true,
+    gpu: false,
 };
 
 impl Op for Cmd {

@@ -106,6 +106,7 @@ static SPEC: Spec = Spec {
     outputs: Outputs::Fixed(MODEL_OUTPUTS),
     resumable: true,
     launched: false,
+    gpu: false,
 };
 
 impl Op for Dpo {

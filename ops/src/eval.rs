@@ -203,6 +203,7 @@ static SPEC: Spec = Spec {
     outputs: Outputs::Fixed(&[("results", "results")]),
     resumable: false,
     launched: false,
+    gpu: false,
 };
 
 impl Op for Eval {

@@ -58,6 +58,7 @@ static SPEC: Spec = Spec {
     outputs: Outputs::Fixed(&[("hf", "hf")]),
     resumable: false,
     launched: false,
+    gpu: false,
 };
 
 impl Op for Export {

@@ -73,6 +73,7 @@ static SPEC: Spec = Spec {
     ]),
     resumable: false,
     launched: false,
+    gpu: false,
 };
 
 impl Op for Generate {

@@ -228,6 +228,7 @@ static SPEC: Spec = Spec {
     outputs: Outputs::Fixed(MODEL_OUTPUTS),
     resumable: true,
     launched: false,
+    gpu: false,
 };
 
 impl Op for Grpo {

@@ -55,6 +55,7 @@ static SPEC: Spec = Spec {
     outputs: Outputs::Fixed(&[("data", "data")]),
     resumable: false,
     launched: false,
+    gpu: false,
 };
 
 impl Op for Import {

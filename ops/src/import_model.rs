@@ -56,6 +56,7 @@ static SPEC: Spec = Spec {
     outputs: Outputs::Fixed(&[("model", "model")]),
     resumable: false,
     launched: false,
+    gpu: false,
 };
 
 const ARCHITECTURES: &str = "LlamaForCausalLM, MistralForCausalLM, NemotronHForCausalLM";

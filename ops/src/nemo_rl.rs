@@ -164,6 +164,7 @@ static SPEC: Spec = Spec {
     outputs: Outputs::Fixed(&[("checkpoint", "checkpoint"), ("run", "run")]),
     resumable: true,
     launched: true,
+    gpu: false,
 };
 
 impl Op for NemoRlGrpo {

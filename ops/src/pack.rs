@@ -157,6 +157,7 @@ static SPEC: Spec = Spec {
     outputs: Outputs::Fixed(&[("data", "data")]),
     resumable: false,
     launched: false,
+    gpu: false,
 };
 
 impl Op for Pack {

@@ -73,6 +73,7 @@ static SPEC: Spec = Spec {
     outputs: Outputs::Fixed(MODEL_OUTPUTS),
     resumable: true,
     launched: false,
+    gpu: true,
 };
 
 impl Op for Pretrain {

@@ -74,6 +74,7 @@ static SPEC: Spec = Spec {
     outputs: Outputs::Fixed(MODEL_OUTPUTS),
     resumable: true,
     launched: false,
+    gpu: true,
 };
 
 impl Op for Sft {

@@ -37,6 +37,7 @@ pub fn run_op(
         progress: &mut |_| {},
         stop_after_step: None,
         launcher: &[],
+        device: nemo_dag_op::Device::Cpu,
     };
     let r = op.run(&checked, &mut ctx);
     (r, String::from_utf8(log).unwrap())

@@ -102,6 +102,7 @@ static SPEC: Spec = Spec {
     outputs: Outputs::Fixed(&[("tokenizer", "tokenizer.json")]),
     resumable: false,
     launched: false,
+    gpu: false,
 };
 
 impl Op for TrainTokenizer {

@@ -3,14 +3,17 @@
 //! model's tokenizer, reading a `blend.json` split, and training to the end with a checkpoint
 //! to resume from, then publishing the model.
 
+use kernels::launch::{Cuda, Launcher};
 use model::checkpoint::{self, ModelFile};
 use model::config::ModelConfig;
 use nemo_dag_data::chat::CHAT_TEMPLATE_FILE;
 use nemo_dag_op::{
-    DeclError, Estimate, Facts, Metrics, Plan, Port, Progress, RunContext, RunError, Upstream,
+    DeclError, Device, Estimate, Facts, Metrics, Plan, Port, Progress, RunContext, RunError,
+    Upstream,
 };
 use serde_json::Value;
 use std::path::{Path, PathBuf};
+use train::gpu::{DeviceStep, OnDevice};
 use train::{Objective, Schedule, Trainer};
 
 /// The input every op after `pretrain` reads: the model it starts from.
@@ -85,9 +88,11 @@ pub(crate) fn carried_template(dirs: &[&Path]) -> Result<Option<String>, RunErro
     Ok(None)
 }
 
-/// Resume from the stage's own checkpoint if an interrupted attempt left one, train, and
-/// write `model/` (with the tokenizer, and the chat template the model was trained with, if
-/// any) beside `checkpoint/`.
+/// Resume from the stage's own checkpoint if an interrupted attempt left one, train (on the
+/// GPU the stage's device resolved to, when the GPU trainer can take the objective and the
+/// model: [`gpu_for`]), and write `model/` (with the tokenizer, and the chat template the
+/// model was trained with, if any) beside `checkpoint/`. A checkpoint is the same files on
+/// either device, so an attempt resumes on whichever the next one runs on.
 pub(crate) fn train_and_publish(
     ctx: &mut RunContext,
     mut trainer: Trainer,
@@ -106,21 +111,42 @@ pub(crate) fn train_and_publish(
             trainer.step
         )?;
     }
+    let gpu = gpu_for(ctx, objective, &trainer)?;
     let progress = &mut *ctx.progress;
-    let summary = trainer.run(
-        objective,
-        &ckpt,
-        tokens_per_step,
-        ctx.log,
-        &mut |done, total, figures| {
-            progress(Progress {
-                done,
-                total,
-                message: figures.to_string(),
-            })
-        },
-        ctx.stop_after_step,
-    )?;
+    let mut report = |done, total, figures: &str| {
+        progress(Progress {
+            done,
+            total,
+            message: figures.to_string(),
+        })
+    };
+    let summary = match (gpu, objective.next_token_source()) {
+        (Some(ordinal), Some(source)) => {
+            let cuda = Cuda::new(ordinal)
+                .map_err(|e| RunError::new(format!("cannot start cuda:{ordinal}: {e}")))?;
+            writeln!(ctx.log, "device: {}", cuda.describe())?;
+            let mut stepper = OnDevice {
+                step: DeviceStep::upload(&cuda, &trainer)?,
+                source,
+            };
+            trainer.run_on(
+                &mut stepper,
+                &ckpt,
+                tokens_per_step,
+                ctx.log,
+                &mut report,
+                ctx.stop_after_step,
+            )?
+        }
+        _ => trainer.run(
+            objective,
+            &ckpt,
+            tokens_per_step,
+            ctx.log,
+            &mut report,
+            ctx.stop_after_step,
+        )?,
+    };
     let model_dir = ctx.out_dir.join("model");
     checkpoint::save_model(&trainer.model, &model_dir)
         .map_err(|e| RunError::new(format!("cannot write {}: {e}", model_dir.display())))?;
@@ -138,6 +164,38 @@ pub(crate) fn train_and_publish(
     match summary {
         Value::Object(m) => Ok(m),
         _ => Ok(Metrics::new()),
+    }
+}
+
+/// The GPU a stage trains on, from the device the engine resolved for it
+/// ([`RunContext::device`]): `cuda:N` must be used, so an objective or a model the GPU trainer
+/// cannot take is an error naming what; `auto` uses GPU 0 when it can, and otherwise says in
+/// the log why it trains on the CPU.
+fn gpu_for(
+    ctx: &mut RunContext,
+    objective: &mut dyn Objective,
+    trainer: &Trainer,
+) -> Result<Option<usize>, RunError> {
+    let (ordinal, required) = match ctx.device {
+        Device::Cpu => return Ok(None),
+        Device::Auto => (0, false),
+        Device::Cuda(ordinal) => (ordinal, true),
+    };
+    let why_not = match objective.next_token_source() {
+        None => Some(RunError::new(format!(
+            "stage `{}`'s objective trains on the CPU only: the GPU trainer minimises \
+             next-token cross-entropy (pretrain, sft)",
+            ctx.stage.name
+        ))),
+        Some(_) => train::gpu::supports(trainer).err(),
+    };
+    match why_not {
+        None => Ok(Some(ordinal)),
+        Some(e) if required => Err(e),
+        Some(e) => {
+            writeln!(ctx.log, "device auto: training on the CPU: {e}")?;
+            Ok(None)
+        }
     }
 }
 
@@ -216,5 +274,103 @@ pub(crate) fn model_plan(model: ModelFile, estimate: Option<Estimate>) -> Plan {
             sequence: None,
         },
         estimate,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use model::net::Model;
+    use nemo_dag_op::StageDecl;
+    use serde_json::json;
+    use std::collections::BTreeMap;
+    use train::gpu::check::Counting;
+    use train::{BatchSource, NextToken};
+
+    fn trainer(pattern: &str) -> Trainer {
+        let cfg: ModelConfig = serde_json::from_value(json!({
+            "pattern": pattern, "hidden": 16, "heads": 2, "kv_heads": 1, "head_dim": 8,
+            "ffn": 16, "mamba": {"heads": 2, "head_dim": 8, "state": 4, "chunk": 4}
+        }))
+        .unwrap();
+        let schedule: Schedule = serde_json::from_value(json!({
+            "steps": 1, "global_batch": 2, "micro_batch": 2, "lr": 1e-3
+        }))
+        .unwrap();
+        Trainer::new(Model::new(&cfg, 32, 1).unwrap(), schedule)
+    }
+
+    /// An objective the GPU trainer cannot minimise (as DPO's and GRPO's).
+    struct Preference;
+
+    impl Objective for Preference {
+        fn prepare(&mut self, _: &Model, _: u64) -> Result<usize, RunError> {
+            Ok(0)
+        }
+        fn loss(&self, _: &Model, _: usize) -> Result<train::MicroLoss, RunError> {
+            Err(RunError::new("never asked"))
+        }
+    }
+
+    /// `gpu_for` on `device` for a model of `pattern` under `objective`: the GPU it picks
+    /// (or its error) and what it wrote in the log.
+    fn pick(
+        device: Device,
+        pattern: &str,
+        objective: &mut dyn Objective,
+    ) -> (Result<Option<usize>, String>, String) {
+        let (inputs, outputs, params) = (BTreeMap::new(), BTreeMap::new(), json!({}));
+        let mut log = Vec::new();
+        let mut ctx = RunContext {
+            stage: StageDecl {
+                name: "train",
+                params: &params,
+                inputs: vec![],
+                outputs: &outputs,
+                cmd: None,
+                world_size: None,
+            },
+            inputs: &inputs,
+            out_dir: Path::new("."),
+            log: &mut log,
+            progress: &mut |_| {},
+            stop_after_step: None,
+            launcher: &[],
+            device,
+        };
+        let picked = gpu_for(&mut ctx, objective, &trainer(pattern)).map_err(|e| e.to_string());
+        (picked, String::from_utf8(log).unwrap())
+    }
+
+    /// `cuda:N` trains on GPU N or fails naming what the GPU trainer cannot take; `auto`
+    /// trains on the GPU when it can and otherwise on the CPU, saying why in the log.
+    #[test]
+    fn a_stage_trains_on_the_gpu_it_was_given_when_the_gpu_trainer_can() {
+        let mut source = Counting(1);
+        let source: &mut dyn BatchSource = &mut source;
+        let mut next_token = NextToken::new(source);
+        assert_eq!(pick(Device::Cuda(2), "*-", &mut next_token).0, Ok(Some(2)));
+        assert_eq!(pick(Device::Auto, "*-", &mut next_token).0, Ok(Some(0)));
+        assert_eq!(
+            pick(Device::Cpu, "*-", &mut next_token),
+            (Ok(None), String::new())
+        );
+
+        let (picked, _) = pick(Device::Cuda(0), "*M-", &mut next_token);
+        let err = picked.unwrap_err();
+        assert!(err.contains("blocks of kind `M`"), "{err}");
+        let (picked, log) = pick(Device::Auto, "*M-", &mut next_token);
+        assert_eq!(picked, Ok(None));
+        assert!(
+            log.contains("device auto: training on the CPU") && log.contains("kind `M`"),
+            "{log}"
+        );
+
+        let err = pick(Device::Cuda(0), "*-", &mut Preference).0.unwrap_err();
+        assert!(
+            err.contains("stage `train`'s objective trains on the CPU only"),
+            "{err}"
+        );
+        assert_eq!(pick(Device::Auto, "*-", &mut Preference).0, Ok(None));
     }
 }

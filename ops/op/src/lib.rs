@@ -147,6 +147,12 @@ pub struct RunContext<'a> {
     /// own argv following it; empty: the program runs once, here. Set by the engine from the
     /// stage's `resources.launch`; an op starts its work through [`RunContext::command`].
     pub launcher: &'a [String],
+    /// Where the op trains, as the engine resolved the stage's `resources.device` for this
+    /// machine and op: [`Device::Cpu`]; [`Device::Cuda`], a GPU the engine found usable and
+    /// the op must train on (or fail); or [`Device::Auto`], GPU 0 found usable, to train on
+    /// when the op can, and else on the CPU, saying why in its log. Always `Cpu` for an op
+    /// whose [`Spec::gpu`] is false.
+    pub device: Device,
 }
 
 impl RunContext<'_> {
@@ -229,6 +235,10 @@ pub struct Spec {
     /// at the head of a script it writes). Any other op refuses `launch` when the manifest
     /// loads, instead of quietly running once.
     pub launched: bool,
+    /// Whether the op trains on a GPU when its stage's `resources.device` asks for one
+    /// (`cuda`, or `auto` where one is found; [`RunContext::device`]). The engine refuses
+    /// `cuda` for any other op, since it would run on the CPU.
+    pub gpu: bool,
 }
 
 /// One named input of an op.
@@ -441,6 +451,7 @@ mod tests {
         outputs: Outputs::Fixed(&[("out", "out.txt")]),
         resumable: false,
         launched: false,
+        gpu: false,
     };
 
     impl Op for Echo {
@@ -494,6 +505,7 @@ mod tests {
             progress: &mut |_| {},
             stop_after_step: None,
             launcher: &[],
+            device: Device::Cpu,
         };
         op.run(checked, &mut ctx)
     }
@@ -518,6 +530,7 @@ mod tests {
             progress: &mut |_| {},
             stop_after_step: None,
             launcher: &launcher,
+            device: Device::Cpu,
         };
         let argv = |c: &std::process::Command| -> Vec<String> {
             std::iter::once(c.get_program())

@@ -154,6 +154,7 @@ static SPEC: Spec = Spec {
     outputs: Outputs::Fixed(&[("hf", "hf"), ("run", "run")]),
     resumable: false,
     launched: true,
+    gpu: false,
 };
 
 impl Op for MegatronExport {

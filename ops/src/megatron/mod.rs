@@ -175,6 +175,7 @@ static PRETRAIN: Spec = Spec {
     outputs: Outputs::Fixed(OUTPUTS),
     resumable: true,
     launched: true,
+    gpu: false,
 };
 
 static SFT: Spec = Spec {
@@ -203,6 +204,7 @@ static SFT: Spec = Spec {
     outputs: Outputs::Fixed(OUTPUTS),
     resumable: true,
     launched: true,
+    gpu: false,
 };
 
 #[derive(Debug, Clone, Copy, PartialEq)]

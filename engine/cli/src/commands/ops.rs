@@ -1,5 +1,5 @@
 //! `nemo-dag ops`: the ops this binary was built with, each with its version, what it does,
-//! the inputs it reads and the outputs it writes (its `Spec`).
+//! the inputs it reads and the outputs it writes, and whether it trains on a GPU (its `Spec`).
 
 use nemo_dag_engine::diag::Result;
 use nemo_dag_op::{Outputs, Registry};
@@ -33,6 +33,9 @@ pub fn exec(ops: Registry) -> Result<()> {
         };
         let resumable = if spec.resumable { " (resumable)" } else { "" };
         println!("{indent}    outputs: {outputs}{resumable}");
+        if spec.gpu {
+            println!("{indent}    device: trains on a GPU under `device: cuda` or `auto`");
+        }
     }
     Ok(())
 }
