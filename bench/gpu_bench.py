@@ -1,58 +1,88 @@
 #!/usr/bin/env python3
-"""GPU training throughput: nemo-dag's GPU trainer against the same model in PyTorch on the
+"""GPU training throughput: nemo-dag's GPU trainer against the same models in PyTorch on the
 same GPU, in the same run.
 
     cargo build --profile dist -p nemo-dag        # on any x86-64 machine; carry the binary
-    python3 bench/gpu_bench.py --bin target/dist/nemo-dag [--steps 20]
+    python3 bench/gpu_bench.py --bin target/dist/nemo-dag [--steps 20] [--no-compile]
 
 Needs a CUDA GPU, PyTorch with CUDA, NVRTC (libnvrtc.so.13 on LD_LIBRARY_PATH) and the CUDA
 headers (NEMO_DAG_CUDA_HOME or /usr/local/cuda), as `nemo-dag gpu-check` does.
 
-The model is the one `nemo-dag gpu-check` times: four MLP blocks (`----`, SwiGLU), hidden 1024,
-FFN 4096, vocabulary 32,768, untied head; 8 rows of 512 random tokens a step (one micro-batch),
-AdamW, clipping at 0.5. nemo-dag's figure is gpu-check's own `speed` line (tokens/s over the
-timed steps after one warm-up step; the same line also gives the CPU trainer's rate on this
-machine). PyTorch's is the twin of bench/torch_models.py on CUDA, eager, timed the same way with
-a synchronize at both ends, in three precisions:
+The models are the two `nemo-dag gpu-check` times (ops/train/src/gpu/check.rs, SPEED_MODELS):
 
-- `torch f32`:  float32 with TF32 off: the arithmetic nemo-dag's kernels do (f32 FMAs).
-- `torch tf32`: float32 weights, matmuls on the tensor cores in TF32.
-- `torch bf16`: autocast to bfloat16 (the usual way to train on this GPU).
+- four MLP blocks (`----`, SwiGLU), hidden 1024, FFN 4096, vocabulary 32,768, untied head,
+  8 rows of 512 random tokens a step;
+- GPT-2 small's size: 12 layers of attention and MLP (`*-` × 12), hidden 768, 12 heads of 64,
+  FFN 3072 (squared ReLU), RoPE, tied vocabulary of 50,304, 8 rows of 1024 tokens a step
+  (124 M parameters).
 
-Printed: tokens/s for each and nemo-dag's ratio to it.
+Each step is one micro-batch, AdamW, clipping at 0.5. nemo-dag's figures come from
+`gpu-check --json` (tokens/s over the timed steps after one warm-up step, and the CPU trainer's
+rate on this machine). PyTorch's are the twins of bench/torch_models.py on CUDA, timed the same
+way with a synchronize at both ends:
+
+- `torch f32`:  eager, float32 with TF32 off: the arithmetic nemo-dag's kernels do (f32 FMAs).
+- `torch tf32`: eager, float32 weights, matmuls on the tensor cores in TF32.
+- `torch bf16`: eager, autocast to bfloat16 (the usual way to train on this GPU).
+- `torch bf16 compiled`: the same under `torch.compile` (left out with --no-compile).
+
+Attention in the twins is `F.scaled_dot_product_attention(is_causal=True)` (flash or
+memory-efficient kernels), the fastest eager PyTorch has. Printed per model: tokens/s, model
+TFLOP/s and MFU (model FLOPs as nanoGPT's estimate_mfu counts them, over the GPU's dense bf16
+peak), and nemo-dag's ratio to each.
 """
 
 import argparse
+import json
 import os
-import re
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-CONFIG = dict(pattern="----", hidden=1024, ffn=4096, vocab=32768, activation="swiglu")
-ROWS, LEN = 8, 512
+MODELS = {
+    "----": (dict(pattern="----", hidden=1024, ffn=4096, vocab=32768, activation="swiglu"), 8, 512),
+    "*-" * 12: (
+        dict(
+            pattern="*-" * 12,
+            hidden=768,
+            heads=12,
+            kv_heads=12,
+            head_dim=64,
+            ffn=3072,
+            vocab=50304,
+            activation="relu2",
+            tie_embeddings=True,
+        ),
+        8,
+        1024,
+    ),
+}
+
+# Dense bf16 tensor-core peaks (TFLOP/s, no sparsity) from NVIDIA's data sheets, by the name
+# torch reports; MFU is left out for a GPU not listed.
+PEAK_BF16 = {"H100 80GB HBM3": 989.4, "H100 PCIe": 756.0, "H100 NVL": 835.0, "H200": 989.4}
 
 
-def nemo_dag_rate(binary, steps):
-    out = subprocess.run(
-        [binary, "gpu-check", "--speed-steps", str(steps)],
-        capture_output=True,
-        text=True,
-    )
-    sys.stderr.write(out.stdout + out.stderr)
-    if out.returncode != 0:
-        sys.exit(f"nemo-dag gpu-check failed with exit {out.returncode}")
-    m = re.search(r"device (\d+) tokens/s, CPU trainer (\d+) tokens/s", out.stdout)
-    if not m:
-        sys.exit("gpu-check printed no speed line")
-    return float(m.group(1)), float(m.group(2))
+def nemo_dag_rates(binary, steps):
+    with tempfile.TemporaryDirectory() as tmp:
+        report = Path(tmp) / "gpu-check.json"
+        out = subprocess.run(
+            [binary, "gpu-check", "--speed-steps", str(steps), "--json", str(report)],
+            capture_output=True,
+            text=True,
+        )
+        sys.stderr.write(out.stdout + out.stderr)
+        if out.returncode != 0:
+            sys.exit(f"nemo-dag gpu-check failed with exit {out.returncode}")
+        return {s["pattern"]: s for s in json.loads(report.read_text())["speed"]}
 
 
-def torch_rate(steps, precision):
+def torch_rate(config, rows, length, steps, precision, compiled=False):
     import torch
     import torch_models
 
@@ -60,44 +90,58 @@ def torch_rate(steps, precision):
     torch.backends.cudnn.allow_tf32 = precision == "tf32"
     torch.manual_seed(0)
     with torch.device("cuda"):
-        net = torch_models.Net(CONFIG)
+        net = torch_models.Net(config)
+    net.sdpa = True
     opt = torch.optim.AdamW(net.param_groups(0.1), lr=1e-3, betas=(0.9, 0.95), eps=1e-8)
+    loss_fn = torch.compile(net.loss) if compiled else net.loss
 
     def step():
-        ids = torch.randint(0, CONFIG["vocab"], (ROWS, LEN + 1), device="cuda")
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=precision == "bf16"):
-            loss, _, _ = net.loss(ids[:, :-1], ids[:, 1:], torch.ones(ROWS, LEN, device="cuda"), ROWS * LEN)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(net.parameters(), 0.5)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
+        with torch.device("cuda"):
+            ids = torch.randint(0, config["vocab"], (rows, length + 1))
+            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=precision == "bf16"):
+                loss, _, _ = loss_fn(ids[:, :-1], ids[:, 1:], torch.ones(rows, length), rows * length)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(net.parameters(), 0.5)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
 
-    for _ in range(2):
+    for _ in range(3 if compiled else 2):
         step()
     torch.cuda.synchronize()
     clock = time.perf_counter()
     for _ in range(steps):
         step()
     torch.cuda.synchronize()
-    return ROWS * LEN * steps / (time.perf_counter() - clock)
+    return rows * length * steps / (time.perf_counter() - clock)
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--bin", default=str(ROOT / "target" / "dist" / "nemo-dag"))
     p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--no-compile", action="store_true", help="leave out torch.compile")
     a = p.parse_args()
-    ours, cpu = nemo_dag_rate(a.bin, a.steps)
-    rows = [("nemo-dag CPU trainer", cpu)]
-    for precision in ("f32", "tf32", "bf16"):
-        rows.append((f"torch {precision}", torch_rate(a.steps, precision)))
+    ours = nemo_dag_rates(a.bin, a.steps)
     import torch
 
-    print(f"\n{torch.cuda.get_device_name()}, torch {torch.__version__}, {a.steps} timed steps of {ROWS * LEN} tokens")
-    print(f"{'':24}{'tokens/s':>12}  nemo-dag GPU / this")
-    print(f"{'nemo-dag GPU (f32)':24}{ours:12.0f}")
-    for name, rate in rows:
-        print(f"{name:24}{rate:12.0f}  {ours / rate:.2f}x")
+    gpu = torch.cuda.get_device_name()
+    peak = next((v for k, v in PEAK_BF16.items() if k in gpu), None)
+    print(f"\n{gpu}, torch {torch.__version__}, {a.steps} timed steps")
+    for pattern, (config, rows, length) in MODELS.items():
+        mine = ours[pattern]
+        flops = mine["flops_per_token"]
+        runs = [("nemo-dag CPU trainer", mine["cpu_tokens_per_s"])]
+        for precision in ("f32", "tf32", "bf16"):
+            runs.append((f"torch {precision}", torch_rate(config, rows, length, a.steps, precision)))
+        if not a.no_compile:
+            runs.append(("torch bf16 compiled", torch_rate(config, rows, length, a.steps, "bf16", True)))
+        rate = mine["device_tokens_per_s"]
+        print(f"\n{mine['model']}: {mine['parameters']:,} parameters, {rows * length} tokens a step")
+        mfu = lambda r: f"{100 * r * flops / 1e12 / peak:5.1f}%" if peak else "    -"
+        print(f"{'':24}{'tokens/s':>12}{'TFLOP/s':>9}{'MFU':>7}  nemo-dag GPU / this")
+        print(f"{'nemo-dag GPU (f32)':24}{rate:12.0f}{rate * flops / 1e12:9.1f}{mfu(rate):>7}")
+        for name, r in runs:
+            print(f"{name:24}{r:12.0f}{r * flops / 1e12:9.1f}{mfu(r):>7}  {rate / r:.2f}x")
 
 
 if __name__ == "__main__":

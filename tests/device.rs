@@ -94,7 +94,7 @@ fn device_cpu_runs_on_the_cpu_without_a_word() {
 #[test]
 fn gpu_check_on_the_shim_holds_the_gpu_trainer_to_the_cpu_trainer() {
     let p = Project::new("gpu-check-shim");
-    let out = p.run(&["gpu-check", "--shim"]);
+    let out = p.run(&["gpu-check", "--shim", "--json", "check.json"]);
     assert_eq!(out.code, 0, "{out}");
     let lines: Vec<&str> = out.stdout.lines().collect();
     let passing = |part: &str| {
@@ -108,6 +108,34 @@ fn gpu_check_on_the_shim_holds_the_gpu_trainer_to_the_cpu_trainer() {
     assert_eq!(passing("curve        `*-`"), 1, "{out}");
     assert_eq!(passing("determinism"), 1, "{out}");
     assert_eq!(lines.last().copied(), Some("result       ok"), "{out}");
+
+    // --json: the same parts, as figures a script reads.
+    let text = std::fs::read_to_string(p.path("check.json")).unwrap();
+    let report: serde_json::Value = serde_json::from_str(&text).unwrap();
+    assert_eq!(report["ok"], true, "{text}");
+    assert!(
+        report["device"].as_str().unwrap().contains("shim"),
+        "{text}"
+    );
+    let gradients = report["gradients"].as_array().unwrap();
+    assert_eq!(gradients.len(), 3, "{text}");
+    for part in gradients {
+        let (diff, largest) = (part["difference"].as_f64(), part["largest"].as_f64());
+        assert!(diff.unwrap() <= 1e-5 * largest.unwrap().max(1.0), "{part}");
+        assert_eq!(part["ok"], true, "{part}");
+    }
+    assert_eq!(
+        report["curve"]["losses"].as_array().unwrap().len(),
+        4,
+        "{text}"
+    );
+    assert_eq!(report["determinism"]["same_bytes"], true, "{text}");
+    assert_eq!(
+        report["speed"],
+        serde_json::json!([]),
+        "the shim is not timed: {text}"
+    );
+    assert!(!p.path("check.json.partial").exists());
 }
 
 #[test]

@@ -3,6 +3,7 @@
 
 use kernels::launch::{Cuda, Shim};
 use std::io::Write;
+pub use train::gpu::check::Report;
 
 /// Where the check runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -13,9 +14,10 @@ pub enum Target {
     Shim,
 }
 
-/// Runs the check, writing its report to `out`: `Ok(true)` when every part passed, `Err` when
-/// it could not run (no GPU, NVRTC missing, a kernel that does not compile: the reason).
-pub fn run(target: Target, speed_steps: u64, out: &mut dyn Write) -> Result<bool, String> {
+/// Runs the check, writing its report to `out`: every part's figures and whether all passed,
+/// or `Err` when it could not run (no GPU, NVRTC missing, a kernel that does not compile: the
+/// reason).
+pub fn run(target: Target, speed_steps: u64, out: &mut dyn Write) -> Result<Report, String> {
     let ok = match target {
         Target::Cuda(ordinal) => {
             let cuda = Cuda::new(ordinal).map_err(|e| format!("cuda:{ordinal}: {e}"))?;

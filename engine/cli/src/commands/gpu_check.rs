@@ -1,8 +1,9 @@
 //! `nemo-dag gpu-check`: does this machine's GPU train as the CPU does, and how fast?
 
-use nemo_dag_engine::diag::{Failure, InputError, Result};
+use nemo_dag_engine::diag::{Failure, InputError, Result, io_err};
 use nemo_dag_op::Device;
 use nemo_dag_ops::gpu_check::{self, Target};
+use std::path::{Path, PathBuf};
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
@@ -15,6 +16,9 @@ pub struct Args {
     /// Optimizer steps of the speed comparison (0: none)
     #[arg(long, default_value_t = 3)]
     speed_steps: u64,
+    /// Also write every part's figures to this JSON file (written whole, or not at all)
+    #[arg(long, value_name = "PATH")]
+    json: Option<PathBuf>,
 }
 
 pub fn exec(a: Args) -> Result<()> {
@@ -32,9 +36,26 @@ pub fn exec(a: Args) -> Result<()> {
         }
     };
     let mut out = std::io::stdout();
-    match gpu_check::run(target, a.speed_steps, &mut out) {
-        Ok(true) => Ok(()),
-        Ok(false) => Err(Failure::Stage("gpu-check: a part FAILED (above)".into())),
-        Err(why) => Err(Failure::Stage(format!("gpu-check cannot run: {why}"))),
+    let report = gpu_check::run(target, a.speed_steps, &mut out)
+        .map_err(|why| Failure::Stage(format!("gpu-check cannot run: {why}")))?;
+    if let Some(path) = &a.json {
+        write_whole(path, &report.json)?;
     }
+    if report.ok {
+        Ok(())
+    } else {
+        Err(Failure::Stage("gpu-check: a part FAILED (above)".into()))
+    }
+}
+
+/// Writes `json` to `path` through a temporary file beside it, so a reader never sees half.
+fn write_whole(path: &Path, json: &serde_json::Value) -> Result<()> {
+    let text = serde_json::to_string_pretty(json).unwrap_or_default() + "\n";
+    let tmp = path.with_extension("json.partial");
+    std::fs::write(&tmp, text)
+        .and_then(|()| std::fs::rename(&tmp, path))
+        .map_err(|e| {
+            let _ = std::fs::remove_file(&tmp);
+            io_err("cannot write", path, e)
+        })
 }

@@ -9,7 +9,10 @@
 //!    losses and gradient norms against the CPU trainer's, within [`CURVE_TOLERANCE`].
 //! 3. **Determinism.** The same steps again on the device: the same weight bytes.
 //! 4. **Speed** (`speed_steps` > 0): tokens per second of the device and of the CPU trainer on
-//!    a larger model, side by side, with the ratio.
+//!    two larger models (four MLP blocks; a dense transformer of GPT-2 small's size), side by
+//!    side, with the ratio and the device's model TFLOP/s.
+//!
+//! [`run`] also returns every figure as JSON, which `gpu-check --json` writes.
 
 use super::DeviceStep;
 use crate::{BatchSource, NextToken, Schedule, Trainer};
@@ -19,7 +22,7 @@ use model::layers::Layout;
 use model::net::{Batch, Model};
 use model::params::to_f32_vec;
 use nemo_dag_op::RunError;
-use serde_json::json;
+use serde_json::{Value, json};
 use std::io::Write;
 use std::time::Instant;
 
@@ -29,9 +32,10 @@ pub const GRADIENT_TOLERANCE: f32 = 1e-5;
 pub const CURVE_TOLERANCE: f64 = 1e-4;
 
 fn trainer(pattern: &str, activation: &str, tied: bool, size: Size) -> Result<Trainer, RunError> {
+    let (heads, kv_heads, head_dim) = size.heads;
     let cfg: ModelConfig = serde_json::from_value(json!({
-        "pattern": pattern, "hidden": size.hidden, "heads": 4, "kv_heads": 2, "head_dim": 8,
-        "ffn": size.ffn, "activation": activation, "tie_embeddings": tied
+        "pattern": pattern, "hidden": size.hidden, "heads": heads, "kv_heads": kv_heads,
+        "head_dim": head_dim, "ffn": size.ffn, "activation": activation, "tie_embeddings": tied
     }))
     .map_err(|e| RunError::new(format!("gpu-check's model: {e}")))?;
     let schedule: Schedule = serde_json::from_value(json!({
@@ -46,6 +50,8 @@ fn trainer(pattern: &str, activation: &str, tied: bool, size: Size) -> Result<Tr
 #[derive(Debug, Clone, Copy)]
 struct Size {
     hidden: usize,
+    /// Attention's (heads, kv_heads, head_dim).
+    heads: (usize, usize, usize),
     ffn: usize,
     vocab: usize,
     steps: u64,
@@ -64,20 +70,28 @@ const CURVE_MODEL: &str = "*-";
 
 const SMALL: Size = Size {
     hidden: 32,
+    heads: (4, 2, 8),
     ffn: 48,
     vocab: 32,
     steps: 4,
 };
 
-/// Runs the check on `launcher`, writing a line per part to `out`; `Ok(true)` when every part
-/// passed.
+/// What a check found: every part's figures as JSON (what `gpu-check --json` writes), and
+/// whether every part passed.
+pub struct Report {
+    pub ok: bool,
+    pub json: Value,
+}
+
+/// Runs the check on `launcher`, writing a line per part to `out`.
 pub fn run<L: Launcher>(
     launcher: &L,
     speed_steps: u64,
     out: &mut dyn Write,
-) -> Result<bool, RunError> {
+) -> Result<Report, RunError> {
     writeln!(out, "device       {}", launcher.describe())?;
     let mut ok = true;
+    let mut parts = Vec::new();
     for (pattern, activation, tied) in MODELS {
         let (diff, largest) = gradients(launcher, pattern, activation, tied)?;
         let pass = diff <= GRADIENT_TOLERANCE * largest.max(1.0);
@@ -90,14 +104,18 @@ pub fn run<L: Launcher>(
             GRADIENT_TOLERANCE,
             verdict(pass)
         )?;
+        parts.push(json!({
+            "pattern": pattern, "activation": activation, "tied": tied,
+            "difference": diff, "largest": largest, "tolerance": GRADIENT_TOLERANCE, "ok": pass
+        }));
     }
     let (worst, device_curve) = curve(launcher)?;
     let pass = worst <= CURVE_TOLERANCE;
     ok &= pass;
     writeln!(
         out,
-        "curve        `{CURVE_MODEL}`, {} steps, losses {}: largest relative difference from the CPU {worst:.2e} \
-         (tolerance {CURVE_TOLERANCE:.0e}): {}",
+        "curve        `{CURVE_MODEL}`, {} steps, losses {}: largest relative difference from \
+         the CPU {worst:.2e} (tolerance {CURVE_TOLERANCE:.0e}): {}",
         device_curve.len(),
         device_curve
             .iter()
@@ -106,6 +124,10 @@ pub fn run<L: Launcher>(
             .join(" "),
         verdict(pass)
     )?;
+    let curve = json!({
+        "pattern": CURVE_MODEL, "losses": device_curve, "difference": worst,
+        "tolerance": CURVE_TOLERANCE, "ok": pass
+    });
     let same = deterministic(launcher)?;
     ok &= same;
     writeln!(
@@ -117,11 +139,22 @@ pub fn run<L: Launcher>(
             "different weight bytes: FAILED"
         }
     )?;
+    let mut speeds = Vec::new();
     if speed_steps > 0 {
-        speed(launcher, speed_steps, out)?;
+        for model in &SPEED_MODELS {
+            speeds.push(speed(launcher, model, speed_steps, out)?);
+        }
     }
     writeln!(out, "result       {}", if ok { "ok" } else { "FAILED" })?;
-    Ok(ok)
+    let json = json!({
+        "device": launcher.describe(),
+        "gradients": parts,
+        "curve": curve,
+        "determinism": {"same_bytes": same, "ok": same},
+        "speed": speeds,
+        "ok": ok,
+    });
+    Ok(Report { ok, json })
 }
 
 fn verdict(pass: bool) -> &'static str {
@@ -308,23 +341,84 @@ impl BatchSource for Random {
     }
 }
 
-/// Tokens per second of the device and of the CPU trainer, `steps` steps each, on a model of
-/// four MLP blocks of hidden 1024, vocabulary 32,768, 8 × 512 tokens a micro-batch.
-fn speed<L: Launcher>(launcher: &L, steps: u64, out: &mut dyn Write) -> Result<(), RunError> {
-    let size = Size {
-        hidden: 1024,
-        ffn: 4096,
-        vocab: 32768,
-        steps,
-    };
-    let source = || Random {
-        vocab: 32768,
+/// A model the speed part times: `rows × len` random tokens a step, one micro-batch.
+struct SpeedModel {
+    name: &'static str,
+    pattern: &'static str,
+    activation: &'static str,
+    tied: bool,
+    size: Size,
+    rows: usize,
+    len: usize,
+}
+
+/// The models timed: the four MLP blocks earlier figures were taken on, and a dense
+/// transformer of GPT-2 small's size (12 layers of attention and MLP, hidden 768, 12 heads of
+/// 64, FFN 3072, a tied vocabulary of 50,304, 8 × 1024 tokens a step: 124 M parameters; RoPE
+/// and squared ReLU where GPT-2 has learned positions and GELU).
+const SPEED_MODELS: [SpeedModel; 2] = [
+    SpeedModel {
+        name: "4 MLP blocks, hidden 1024",
+        pattern: "----",
+        activation: "swiglu",
+        tied: false,
+        size: Size {
+            hidden: 1024,
+            heads: (4, 2, 8),
+            ffn: 4096,
+            vocab: 32768,
+            steps: 0,
+        },
         rows: 8,
         len: 512,
+    },
+    SpeedModel {
+        name: "GPT-2 small (124M)",
+        pattern: "*-*-*-*-*-*-*-*-*-*-*-*-",
+        activation: "relu2",
+        tied: true,
+        size: Size {
+            hidden: 768,
+            heads: (12, 12, 64),
+            ffn: 3072,
+            vocab: 50304,
+            steps: 0,
+        },
+        rows: 8,
+        len: 1024,
+    },
+];
+
+/// Model FLOPs of one training token, as nanoGPT's `estimate_mfu` counts them (after the
+/// PaLM paper's appendix B): `6·N` for the parameters' matmuls forward and backward, plus
+/// `12·L·H·Q·T` for attention's scores and weighted sums over `T` tokens.
+fn flops_per_token(t: &Trainer, len: usize) -> f64 {
+    let cfg = &t.model.cfg;
+    let params = t.model.params.count() as f64;
+    let layers = t.model.pattern.count(model::config::BlockKind::Attention) as f64;
+    6.0 * params + 12.0 * layers * (cfg.heads * cfg.head_dim * len) as f64
+}
+
+/// Tokens per second of the device and of the CPU trainer, `steps` steps each after a
+/// warm-up step on the device, with the device's model TFLOP/s.
+fn speed<L: Launcher>(
+    launcher: &L,
+    m: &SpeedModel,
+    steps: u64,
+    out: &mut dyn Write,
+) -> Result<Value, RunError> {
+    let size = Size { steps, ..m.size };
+    let source = || Random {
+        vocab: size.vocab as u32,
+        rows: m.rows,
+        len: m.len,
         micro: 1,
     };
-    let tokens = (8 * 512 * steps) as f64;
-    let mut on_device = trainer("----", "swiglu", false, size)?;
+    let tokens_per_step = m.rows * m.len;
+    let tokens = (tokens_per_step as u64 * steps) as f64;
+    let mut on_device = trainer(m.pattern, m.activation, m.tied, size)?;
+    let flops = flops_per_token(&on_device, m.len);
+    let parameters = on_device.model.params.count();
     let mut step = DeviceStep::upload(launcher, &on_device)?;
     let mut data = source();
     step.step(&mut on_device, &mut data)?; // warm-up: allocations, first launches
@@ -334,7 +428,7 @@ fn speed<L: Launcher>(launcher: &L, steps: u64, out: &mut dyn Write) -> Result<(
         step.step(&mut on_device, &mut data)?;
     }
     let device_rate = tokens / clock.elapsed().as_secs_f64().max(1e-9);
-    let mut cpu = trainer("----", "swiglu", false, size)?;
+    let mut cpu = trainer(m.pattern, m.activation, m.tied, size)?;
     let mut data = source();
     let mut objective = NextToken::new(&mut data);
     let clock = Instant::now();
@@ -342,11 +436,20 @@ fn speed<L: Launcher>(launcher: &L, steps: u64, out: &mut dyn Write) -> Result<(
         cpu.step(&mut objective)?;
     }
     let cpu_rate = tokens / clock.elapsed().as_secs_f64().max(1e-9);
+    let tflops = device_rate * flops / 1e12;
     writeln!(
         out,
-        "speed        4 MLP blocks, hidden 1024, vocab 32768, 4096 tokens a step, {steps} steps: \
-         device {device_rate:.0} tokens/s, CPU trainer {cpu_rate:.0} tokens/s ({:.2}x)",
+        "speed        {}, vocab {}, {tokens_per_step} tokens a step, {steps} steps: device \
+         {device_rate:.0} tokens/s ({tflops:.1} model TFLOP/s), CPU trainer {cpu_rate:.0} \
+         tokens/s ({:.2}x)",
+        m.name,
+        size.vocab,
         device_rate / cpu_rate
     )?;
-    Ok(())
+    Ok(json!({
+        "model": m.name, "pattern": m.pattern, "parameters": parameters,
+        "tokens_per_step": tokens_per_step, "steps": steps,
+        "device_tokens_per_s": device_rate, "cpu_tokens_per_s": cpu_rate,
+        "flops_per_token": flops, "device_model_tflops": tflops
+    }))
 }
