@@ -111,7 +111,23 @@ pub(crate) fn train_and_publish(
             trainer.step
         )?;
     }
+    // The GPU is started here, so that one `auto` cannot start leaves the CPU to train.
     let gpu = gpu_for(ctx, objective, &trainer)?;
+    let cuda = match &gpu {
+        Some(g) => g.or_cpu(
+            ctx.log,
+            Cuda::new(g.ordinal)
+                .map_err(|e| RunError::new(format!("cannot start cuda:{}: {e}", g.ordinal))),
+        )?,
+        None => None,
+    };
+    let step = match (&gpu, &cuda) {
+        (Some(g), Some(cuda)) => g.or_cpu(ctx.log, DeviceStep::upload(cuda, &trainer))?,
+        _ => None,
+    };
+    if let (Some(cuda), Some(_)) = (&cuda, &step) {
+        writeln!(ctx.log, "device: {}", cuda.describe())?;
+    }
     let progress = &mut *ctx.progress;
     let mut report = |done, total, figures: &str| {
         progress(Progress {
@@ -120,24 +136,15 @@ pub(crate) fn train_and_publish(
             message: figures.to_string(),
         })
     };
-    let summary = match (gpu, objective.next_token_source()) {
-        (Some(ordinal), Some(source)) => {
-            let cuda = Cuda::new(ordinal)
-                .map_err(|e| RunError::new(format!("cannot start cuda:{ordinal}: {e}")))?;
-            writeln!(ctx.log, "device: {}", cuda.describe())?;
-            let mut stepper = OnDevice {
-                step: DeviceStep::upload(&cuda, &trainer)?,
-                source,
-            };
-            trainer.run_on(
-                &mut stepper,
-                &ckpt,
-                tokens_per_step,
-                ctx.log,
-                &mut report,
-                ctx.stop_after_step,
-            )?
-        }
+    let summary = match (step, objective.next_token_source()) {
+        (Some(step), Some(source)) => trainer.run_on(
+            &mut OnDevice { step, source },
+            &ckpt,
+            tokens_per_step,
+            ctx.log,
+            &mut report,
+            ctx.stop_after_step,
+        )?,
         _ => trainer.run(
             objective,
             &ckpt,
@@ -167,36 +174,65 @@ pub(crate) fn train_and_publish(
     }
 }
 
+/// The GPU a stage was given, and whether it must train there (`cuda:N`) or may fall back
+/// to the CPU (`auto`).
+struct Gpu {
+    ordinal: usize,
+    required: bool,
+}
+
+impl Gpu {
+    /// `what` when it worked; else, under `cuda:N`, its error, and under `auto`, `None`: the
+    /// CPU trains, and the log says why.
+    fn or_cpu<T>(
+        &self,
+        log: &mut dyn std::io::Write,
+        what: Result<T, RunError>,
+    ) -> Result<Option<T>, RunError> {
+        match what {
+            Ok(t) => Ok(Some(t)),
+            Err(e) if self.required => Err(e),
+            Err(e) => {
+                writeln!(log, "device auto: training on the CPU: {}", e.message)?;
+                Ok(None)
+            }
+        }
+    }
+}
+
 /// The GPU a stage trains on, from the device the engine resolved for it
 /// ([`RunContext::device`]): `cuda:N` must be used, so an objective or a model the GPU trainer
 /// cannot take is an error naming what; `auto` uses GPU 0 when it can, and otherwise says in
-/// the log why it trains on the CPU.
+/// the log why it trains on the CPU. A stage resumed at its last step trains no more, so it
+/// starts no GPU.
 fn gpu_for(
     ctx: &mut RunContext,
     objective: &mut dyn Objective,
     trainer: &Trainer,
-) -> Result<Option<usize>, RunError> {
-    let (ordinal, required) = match ctx.device {
+) -> Result<Option<Gpu>, RunError> {
+    let gpu = match ctx.device {
+        Device::Cuda(ordinal) => Gpu {
+            ordinal,
+            required: true,
+        },
+        Device::Auto => Gpu {
+            ordinal: 0,
+            required: false,
+        },
         Device::Cpu => return Ok(None),
-        Device::Auto => (0, false),
-        Device::Cuda(ordinal) => (ordinal, true),
     };
-    let why_not = match objective.next_token_source() {
-        None => Some(RunError::new(format!(
+    if trainer.step >= trainer.schedule.steps {
+        return Ok(None);
+    }
+    let trainable = match objective.next_token_source() {
+        None => Err(RunError::new(format!(
             "stage `{}`'s objective trains on the CPU only: the GPU trainer minimises \
              next-token cross-entropy (pretrain, sft)",
             ctx.stage.name
         ))),
-        Some(_) => train::gpu::supports(trainer).err(),
+        Some(_) => train::gpu::supports(trainer),
     };
-    match why_not {
-        None => Ok(Some(ordinal)),
-        Some(e) if required => Err(e),
-        Some(e) => {
-            writeln!(ctx.log, "device auto: training on the CPU: {e}")?;
-            Ok(None)
-        }
-    }
+    Ok(gpu.or_cpu(ctx.log, trainable)?.map(|()| gpu))
 }
 
 /// The `(weight, path)` entries of one split of an artifact's `blend.json` (a `tokenize` or
@@ -338,7 +374,9 @@ mod tests {
             launcher: &[],
             device,
         };
-        let picked = gpu_for(&mut ctx, objective, &trainer(pattern)).map_err(|e| e.to_string());
+        let picked = gpu_for(&mut ctx, objective, &trainer(pattern))
+            .map(|gpu| gpu.map(|g| g.ordinal))
+            .map_err(|e| e.to_string());
         (picked, String::from_utf8(log).unwrap())
     }
 
@@ -364,6 +402,10 @@ mod tests {
         assert!(
             log.contains("device auto: training on the CPU") && log.contains("kind `M`"),
             "{log}"
+        );
+        assert!(
+            !log.contains("device: cpu"),
+            "no advice to do what it does: {log}"
         );
 
         let err = pick(Device::Cuda(0), "*-", &mut Preference).0.unwrap_err();

@@ -227,8 +227,9 @@ const MAX_HEAD_DIM: usize = 128;
 fn unsupported(what: String) -> RunError {
     RunError::new(format!(
         "the GPU trainer does not train {what} yet: it trains models of MLP and attention \
-         blocks (patterns of `-` and `*`) so far; run this stage with `device: cpu`"
+         blocks (patterns of `-` and `*`) so far"
     ))
+    .with_help("run this stage with `device: cpu`, or `auto` to use a GPU where it can")
 }
 
 /// One block's activations kept from the forward for the backward.
@@ -795,6 +796,77 @@ mod tests {
                 diff <= check::GRADIENT_TOLERANCE * largest.max(1.0),
                 "`{pattern}` {activation}, tied {tied}: gradients {diff} apart (largest \
                  {largest})"
+            );
+        }
+    }
+
+    /// Rows of 48 tokens packed as three sequences of 20, 17 and 11: several key tiles per
+    /// query (the online softmax's rescaling), key tiles a later segment's queries skip, and
+    /// micro-batches whose batch × len differ (2 × 48, then 4 × 24, then 1 × 96).
+    struct LongPacked;
+
+    impl BatchSource for LongPacked {
+        fn global_batch(&mut self, step: u64) -> Result<Vec<Batch>, RunError> {
+            Ok([(2, 48), (4, 24), (1, 96)]
+                .into_iter()
+                .map(|(rows, len)| {
+                    let n = rows * len;
+                    let ids: Vec<u32> = (0..n as u64)
+                        .map(|i| ((i * 7 + step) % 32) as u32)
+                        .collect();
+                    let labels: Vec<u32> = ids.iter().map(|t| (t + 7) % 32).collect();
+                    let mut layout = model::layers::Layout::plain(rows, len);
+                    let mut loss_mask = vec![1.0; n];
+                    for (i, mask) in loss_mask.iter_mut().enumerate() {
+                        let at = i % 48;
+                        let (segment, start) = match at {
+                            0..20 => (0, 0),
+                            20..37 => (1, 20),
+                            _ => (2, 37),
+                        };
+                        layout.segments[i] = (i / 48 * 3 + segment) as u32;
+                        layout.positions[i] = (at - start) as u32;
+                        if [19, 36, 47].contains(&at) {
+                            *mask = 0.0;
+                        }
+                    }
+                    Batch {
+                        ids,
+                        labels,
+                        loss_mask,
+                        layout,
+                        valid: None,
+                    }
+                })
+                .collect())
+        }
+    }
+
+    /// Attention over long packed rows, with RoPE and without (`position: none`, null tables),
+    /// gives the CPU trainer's gradients.
+    #[test]
+    fn long_packed_rows_with_and_without_rope_give_the_cpu_gradients() {
+        for position in ["rope", "none"] {
+            let cfg: ModelConfig = serde_json::from_value(json!({
+                "pattern": "*-*", "hidden": 32, "heads": 4, "kv_heads": 1, "head_dim": 8,
+                "ffn": 48, "position": position, "max_seq": 128
+            }))
+            .unwrap();
+            let mut t = Trainer::new(
+                Model::new(&cfg, 32, 5).unwrap(),
+                trainer("relu2", false, 0.0).schedule,
+            );
+            t.schedule.clip_grad = 0.0;
+            let want = check::cpu_gradients(&t, &mut LongPacked).unwrap();
+            let shim = Shim::default();
+            let mut step = DeviceStep::upload(&shim, &t).unwrap();
+            step.step(&mut t, &mut LongPacked).unwrap();
+            let got = step.gradients().unwrap();
+            let largest = want.iter().flatten().fold(0f32, |m, g| m.max(g.abs()));
+            let diff = max_diff(&got, &want);
+            assert!(
+                diff <= check::GRADIENT_TOLERANCE * largest.max(1.0),
+                "position {position}: gradients {diff} apart (largest {largest})"
             );
         }
     }
