@@ -136,6 +136,15 @@ fn gpu_check_on_the_shim_holds_the_gpu_trainer_to_the_cpu_trainer() {
         "the shim is not timed: {text}"
     );
     assert!(!p.path("check.json.partial").exists());
+    let leftovers: Vec<_> = std::fs::read_dir(p.path("."))
+        .unwrap()
+        .filter_map(|e| e.ok()?.file_name().into_string().ok())
+        .filter(|n| n.ends_with(".tmp"))
+        .collect();
+    assert!(
+        leftovers.is_empty(),
+        "a temporary file is left: {leftovers:?}"
+    );
 }
 
 #[test]

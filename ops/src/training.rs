@@ -14,7 +14,7 @@ use nemo_dag_op::{
 use serde_json::Value;
 use std::path::{Path, PathBuf};
 use train::gpu::{DeviceStep, OnDevice};
-use train::{Objective, Schedule, Trainer};
+use train::{Objective, OnCpu, Schedule, Stepper, Trainer};
 
 /// The input every op after `pretrain` reads: the model it starts from.
 pub(crate) const UPSTREAM_MODEL: Port = Port {
@@ -136,24 +136,25 @@ pub(crate) fn train_and_publish(
             message: figures.to_string(),
         })
     };
-    let summary = match (step, objective.next_token_source()) {
-        (Some(step), Some(source)) => trainer.run_on(
-            &mut OnDevice { step, source },
-            &ckpt,
-            tokens_per_step,
-            ctx.log,
-            &mut report,
-            ctx.stop_after_step,
-        )?,
-        _ => trainer.run(
-            objective,
-            &ckpt,
-            tokens_per_step,
-            ctx.log,
-            &mut report,
-            ctx.stop_after_step,
-        )?,
+    let (mut on_device, mut on_cpu);
+    let stepper: &mut dyn Stepper = match (step, objective.next_token_source()) {
+        (Some(step), Some(source)) => {
+            on_device = OnDevice { step, source };
+            &mut on_device
+        }
+        _ => {
+            on_cpu = OnCpu(objective);
+            &mut on_cpu
+        }
     };
+    let summary = trainer.run_on(
+        stepper,
+        &ckpt,
+        tokens_per_step,
+        ctx.log,
+        &mut report,
+        ctx.stop_after_step,
+    )?;
     let model_dir = ctx.out_dir.join("model");
     checkpoint::save_model(&trainer.model, &model_dir)
         .map_err(|e| RunError::new(format!("cannot write {}: {e}", model_dir.display())))?;

@@ -139,11 +139,7 @@ static SPEC: Spec = Spec {
     version: 1,
     summary: "convert a Megatron checkpoint to a Hugging Face model with Megatron-Bridge's converter, with the tokenizer it was trained with",
     inputs: &[
-        Port {
-            name: "model",
-            required: true,
-            what: "the `checkpoint` of a megatron_pretrain or megatron_sft stage",
-        },
+        super::CHECKPOINT,
         Port {
             name: "tokenizer",
             required: true,

@@ -178,17 +178,20 @@ static PRETRAIN: Spec = Spec {
     gpu: false,
 };
 
+/// The input every op after `megatron_pretrain` reads: the Megatron checkpoint it starts from.
+pub(crate) const CHECKPOINT: Port = Port {
+    name: "model",
+    required: true,
+    what: "the `checkpoint` of a megatron_pretrain or megatron_sft stage",
+};
+
 static SFT: Spec = Spec {
     name: "megatron_sft",
     // 2: the checkpoint carries the chat template of the pack it was fine-tuned on.
     version: 2,
     summary: "fine-tune a Megatron checkpoint with Megatron-Bridge's run_recipe.py on a pack artifact",
     inputs: &[
-        Port {
-            name: "model",
-            required: true,
-            what: "the `checkpoint` of a megatron_pretrain or megatron_sft stage",
-        },
+        CHECKPOINT,
         Port {
             name: "data",
             required: true,

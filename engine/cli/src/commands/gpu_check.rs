@@ -1,9 +1,10 @@
 //! `nemo-dag gpu-check`: does this machine's GPU train as the CPU does, and how fast?
 
 use nemo_dag_engine::diag::{Failure, InputError, Result, io_err};
+use nemo_dag_engine::store::write_atomic;
 use nemo_dag_op::Device;
 use nemo_dag_ops::gpu_check::{self, Target};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 #[derive(clap::Args, Debug)]
 pub struct Args {
@@ -39,23 +40,13 @@ pub fn exec(a: Args) -> Result<()> {
     let report = gpu_check::run(target, a.speed_steps, &mut out)
         .map_err(|why| Failure::Stage(format!("gpu-check cannot run: {why}")))?;
     if let Some(path) = &a.json {
-        write_whole(path, &report.json)?;
+        // Through a temporary file and a rename: a reader sees the whole report or none.
+        let text = serde_json::to_string_pretty(&report.json).unwrap_or_default() + "\n";
+        write_atomic(path, text.as_bytes(), false).map_err(|e| io_err("cannot write", path, e))?;
     }
     if report.ok {
         Ok(())
     } else {
         Err(Failure::Stage("gpu-check: a part FAILED (above)".into()))
     }
-}
-
-/// Writes `json` to `path` through a temporary file beside it, so a reader never sees half.
-fn write_whole(path: &Path, json: &serde_json::Value) -> Result<()> {
-    let text = serde_json::to_string_pretty(json).unwrap_or_default() + "\n";
-    let tmp = path.with_extension("json.partial");
-    std::fs::write(&tmp, text)
-        .and_then(|()| std::fs::rename(&tmp, path))
-        .map_err(|e| {
-            let _ = std::fs::remove_file(&tmp);
-            io_err("cannot write", path, e)
-        })
 }
