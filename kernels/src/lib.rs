@@ -23,6 +23,10 @@
 //! | [`embedding`] | the token embedding's lookup (a reference and its CUDA kernels) |
 //! | [`causal_conv_silu`], [`gated_rms_norm`] | Mamba-2's convolution and gated norm |
 //!
+//! Kernels that exist only as CUDA (`.cu`), each with its references and tests beside it in a
+//! test-only module: `accumulate`, `adamw`, `grad_norm`, `mamba2` (Mamba-2's step size, decay
+//! and skip) and `ssd` (its chunked scan).
+//!
 //! Shared pieces: [`simd`] (vectorised row math, the same bytes at every SIMD level),
 //! [`rows`] (a storage's values in place; rows in parallel), [`workers`] (independent pieces
 //! of work side by side, one thread each) and [`rng`] (the seeded generator of initialisations
@@ -41,6 +45,8 @@ pub mod gated_rms_norm;
 mod grad_norm;
 pub mod launch;
 pub mod linear;
+#[cfg(test)]
+mod mamba2;
 #[cfg(test)]
 mod mirror;
 pub mod relu2;

@@ -38,6 +38,7 @@ const REGISTER_CEILINGS: &[(&str, u32)] = &[
     ("causal_conv_silu_dw_reduce", 40),       // 32 on NVRTC 13.0
     ("causal_conv_silu_dx_f32", 32),          // 24 on NVRTC 13.0
     ("causal_conv_silu_fwd_f32", 40),         // 32 on NVRTC 13.0
+    ("copy_columns_f32", 24),                 // 16 on NVRTC 13.0
     ("copy_f32", 16),                         // 10 on NVRTC 13.0
     ("cross_entropy_bwd_f32", 32),            // 22 on NVRTC 13.0
     ("cross_entropy_fwd_f32", 32),            // 25 on NVRTC 13.0
@@ -50,6 +51,13 @@ const REGISTER_CEILINGS: &[(&str, u32)] = &[
     ("grad_clip_f32", 32),                    // 26 on NVRTC 13.0
     ("grad_norm_finish", 24),                 // 18 on NVRTC 13.0
     ("grad_norm_partials", 24),               // 20 on NVRTC 13.0
+    ("mamba_a_bwd_f32", 32),                  // 26 on NVRTC 13.0
+    ("mamba_a_fwd_f32", 32),                  // 24 on NVRTC 13.0
+    ("mamba_dt_bwd_f32", 24),                 // 16 on NVRTC 13.0
+    ("mamba_dt_fwd_f32", 24),                 // 16 on NVRTC 13.0
+    ("mamba_head_sums_f32", 32),              // 26 on NVRTC 13.0
+    ("mamba_skip_bwd_f32", 40),               // 30 on NVRTC 13.0
+    ("mamba_skip_fwd_f32", 40),               // 30 on NVRTC 13.0
     ("relu2_bwd_f32", 24),                    // 14 on NVRTC 13.0
     ("relu2_fwd_f32", 16),                    // 12 on NVRTC 13.0
     ("rms_norm_bwd_f32", 40),                 // 30 on NVRTC 13.0

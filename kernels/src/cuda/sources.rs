@@ -47,6 +47,10 @@ pub const SOURCES: &[KernelSource] = &[
         text: include_str!("../linear.cu"),
     },
     KernelSource {
+        name: "mamba2.cu",
+        text: include_str!("../mamba2.cu"),
+    },
+    KernelSource {
         name: "relu2.cu",
         text: include_str!("../relu2.cu"),
     },
