@@ -327,7 +327,7 @@ mod tests {
     fn trainer(pattern: &str) -> Trainer {
         let cfg: ModelConfig = serde_json::from_value(json!({
             "pattern": pattern, "hidden": 16, "heads": 2, "kv_heads": 1, "head_dim": 8,
-            "ffn": 16, "mamba": {"heads": 2, "head_dim": 8, "state": 4, "chunk": 4}
+            "ffn": 16, "moe": {"experts": 4, "top_k": 2, "expert_ffn": 8}
         }))
         .unwrap();
         let schedule: Schedule = serde_json::from_value(json!({
@@ -395,13 +395,13 @@ mod tests {
             (Ok(None), String::new())
         );
 
-        let (picked, _) = pick(Device::Cuda(0), "*M-", &mut next_token);
+        let (picked, _) = pick(Device::Cuda(0), "*E-", &mut next_token);
         let err = picked.unwrap_err();
-        assert!(err.contains("blocks of kind `M`"), "{err}");
-        let (picked, log) = pick(Device::Auto, "*M-", &mut next_token);
+        assert!(err.contains("blocks of kind `E`"), "{err}");
+        let (picked, log) = pick(Device::Auto, "*E-", &mut next_token);
         assert_eq!(picked, Ok(None));
         assert!(
-            log.contains("device auto: training on the CPU") && log.contains("kind `M`"),
+            log.contains("device auto: training on the CPU") && log.contains("kind `E`"),
             "{log}"
         );
         assert!(

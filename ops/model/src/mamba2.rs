@@ -67,7 +67,7 @@ fn softplus(v: &Tensor) -> Result<Tensor> {
 
 /// For every token, the index (inside its row) of the first token of its run of equal segment
 /// ids. An empty `segments` means one run per row.
-fn run_starts(segments: &[u32], batch: usize, len: usize) -> Result<Vec<usize>> {
+pub fn run_starts(segments: &[u32], batch: usize, len: usize) -> Result<Vec<usize>> {
     if segments.is_empty() {
         return Ok(vec![0; batch * len]);
     }

@@ -87,7 +87,7 @@ impl<L: Launcher> Kernels<'_, L> {
     /// # Safety (for every launch below)
     /// The buffers were sized by [`DeviceStep::allocate`] for at least `rows` tokens and by
     /// [`Layout`] for the parameters; every argument has the type its kernel declares.
-    fn run(
+    pub(super) fn run(
         &self,
         name: &str,
         geometry: Geometry,
