@@ -7,17 +7,18 @@
 //! the other. The same code runs on a GPU ([`kernels::launch::Cuda`]) and, in the tests, on the
 //! SIMT shim ([`kernels::launch::Shim`]), where it is held to the CPU trainer step for step.
 //!
-//! What runs here so far: models of MLP blocks (`-`, SwiGLU or squared ReLU) and attention
-//! blocks (`*`: grouped-query causal attention over packed segments, RoPE or none), tied or
-//! untied output head, no MTP depths, f32 throughout, GEMMs through linear.cu.
-//! [`DeviceStep::upload`] names anything else. Both block kinds are the same three steps
-//! around a different middle — an input projection, the mixer, an output projection added
-//! onto the residual — so one loop runs them:
+//! What runs here so far: models of MLP blocks (`-`, SwiGLU or squared ReLU), attention
+//! blocks (`*`: grouped-query causal attention over packed segments, RoPE or none) and Mamba-2
+//! blocks (`M`: [`mamba`]), tied or untied output head, no MTP depths, f32 throughout, GEMMs
+//! through linear.cu. [`DeviceStep::upload`] names anything else. Every block kind is the same
+//! three steps around a different middle — an input projection, the mixer, an output
+//! projection added onto the residual — so one loop runs them:
 //!
 //! ```text
 //! block:   h = rms_norm(x);  a = h · w_inᵀ;  m = mix(a);  x = x + m · w_outᵀ
-//!          MLP:        w_in = fc1, mix = SwiGLU or squared ReLU,  w_out = fc2
-//!          attention:  w_in = qkv, mix = causal GQA attention,    w_out = proj
+//!          MLP:        w_in = fc1,     mix = SwiGLU or squared ReLU,             w_out = fc2
+//!          attention:  w_in = qkv,     mix = causal GQA attention,               w_out = proj
+//!          Mamba-2:    w_in = in_proj, mix = conv, SSD scan, gated RMSNorm,      w_out = out_proj
 //! ```
 //!
 //! Per step, as [`Trainer::step`]:
