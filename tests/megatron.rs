@@ -507,6 +507,29 @@ fn the_default_variants_dry_run_shows_the_documented_launch_and_every_override()
     );
     assert!(unmounted.stdout.is_empty(), "{unmounted}");
     let shared = p.dir.display();
+    // A stage that names no image would run in the profile's, which its key does not see.
+    p.write(
+        "manifests/env.toml",
+        &format!(
+            "{profile}container_image = \"lab.sqsh\"\nmounts = [\"/lustre:/lustre\", \"{shared}:{shared}\"]\n"
+        ),
+    );
+    let unnamed = p.run(&[
+        "run",
+        "manifests/nano3.yaml",
+        "--batch",
+        "gpu",
+        "--dry-run",
+        "stages.sft.params.image=null",
+    ]);
+    assert_eq!(unnamed.code, 2, "{unnamed}");
+    assert!(
+        unnamed.stderr.contains("stage `sft` names no image")
+            && unnamed.stderr.contains("profile `gpu`'s `lab.sqsh`")
+            && unnamed.stderr.contains("image: \"lab.sqsh\""),
+        "{unnamed}"
+    );
+    assert!(unnamed.stdout.is_empty(), "{unnamed}");
     p.write(
         "manifests/env.toml",
         &format!("{profile}mounts = [\"/lustre:/lustre\", \"{shared}:{shared}\"]\n"),

@@ -1,7 +1,8 @@
 //! Test doubles for the engine's own unit tests, which build without any real op: an op named
 //! `cmd` that accepts any declaration and produces the outputs the stage declares, and
 //! `resumable`, the same but saving on SIGTERM and resuming, as a launched training op does;
-//! `trains`, the same, for an op that trains on a GPU.
+//! `trains`, the same, for an op that trains on a GPU; `in_image`, the same, for an op whose
+//! software is the image its `image` param names.
 //! They are never run; the engine's tests only load, key and plan manifests with them.
 
 use nemo_dag_op::{
@@ -46,6 +47,18 @@ static TRAINS: Spec = Spec {
     gpu: true,
 };
 
+static IN_IMAGE: Spec = Spec {
+    name: "in_image",
+    summary: "test double: an op whose `image` param names the image its software runs in",
+    version: 1,
+    inputs: &[],
+    other_inputs: Some("any"),
+    outputs: Outputs::Declared,
+    resumable: false,
+    launched: true,
+    gpu: false,
+};
+
 impl Op for DeclaredOutputs {
     type Params = serde_json::Value;
 
@@ -58,6 +71,13 @@ impl Op for DeclaredOutputs {
     fn run(&self, _: &Self::Params, _: &mut RunContext) -> Result<Metrics, RunError> {
         Err(RunError::new("the engine's test double never runs"))
     }
+    fn image(&self, params: &Self::Params) -> Option<String> {
+        let image = params.get("image")?.as_str()?;
+        Op::names_image(self).then(|| image.to_string())
+    }
+    fn names_image(&self) -> bool {
+        std::ptr::eq(self.0, &IN_IMAGE)
+    }
 }
 
 pub fn ops() -> Registry {
@@ -65,6 +85,7 @@ pub fn ops() -> Registry {
         &DeclaredOutputs(&SPEC),
         &DeclaredOutputs(&RESUMABLE),
         &DeclaredOutputs(&TRAINS),
+        &DeclaredOutputs(&IN_IMAGE),
     ];
     Registry::new(OPS)
 }

@@ -178,6 +178,9 @@ impl Op for NemoRlGrpo {
     fn image(&self, p: &Params) -> Option<String> {
         p.image.clone()
     }
+    fn names_image(&self) -> bool {
+        true
+    }
     fn preview(&self, p: &Params, stage: &StageDecl, launcher: &[String]) -> Option<String> {
         let words = overrides(p, "<input model>", "<input data>", "<out>");
         Some(format!(

@@ -281,6 +281,12 @@ pub trait Op: Sync {
     fn image(&self, _params: &Self::Params) -> Option<String> {
         None
     }
+    /// Whether the op's params can name its image ([`Op::image`]): its software is the
+    /// image's. A stage of such an op that names none would run in whatever image the
+    /// executor's profile gives, which is not in the key, so the engine refuses that.
+    fn names_image(&self) -> bool {
+        false
+    }
     /// For `run --dry-run`: the script a run of the stage will write and run, with what does
     /// not exist yet (its inputs, its attempt directory) named, when the op has one to show.
     /// `launcher` is the argv that will start it once per rank ([`RunContext::launcher`]).
@@ -330,6 +336,8 @@ pub trait AnyOp: Sync {
     fn check_upstream(&self, checked: &Checked, upstream: &Upstream) -> Result<(), DeclError>;
     /// The container image the stage names through its params ([`Op::image`]).
     fn image(&self, checked: &Checked) -> Option<String>;
+    /// Whether the op's params can name its image ([`Op::names_image`]).
+    fn names_image(&self) -> bool;
     /// What a run of the stage will execute ([`Op::preview`]).
     fn preview(&self, checked: &Checked, stage: &StageDecl, launcher: &[String]) -> Option<String>;
 
@@ -394,6 +402,10 @@ impl<T: Op> AnyOp for T {
 
     fn image(&self, checked: &Checked) -> Option<String> {
         Op::image(self, checked.0.downcast_ref::<T::Params>()?)
+    }
+
+    fn names_image(&self) -> bool {
+        Op::names_image(self)
     }
 
     fn preview(&self, checked: &Checked, stage: &StageDecl, launcher: &[String]) -> Option<String> {

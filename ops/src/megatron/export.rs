@@ -164,6 +164,9 @@ impl Op for MegatronExport {
     fn image(&self, p: &Params) -> Option<String> {
         p.image.clone()
     }
+    fn names_image(&self) -> bool {
+        true
+    }
     fn preview(&self, p: &Params, stage: &StageDecl, launcher: &[String]) -> Option<String> {
         Some(launch_script(
             p,

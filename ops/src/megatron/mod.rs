@@ -266,6 +266,9 @@ impl Op for Megatron {
     fn image(&self, p: &Params) -> Option<String> {
         p.image.clone()
     }
+    fn names_image(&self) -> bool {
+        true
+    }
     fn preview(&self, p: &Params, stage: &StageDecl, launcher: &[String]) -> Option<String> {
         Some(preview(self.0, p, stage, launcher))
     }

@@ -138,6 +138,11 @@ pub fn submit(manifest: &Manifest, store: &Store, opts: &SubmitOptions) -> Resul
         .collect();
     let partition = partition(opts);
     for name in manifest.order.iter().filter(|n| stale.contains(n.as_str())) {
+        script::check_image_named(manifest, opts, name).map_err(|(message, help)| {
+            manifest
+                .error_at(&["stages", name, "params"], message)
+                .help(help)
+        })?;
         script::check_mounts(manifest, store, opts, name).map_err(|(message, help)| {
             manifest
                 .error_at(&["stages", name, "resources", "launch"], message)

@@ -180,6 +180,45 @@ pub(super) fn launcher(manifest: &Manifest, opts: &SubmitOptions, name: &str) ->
     launch.slurm_command(&step)
 }
 
+/// A stage whose op's software is an image ([`nemo_dag_op::Op::names_image`]: Megatron-Bridge,
+/// NeMo-RL) must name it in its params, where the key sees it. Left to the profile's
+/// `container_image`, a later run in another image would be served this one's result.
+/// `Err((message, help))`, before anything is submitted.
+pub(super) fn check_image_named(
+    manifest: &Manifest,
+    opts: &SubmitOptions,
+    name: &str,
+) -> Result<(), (String, String)> {
+    let stage = &manifest.stages[name];
+    let Some(fallback) = opts.profile.container_image.as_deref() else {
+        return Ok(());
+    };
+    if !stage.op.names_image() {
+        return Ok(());
+    }
+    let named = stage
+        .op
+        .check(&stage.decl())
+        .ok()
+        .and_then(|checked| stage.op.image(&checked));
+    if named.is_some() {
+        return Ok(());
+    }
+    Err((
+        format!(
+            "stage `{name}` names no image, so `{}` would run in profile `{}`'s `{fallback}`, \
+             which is not part of the stage's key: a run in another image would be served \
+             this one's result",
+            stage.op.name(),
+            opts.profile.name
+        ),
+        format!(
+            "name it in the stage's params, `image: \"{fallback}\"`, so that a new image \
+             reruns the stage"
+        ),
+    ))
+}
+
 /// A stage that runs in a container (its ranks, or `nemo-dag exec` itself) must see, at the
 /// same path, everything nemo-dag hands it: host paths under the store (its attempt directory,
 /// upstream artifacts) and the files the manifest names. `Err((message, help))` names what is missing,
@@ -443,6 +482,40 @@ mod tests {
         let dir_text = dir.display().to_string();
         let project = format!("{dir_text}:{dir_text}");
         assert!(check("/scratch/nd", &["/scratch:/scratch", &project]).is_ok());
+    }
+
+    /// An op whose software is its image must name it: the profile's image is not in the key.
+    #[test]
+    fn a_stage_whose_software_is_an_image_must_name_it_not_take_the_profiles() {
+        let stage = |params: &str| {
+            format!(
+                "stages:\n  train:\n    op: in_image\n    params: {{lr: 0.1{params}}}\n    outputs: {{o: o}}\n    resources: {{launch: srun}}\n"
+            )
+        };
+        let check = |text: &str, image: Option<&str>| {
+            let (m, _dir) = manifest(text);
+            let profile = Profile {
+                name: "c".into(),
+                executor: crate::executor::profile::Executor::Slurm,
+                container_image: image.map(str::to_string),
+                ..Default::default()
+            };
+            check_image_named(&m, &dry_run(&profile, Mode::Batch, false), "train")
+        };
+        let (message, help) = check(&stage(""), Some("nemo.sqsh")).unwrap_err();
+        assert!(
+            message.contains("stage `train` names no image")
+                && message.contains("profile `c`'s `nemo.sqsh`")
+                && message.contains("not part of the stage's key"),
+            "{message}"
+        );
+        assert!(help.contains("image: \"nemo.sqsh\""), "{help}");
+        // Named in the stage: keyed. No profile image: the stage's own check decides.
+        assert!(check(&stage(", image: nemo.sqsh"), Some("other.sqsh")).is_ok());
+        assert!(check(&stage(""), None).is_ok());
+        // An op whose software is not an image (cmd) may run in the profile's.
+        let cmd = "stages:\n  train:\n    op: cmd\n    params: {lr: 0.1}\n    outputs: {o: o}\n    cmd: \"true\"\n    resources: {launch: srun}\n";
+        assert!(check(cmd, Some("nemo.sqsh")).is_ok());
     }
 
     #[test]
