@@ -166,11 +166,7 @@ pub(super) fn launcher(manifest: &Manifest, opts: &SubmitOptions, name: &str) ->
     let Some(launch) = stage.resources.launch() else {
         return Vec::new();
     };
-    let image = stage
-        .op
-        .check(&stage.decl())
-        .ok()
-        .and_then(|checked| stage.op.image(&checked));
+    let image = named_image(manifest, name);
     let step = Step {
         cpus_per_task: stage.resources.cpus.or(profile.cpus_per_task),
         mpi: profile.mpi.as_deref(),
@@ -178,6 +174,13 @@ pub(super) fn launcher(manifest: &Manifest, opts: &SubmitOptions, name: &str) ->
         mounts: &profile.mounts,
     };
     launch.slurm_command(&step)
+}
+
+/// The image stage `name`'s params name, when its op takes one ([`nemo_dag_op::Op::image`]).
+fn named_image(manifest: &Manifest, name: &str) -> Option<String> {
+    let stage = &manifest.stages[name];
+    let checked = stage.op.check(&stage.decl()).ok()?;
+    stage.op.image(&checked)
 }
 
 /// A stage whose op's software is an image ([`nemo_dag_op::Op::names_image`]: Megatron-Bridge,
@@ -193,15 +196,7 @@ pub(super) fn check_image_named(
     let Some(fallback) = opts.profile.container_image.as_deref() else {
         return Ok(());
     };
-    if !stage.op.names_image() {
-        return Ok(());
-    }
-    let named = stage
-        .op
-        .check(&stage.decl())
-        .ok()
-        .and_then(|checked| stage.op.image(&checked));
-    if named.is_some() {
+    if !stage.op.names_image() || named_image(manifest, name).is_some() {
         return Ok(());
     }
     Err((

@@ -290,10 +290,10 @@ impl<L: Launcher> Kernels<'_, L> {
             Arg::I32(s.conv as i32),
         ];
         self.elementwise("causal_conv_silu_fwd_f32", rows * ch, &conv)?;
-        let conv_out = (at(&scratch.conv_out), ch);
-        self.columns((at(&m.x), inner, 0), (conv_out.0, ch, 0), inner)?;
-        self.columns((at(&m.b), gn, 0), (conv_out.0, ch, inner), gn)?;
-        self.columns((at(&m.c), gn, 0), (conv_out.0, ch, inner + gn), gn)?;
+        let conv_out = at(&scratch.conv_out);
+        self.columns((at(&m.x), inner, 0), (conv_out, ch, 0), inner)?;
+        self.columns((at(&m.b), gn, 0), (conv_out, ch, inner), gn)?;
+        self.columns((at(&m.c), gn, 0), (conv_out, ch, inner + gn), gn)?;
         let dt = [
             projected.0,
             Arg::I32(projected.1 as i32),
@@ -432,7 +432,6 @@ impl<L: Launcher> Kernels<'_, L> {
             s.head_dim,
         );
         let rows = self.rows;
-        let x = &scratch;
 
         // Gated norm: dy, dz, and the norm's weight.
         let items = row_grid(rows * s.groups);
@@ -442,9 +441,9 @@ impl<L: Launcher> Kernels<'_, L> {
             s.norm.at(w),
             at(&m.rstd),
             dout,
-            at(&x.dy),
-            at(&x.dz),
-            at(&x.norm_partial),
+            at(&scratch.dy),
+            at(&scratch.dz),
+            at(&scratch.norm_partial),
             Arg::I32(rows as i32),
             Arg::I32(inner as i32),
             Arg::I32(s.groups as i32),
@@ -455,14 +454,14 @@ impl<L: Launcher> Kernels<'_, L> {
             &norm,
         )?;
         let reduce = [
-            at(&x.norm_partial),
-            at(&x.dnorm),
+            at(&scratch.norm_partial),
+            at(&scratch.dnorm),
             Arg::I32(items as i32),
             Arg::I32(inner as i32),
         ];
         let columns = Geometry::linear(inner.div_ceil(128) as u32, 128);
         self.run("gated_rms_norm_dw_reduce", columns, &reduce)?;
-        self.add(s.norm.at(grads), at(&x.dnorm), inner)?;
+        self.add(s.norm.at(grads), at(&scratch.dnorm), inner)?;
 
         // The scan: dx, dΔ, dB, dC, dA; then the skip's share of dx and D's gradient.
         let [batch, len, heads, pp, groups, n, chunk] =
@@ -475,13 +474,13 @@ impl<L: Launcher> Kernels<'_, L> {
             at(&m.c),
             at(scan.starts),
             at(&m.entering),
-            at(&x.dy),
-            at(&x.scan),
-            at(&x.dx),
-            at(&x.ddt),
-            at(&x.db_h),
-            at(&x.dc_h),
-            at(&x.da_row),
+            at(&scratch.dy),
+            at(&scratch.scan),
+            at(&scratch.dx),
+            at(&scratch.ddt),
+            at(&scratch.db_h),
+            at(&scratch.dc_h),
+            at(&scratch.da_row),
             batch,
             len,
             heads,
@@ -494,12 +493,12 @@ impl<L: Launcher> Kernels<'_, L> {
         let geometry = Geometry::linear(per_row_head.clamp(1, 1024), BLOCK);
         self.run("ssd_bwd_f32", geometry, &ssd)?;
         let reduce = [
-            at(&x.db_h),
-            at(&x.dc_h),
-            at(&x.da_row),
-            at(&x.db),
-            at(&x.dc),
-            at(&x.da),
+            at(&scratch.db_h),
+            at(&scratch.dc_h),
+            at(&scratch.da_row),
+            at(&scratch.db),
+            at(&scratch.dc),
+            at(&scratch.da),
             batch,
             len,
             heads,
@@ -508,17 +507,22 @@ impl<L: Launcher> Kernels<'_, L> {
         ];
         self.elementwise("ssd_bwd_reduce_f32", rows * gn, &reduce)?;
         let sizes = [rows, h, p].map(|v| Arg::I32(v as i32));
-        let skip = [at(&x.dy), s.d.at(w), at(&x.dx)];
+        let skip = [at(&scratch.dy), s.d.at(w), at(&scratch.dx)];
         self.elementwise(
             "mamba_skip_bwd_f32",
             rows * inner,
             &[&skip[..], &sizes].concat(),
         )?;
-        self.head_sums(at(&x.dy), at(&m.x), at(&x.dparam), h, p)?;
-        self.add(s.d.at(grads), at(&x.dparam), h)?;
-        let a = [at(&m.a), at(&x.da), at(&x.dparam), Arg::I32(h as i32)];
+        self.head_sums(at(&scratch.dy), at(&m.x), at(&scratch.dparam), h, p)?;
+        self.add(s.d.at(grads), at(&scratch.dparam), h)?;
+        let a = [
+            at(&m.a),
+            at(&scratch.da),
+            at(&scratch.dparam),
+            Arg::I32(h as i32),
+        ];
         self.elementwise("mamba_a_bwd_f32", h, &a)?;
-        self.add(s.a_log.at(grads), at(&x.dparam), h)?;
+        self.add(s.a_log.at(grads), at(&scratch.dparam), h)?;
 
         // Δ: the gradient of in_proj's dt columns, and dt_bias's.
         let projected = Arg::Ptr(&block.projected, 0);
@@ -527,27 +531,35 @@ impl<L: Launcher> Kernels<'_, L> {
             Arg::I32(s.projected() as i32),
             Arg::I32((inner + ch) as i32),
             s.dt_bias.at(w),
-            at(&x.ddt),
-            at(&x.draw),
+            at(&scratch.ddt),
+            at(&scratch.draw),
             Arg::I32(rows as i32),
             Arg::I32(h as i32),
         ];
         self.elementwise("mamba_dt_bwd_f32", rows * h, &dt)?;
-        self.head_sums(at(&x.draw), Arg::Null, at(&x.dparam), h, 1)?;
-        self.add(s.dt_bias.at(grads), at(&x.dparam), h)?;
+        self.head_sums(at(&scratch.draw), Arg::Null, at(&scratch.dparam), h, 1)?;
+        self.add(s.dt_bias.at(grads), at(&scratch.dparam), h)?;
 
         // The convolution: d[x, B, C] joined, back through SiLU and the taps.
-        self.columns((at(&x.dxbc), ch, 0), (at(&x.dx), inner, 0), inner)?;
-        self.columns((at(&x.dxbc), ch, inner), (at(&x.db), gn, 0), gn)?;
-        self.columns((at(&x.dxbc), ch, inner + gn), (at(&x.dc), gn, 0), gn)?;
+        self.columns(
+            (at(&scratch.dxbc), ch, 0),
+            (at(&scratch.dx), inner, 0),
+            inner,
+        )?;
+        self.columns((at(&scratch.dxbc), ch, inner), (at(&scratch.db), gn, 0), gn)?;
+        self.columns(
+            (at(&scratch.dxbc), ch, inner + gn),
+            (at(&scratch.dc), gn, 0),
+            gn,
+        )?;
         let conv_sizes = [rows, scan.len, ch, s.conv].map(|v| Arg::I32(v as i32));
         let dpre = [
             at(&m.xbc_in),
             s.conv_weight.at(w),
             s.conv_bias.at(w),
             at(scan.starts),
-            at(&x.dxbc),
-            at(&x.dpre),
+            at(&scratch.dxbc),
+            at(&scratch.dpre),
         ];
         self.elementwise(
             "causal_conv_silu_dpre_f32",
@@ -557,8 +569,8 @@ impl<L: Launcher> Kernels<'_, L> {
         let dx = [
             s.conv_weight.at(w),
             at(scan.starts),
-            at(&x.dpre),
-            at(&x.dxbc_in),
+            at(&scratch.dpre),
+            at(&scratch.dxbc_in),
         ];
         self.elementwise(
             "causal_conv_silu_dx_f32",
@@ -569,8 +581,8 @@ impl<L: Launcher> Kernels<'_, L> {
         let dw = [
             at(&m.xbc_in),
             at(scan.starts),
-            at(&x.dpre),
-            at(&x.conv_partial),
+            at(&scratch.dpre),
+            at(&scratch.conv_partial),
         ];
         let geometry = Geometry::linear(partials as u32, BLOCK);
         self.run(
@@ -579,9 +591,9 @@ impl<L: Launcher> Kernels<'_, L> {
             &[&dw[..], &conv_sizes].concat(),
         )?;
         let reduce = [
-            at(&x.conv_partial),
-            at(&x.dconv_w),
-            at(&x.dconv_b),
+            at(&scratch.conv_partial),
+            at(&scratch.dconv_w),
+            at(&scratch.dconv_b),
             Arg::I32(partials as i32),
             Arg::I32(ch as i32),
             Arg::I32(s.conv as i32),
@@ -589,13 +601,13 @@ impl<L: Launcher> Kernels<'_, L> {
         let pairs = (s.conv + 1) * ch;
         let geometry = Geometry::linear(pairs.div_ceil(128) as u32, 128);
         self.run("causal_conv_silu_dw_reduce", geometry, &reduce)?;
-        self.add(s.conv_weight.at(grads), at(&x.dconv_w), ch * s.conv)?;
-        self.add(s.conv_bias.at(grads), at(&x.dconv_b), ch)?;
+        self.add(s.conv_weight.at(grads), at(&scratch.dconv_w), ch * s.conv)?;
+        self.add(s.conv_bias.at(grads), at(&scratch.dconv_b), ch)?;
 
         // in_proj's output: [dz, dxBC, d(dt)].
         let cols = s.projected();
-        self.columns((dprojected, cols, 0), (at(&x.dz), inner, 0), inner)?;
-        self.columns((dprojected, cols, inner), (at(&x.dxbc_in), ch, 0), ch)?;
-        self.columns((dprojected, cols, inner + ch), (at(&x.draw), h, 0), h)
+        self.columns((dprojected, cols, 0), (at(&scratch.dz), inner, 0), inner)?;
+        self.columns((dprojected, cols, inner), (at(&scratch.dxbc_in), ch, 0), ch)?;
+        self.columns((dprojected, cols, inner + ch), (at(&scratch.draw), h, 0), h)
     }
 }
