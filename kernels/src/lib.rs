@@ -22,6 +22,7 @@
 //! | [`cross_entropy`] | cross-entropy fused with the softmax over the vocabulary |
 //! | [`embedding`] | the token embedding's lookup (a reference and its CUDA kernels) |
 //! | [`causal_conv_silu`], [`gated_rms_norm`] | Mamba-2's convolution and gated norm |
+//! | [`moe`] | a mixture-of-experts layer's routing on a device: its [`moe::Permutation`] and its `.cu` kernels |
 //!
 //! Kernels that exist only as CUDA (`.cu`), each with its references and tests beside it in a
 //! test-only module: `accumulate`, `adamw`, `grad_norm`, `mamba2` (Mamba-2's step size, decay
@@ -49,6 +50,7 @@ pub mod linear;
 mod mamba2;
 #[cfg(test)]
 mod mirror;
+pub mod moe;
 pub mod relu2;
 pub mod rms_norm;
 pub mod rng;

@@ -58,6 +58,12 @@ const REGISTER_CEILINGS: &[(&str, u32)] = &[
     ("mamba_head_sums_f32", 32),              // 26 on NVRTC 13.0
     ("mamba_skip_bwd_f32", 40),               // 30 on NVRTC 13.0
     ("mamba_skip_fwd_f32", 40),               // 30 on NVRTC 13.0
+    ("moe_combine_f32", 40),                  // 32 on NVRTC 13.0
+    ("moe_gate_grads_f32", 40),               // 30 on NVRTC 13.0
+    ("moe_gates_bwd_f32", 48),                // 36 on NVRTC 13.0
+    ("moe_gates_fwd_f32", 40),                // 32 on NVRTC 13.0
+    ("moe_gather_f32", 32),                   // 20 on NVRTC 13.0
+    ("moe_scores_f32", 24),                   // 16 on NVRTC 13.0
     ("relu2_bwd_f32", 24),                    // 14 on NVRTC 13.0
     ("relu2_fwd_f32", 16),                    // 12 on NVRTC 13.0
     ("rms_norm_bwd_f32", 40),                 // 30 on NVRTC 13.0

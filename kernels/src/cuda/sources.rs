@@ -51,6 +51,10 @@ pub const SOURCES: &[KernelSource] = &[
         text: include_str!("../mamba2.cu"),
     },
     KernelSource {
+        name: "moe.cu",
+        text: include_str!("../moe.cu"),
+    },
+    KernelSource {
         name: "relu2.cu",
         text: include_str!("../relu2.cu"),
     },

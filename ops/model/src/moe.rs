@@ -117,24 +117,44 @@ impl Moe {
         })
     }
 
-    /// Steps 1–3 for `x (tokens, hidden)`: sigmoid scores, top-k on `s + bias`, gates from the
-    /// raw scores.
-    pub fn route(&self, x: &Tensor) -> Result<Routing> {
-        let (tokens, _) = x.dims2()?;
+    /// Step 2 for the scores `s` of some tokens (row-major `(tokens, experts)`): each token's
+    /// `k` experts with the largest `s + bias`, best first, ties to the lower expert index.
+    /// The GPU trainer calls it on the scores its device computed.
+    pub fn select(&self, scores: &[f32]) -> Vec<u32> {
         let (e, k) = (self.experts.len(), self.top_k);
-        let scores = sigmoid(&linear(&x.to_dtype(DType::F32)?, &self.router)?)?; // (tokens, E)
-
-        // Selection happens on the host: it is discrete, and the bias takes part only here.
-        let s = scores.detach().flatten_all()?.to_vec1::<f32>()?;
         let bias = lock(&self.bias).clone();
-        let mut experts = Vec::with_capacity(tokens * k);
+        let mut experts = Vec::with_capacity(scores.len() / e * k);
         let mut order: Vec<usize> = (0..e).collect();
-        for row in s.chunks(e) {
-            // Highest s + bias first; ties go to the lower expert index.
+        for row in scores.chunks(e) {
             order.sort_by(|&a, &b| (row[b] + bias[b]).total_cmp(&(row[a] + bias[a])));
             experts.extend(order[..k].iter().map(|&i| i as u32));
             order.sort_unstable();
         }
+        experts
+    }
+
+    /// Counts, for the next bias update, the chosen experts (row-major `(tokens, k)`) of every
+    /// token whose `valid` entry is true (None: all).
+    pub fn count(&self, chosen: &[u32], valid: Option<&[bool]>) {
+        let mut counts = lock(&self.counts);
+        for (i, token) in chosen.chunks(self.top_k).enumerate() {
+            if valid.is_none_or(|v| v.get(i).copied().unwrap_or(false)) {
+                for &e in token {
+                    counts[e as usize] += 1;
+                }
+            }
+        }
+    }
+
+    /// Steps 1–3 for `x (tokens, hidden)`: sigmoid scores, top-k on `s + bias`, gates from the
+    /// raw scores.
+    pub fn route(&self, x: &Tensor) -> Result<Routing> {
+        let (tokens, _) = x.dims2()?;
+        let k = self.top_k;
+        let scores = sigmoid(&linear(&x.to_dtype(DType::F32)?, &self.router)?)?; // (tokens, E)
+
+        // Selection happens on the host: it is discrete, and the bias takes part only here.
+        let experts = self.select(&scores.detach().flatten_all()?.to_vec1::<f32>()?);
 
         let chosen = Tensor::from_vec(experts.clone(), (tokens, k), x.device())?;
         let picked = scores.gather(&chosen, 1)?; // raw s of the chosen experts
@@ -167,14 +187,7 @@ impl Moe {
         let k = self.top_k;
 
         if count {
-            let mut counts = lock(&self.counts);
-            for (i, chosen) in routing.experts.chunks(k).enumerate() {
-                if valid.is_none_or(|v| v[i]) {
-                    for &e in chosen {
-                        counts[e as usize] += 1;
-                    }
-                }
-            }
+            self.count(&routing.experts, valid);
         }
 
         // Group (token, slot) pairs by expert: which rows each expert sees, and their gates.
