@@ -106,6 +106,7 @@ fn gpu_check_on_the_shim_holds_the_gpu_trainer_to_the_cpu_trainer() {
     assert_eq!(passing("gradients    `--`"), 2, "{out}");
     assert_eq!(passing("gradients    `*-*-`"), 1, "{out}");
     assert_eq!(passing("gradients    `M*M-`"), 1, "{out}");
+    assert_eq!(passing("gradients    `M*E-E`"), 1, "{out}");
     assert_eq!(passing("curve        `M*-`"), 1, "{out}");
     assert_eq!(passing("determinism"), 1, "{out}");
     assert_eq!(lines.last().copied(), Some("result       ok"), "{out}");
@@ -119,7 +120,7 @@ fn gpu_check_on_the_shim_holds_the_gpu_trainer_to_the_cpu_trainer() {
         "{text}"
     );
     let gradients = report["gradients"].as_array().unwrap();
-    assert_eq!(gradients.len(), 4, "{text}");
+    assert_eq!(gradients.len(), 5, "{text}");
     for part in gradients {
         let (diff, largest) = (part["difference"].as_f64(), part["largest"].as_f64());
         assert!(diff.unwrap() <= 1e-5 * largest.unwrap(), "{part}");

@@ -395,13 +395,15 @@ mod tests {
             (Ok(None), String::new())
         );
 
-        let (picked, _) = pick(Device::Cuda(0), "*E-", &mut next_token);
+        assert_eq!(pick(Device::Cuda(1), "*E-", &mut next_token).0, Ok(Some(1)));
+        let (picked, _) = pick(Device::Cuda(0), "*E-/*E", &mut next_token);
         let err = picked.unwrap_err();
-        assert!(err.contains("blocks of kind `E`"), "{err}");
-        let (picked, log) = pick(Device::Auto, "*E-", &mut next_token);
+        assert!(err.contains("multi-token prediction depths"), "{err}");
+        let (picked, log) = pick(Device::Auto, "*E-/*E", &mut next_token);
         assert_eq!(picked, Ok(None));
         assert!(
-            log.contains("device auto: training on the CPU") && log.contains("kind `E`"),
+            log.contains("device auto: training on the CPU")
+                && log.contains("multi-token prediction"),
             "{log}"
         );
         assert!(

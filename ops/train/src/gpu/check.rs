@@ -3,7 +3,7 @@
 //!
 //! 1. **Gradients.** One step of small models ([`MODELS`]: MLP blocks with SwiGLU, MLP
 //!    blocks with squared ReLU and a tied head, attention and MLP blocks, Mamba-2, attention
-//!    and MLP blocks, all on packed rows): every gradient of the device's step against the CPU
+//!    and MLP blocks, and a hybrid with MoE blocks, all on packed rows): every gradient of the device's step against the CPU
 //!    trainer's (candle's autograd), within [`GRADIENT_TOLERANCE`] of the largest gradient of
 //!    the same parameter.
 //! 2. **Curve.** Steps of a hybrid model (Mamba-2, attention and MLP blocks) with clipping and
@@ -49,6 +49,14 @@ fn trainer(pattern: &str, activation: &str, tied: bool, size: Size) -> Result<Tr
             "chunk": 4
         });
     }
+    if pattern.contains('E') {
+        // Nemotron 3's router at a small size: top-2 of 4 experts by score + bias, gates
+        // normalised and scaled by 2.5, a shared expert, the bias moved after every step.
+        cfg["moe"] = json!({
+            "experts": 4, "top_k": 2, "expert_ffn": 16, "shared_ffn": 24, "scaling": 2.5,
+            "bias_update_rate": 1e-2
+        });
+    }
     let cfg: ModelConfig = serde_json::from_value(cfg)
         .map_err(|e| RunError::new(format!("gpu-check's model: {e}")))?;
     let schedule: Schedule = serde_json::from_value(json!({
@@ -72,12 +80,14 @@ struct Size {
 
 /// The models the gradients are checked on: (pattern, activation, tied head), all on
 /// [`PackedCounting`]'s rows of two segments. Attention has grouped-query heads and RoPE;
-/// Mamba-2 blocks have two groups and chunks of 4 tokens.
-pub const MODELS: [(&str, &str, bool); 4] = [
+/// Mamba-2 blocks have two groups and chunks of 4 tokens; MoE blocks route each token to 2
+/// of 4 experts and have a shared expert.
+pub const MODELS: [(&str, &str, bool); 5] = [
     ("--", "swiglu", false),
     ("--", "relu2", true),
     ("*-*-", "swiglu", false),
     ("M*M-", "relu2", false),
+    ("M*E-E", "relu2", false),
 ];
 
 /// The curve's and the determinism check's model: Mamba-2, attention and MLP blocks.

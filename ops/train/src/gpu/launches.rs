@@ -97,6 +97,16 @@ impl<L: Launcher> Kernels<'_, L> {
         unsafe { self.launcher.launch(name, geometry, args) }.map_err(device)
     }
 
+    /// A grid-stride kernel over `n` elements, with the grid that covers them.
+    pub(super) fn elementwise(
+        &self,
+        name: &str,
+        n: usize,
+        args: &[Arg<'_, L::Buffer>],
+    ) -> Result<(), RunError> {
+        self.run(name, Geometry::linear(elementwise_grid(n), 256), args)
+    }
+
     fn rows(&self) -> i32 {
         self.rows as i32
     }

@@ -14,7 +14,7 @@
 //! gradient of in_proj's output. Every parameter's gradient is summed in a fixed order (partial
 //! rows per block, then one pass over them), so a step's bytes never depend on timing.
 
-use super::launches::{Kernels, elementwise_grid, row_grid};
+use super::launches::{Kernels, row_grid};
 use super::{BlockActs, Slot};
 use kernels::launch::{Arg, Geometry, Launcher};
 use nemo_dag_op::RunError;
@@ -211,15 +211,6 @@ fn missing(what: &str) -> RunError {
 }
 
 impl<L: Launcher> Kernels<'_, L> {
-    fn elementwise(
-        &self,
-        name: &str,
-        n: usize,
-        args: &[Arg<'_, L::Buffer>],
-    ) -> Result<(), RunError> {
-        self.run(name, Geometry::linear(elementwise_grid(n), 256), args)
-    }
-
     /// `dst[:, dst_at + j] = src[:, src_at + j]` for `j < width`, over the micro-batch's rows.
     fn columns(
         &self,
