@@ -8,17 +8,19 @@
 //! SIMT shim ([`kernels::launch::Shim`]), where it is held to the CPU trainer step for step.
 //!
 //! What runs here so far: models of MLP blocks (`-`, SwiGLU or squared ReLU), attention
-//! blocks (`*`: grouped-query causal attention over packed segments, RoPE or none) and Mamba-2
-//! blocks (`M`: [`mamba`]), tied or untied output head, no MTP depths, f32 throughout, GEMMs
-//! through linear.cu. [`DeviceStep::upload`] names anything else. Every block kind is the same
-//! three steps around a different middle — an input projection, the mixer, an output
-//! projection added onto the residual — so one loop runs them:
+//! blocks (`*`: grouped-query causal attention over packed segments, RoPE or none), Mamba-2
+//! blocks (`M`: [`mamba`]) and MoE blocks (`E`: [`moe`]), tied or untied output head, no MTP
+//! depths, f32 throughout, GEMMs through linear.cu. [`DeviceStep::upload`] names anything
+//! else. Three block kinds are the same three steps around a different middle — an input
+//! projection, the mixer, an output projection added onto the residual — and an MoE block
+//! runs such an MLP per expert on its own tokens, so one loop runs them all:
 //!
 //! ```text
 //! block:   h = rms_norm(x);  a = h · w_inᵀ;  m = mix(a);  x = x + m · w_outᵀ
 //!          MLP:        w_in = fc1,     mix = SwiGLU or squared ReLU,             w_out = fc2
 //!          attention:  w_in = qkv,     mix = causal GQA attention,               w_out = proj
 //!          Mamba-2:    w_in = in_proj, mix = conv, SSD scan, gated RMSNorm,      w_out = out_proj
+//! MoE:     h = rms_norm(x);  x = x + shared_mlp(h) + Σ_top-k gate · expert_mlp(h)
 //! ```
 //!
 //! Per step, as [`Trainer::step`]:
