@@ -12,7 +12,7 @@
 
 #[cfg(test)]
 mod tests {
-    use crate::launch::{Arg, Geometry, Launcher, Shim};
+    use crate::launch::{Arg, Launcher, Shim};
     use crate::testing::*;
     use candle_core::{D, Tensor};
 
@@ -27,23 +27,6 @@ mod tests {
     fn softplus(v: &Tensor) -> Tensor {
         let tail = (v.abs().unwrap().neg().unwrap().exp().unwrap() + 1.0).unwrap();
         (v.relu().unwrap() + tail.log().unwrap()).unwrap()
-    }
-
-    /// Launches `name` on `shim`.
-    fn launch(shim: &Shim, name: &str, (grid, block): (u32, u32), args: &[Arg<'_, ShimBuffer>]) {
-        // SAFETY: each test sizes its buffers for the shapes it passes.
-        let launched = unsafe { shim.launch(name, Geometry::linear(grid, block), args) };
-        launched.unwrap_or_else(|e| panic!("{name}: {e}"));
-    }
-
-    /// |got − want| ≤ `tolerance` · the largest |want| (or 1e-30), naming the case.
-    fn close(got: &[f32], want: &[f32], tolerance: f32, at: &str) {
-        let largest = want.iter().fold(1e-30f32, |m, w| m.max(w.abs()));
-        let gap = largest_gap(got, want);
-        assert!(
-            gap <= tolerance * largest,
-            "{at}: {gap:e} apart, largest {largest:e}"
-        );
     }
 
     /// Δ and the gradients of dt and dt_bias, from a projection of `cols` columns whose dt
@@ -76,14 +59,14 @@ mod tests {
                         Arg::I32(offset as i32),
                     ];
                     let fwd = [&head[..], &[Arg::Ptr(&b, 0), Arg::Ptr(&dt, 0)], &sizes].concat();
-                    launch(&shim, "mamba_dt_fwd_f32", launch_at, &fwd);
+                    launch_on(&shim, "mamba_dt_fwd_f32", launch_at, &fwd);
                     let bwd = [
                         &head[..],
                         &[Arg::Ptr(&b, 0), Arg::Ptr(&g, 0), Arg::Ptr(&draw, 0)],
                         &sizes,
                     ]
                     .concat();
-                    launch(&shim, "mamba_dt_bwd_f32", launch_at, &bwd);
+                    launch_on(&shim, "mamba_dt_bwd_f32", launch_at, &bwd);
                     let sums = [
                         Arg::Ptr(&draw, 0),
                         Arg::Null,
@@ -92,11 +75,11 @@ mod tests {
                         Arg::I32(heads as i32),
                         Arg::I32(1),
                     ];
-                    launch(&shim, "mamba_head_sums_f32", launch_at, &sums);
+                    launch_on(&shim, "mamba_head_sums_f32", launch_at, &sums);
                     let read = |b: &ShimBuffer, n| shim.read_f32(b, 0, n).unwrap();
-                    close(&read(&dt, rows * heads), &values(&delta), 1e-6, &at);
-                    close(&read(&draw, rows * heads), &want[0], 1e-6, &at);
-                    close(&read(&dbias, heads), &want[1], 1e-5, &at);
+                    assert_close(&read(&dt, rows * heads), &values(&delta), 1e-6, &at);
+                    assert_close(&read(&draw, rows * heads), &want[0], 1e-6, &at);
+                    assert_close(&read(&dbias, heads), &want[1], 1e-5, &at);
                 }
             }
         }
@@ -120,21 +103,21 @@ mod tests {
                     shim.alloc(heads * 4).unwrap(),
                 );
                 let h = Arg::I32(heads as i32);
-                launch(
+                launch_on(
                     &shim,
                     "mamba_a_fwd_f32",
                     launch_at,
                     &[Arg::Ptr(&l, 0), Arg::Ptr(&out, 0), h],
                 );
                 let bwd = [Arg::Ptr(&out, 0), Arg::Ptr(&g, 0), Arg::Ptr(&dl, 0), h];
-                launch(&shim, "mamba_a_bwd_f32", launch_at, &bwd);
-                close(
+                launch_on(&shim, "mamba_a_bwd_f32", launch_at, &bwd);
+                assert_close(
                     &shim.read_f32(&out, 0, heads).unwrap(),
                     &values(&a),
                     1e-6,
                     &at,
                 );
-                close(&shim.read_f32(&dl, 0, heads).unwrap(), &want, 1e-6, &at);
+                assert_close(&shim.read_f32(&dl, 0, heads).unwrap(), &want, 1e-6, &at);
             }
         }
     }
@@ -174,21 +157,21 @@ mod tests {
                         &[Arg::Ptr(&yb, 0), Arg::Ptr(&xb, 0), Arg::Ptr(&db, 0)],
                         &sizes[..],
                     ];
-                    launch(&shim, "mamba_skip_fwd_f32", launch_at, &fwd.concat());
+                    launch_on(&shim, "mamba_skip_fwd_f32", launch_at, &fwd.concat());
                     let bwd = [
                         &[Arg::Ptr(&gb, 0), Arg::Ptr(&db, 0), Arg::Ptr(&dxb, 0)],
                         &sizes[..],
                     ];
-                    launch(&shim, "mamba_skip_bwd_f32", launch_at, &bwd.concat());
+                    launch_on(&shim, "mamba_skip_bwd_f32", launch_at, &bwd.concat());
                     let sums = [
                         &[Arg::Ptr(&gb, 0), Arg::Ptr(&xb, 0), Arg::Ptr(&dd, 0)],
                         &sizes[..],
                     ];
-                    launch(&shim, "mamba_head_sums_f32", launch_at, &sums.concat());
+                    launch_on(&shim, "mamba_head_sums_f32", launch_at, &sums.concat());
                     let n = rows * heads * p;
-                    close(&shim.read_f32(&yb, 0, n).unwrap(), &values(&out), 1e-6, &at);
-                    close(&shim.read_f32(&dxb, 0, n).unwrap(), &dx_want, 1e-6, &at);
-                    close(&shim.read_f32(&dd, 0, heads).unwrap(), &grads[1], 1e-5, &at);
+                    assert_close(&shim.read_f32(&yb, 0, n).unwrap(), &values(&out), 1e-6, &at);
+                    assert_close(&shim.read_f32(&dxb, 0, n).unwrap(), &dx_want, 1e-6, &at);
+                    assert_close(&shim.read_f32(&dd, 0, heads).unwrap(), &grads[1], 1e-5, &at);
                 }
             }
         }
@@ -225,7 +208,7 @@ mod tests {
                     Arg::I32(rows as i32),
                     Arg::I32(width as i32),
                 ];
-                launch(&shim, "copy_columns_f32", launch_at, &args);
+                launch_on(&shim, "copy_columns_f32", launch_at, &args);
                 let got = shim.read_f32(&d, 0, rows * dst_cols).unwrap();
                 assert_eq!(
                     got, want,

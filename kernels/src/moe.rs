@@ -86,7 +86,7 @@ impl Permutation {
 #[cfg(test)]
 mod tests {
     use super::Permutation;
-    use crate::launch::{Arg, Geometry, Launcher, Shim};
+    use crate::launch::{Arg, Launcher, Shim};
     use crate::testing::*;
     use candle_core::D;
 
@@ -103,22 +103,6 @@ mod tests {
         (50, 16, 1, 7),
         (9, 4, 4, 33),
     ];
-
-    fn launch(shim: &Shim, name: &str, (grid, block): (u32, u32), args: &[Arg<'_, ShimBuffer>]) {
-        // SAFETY: each test sizes its buffers for the shapes it passes.
-        let launched = unsafe { shim.launch(name, Geometry::linear(grid, block), args) };
-        launched.unwrap_or_else(|e| panic!("{name}: {e}"));
-    }
-
-    /// |got − want| ≤ `tolerance` · the largest |want| (or 1e-30), naming the case.
-    fn close(got: &[f32], want: &[f32], tolerance: f32, at: &str) {
-        let largest = want.iter().fold(1e-30f32, |m, w| m.max(w.abs()));
-        let gap = largest_gap(got, want);
-        assert!(
-            gap <= tolerance * largest,
-            "{at}: {gap:e} apart, largest {largest:e}"
-        );
-    }
 
     /// `k` distinct experts per token, in a random order (as a selection by s + bias gives).
     fn random_choice(rng: &mut Rng, tokens: usize, experts: usize, k: usize) -> Vec<u32> {
@@ -204,17 +188,17 @@ mod tests {
                     let g = shim.alloc(tokens * k * 4).unwrap();
                     let dl = shim.upload_f32(&vec![7.0; tokens * experts]).unwrap();
                     let n = Arg::Usize(tokens * experts);
-                    launch(&shim, "moe_scores_f32", launch_at, &[Arg::Ptr(&s, 0), n]);
+                    launch_on(&shim, "moe_scores_f32", launch_at, &[Arg::Ptr(&s, 0), n]);
                     let (s_at, c_at) = (Arg::Ptr(&s, 0), Arg::Ptr(&c, 0));
                     let fwd = [&[s_at, c_at, Arg::Ptr(&g, 0)], &sizes[..]].concat();
                     let fwd = [&fwd[..], &[Arg::F32(scaling as f32)]].concat();
-                    launch(&shim, "moe_gates_fwd_f32", launch_at, &fwd);
+                    launch_on(&shim, "moe_gates_fwd_f32", launch_at, &fwd);
                     let bwd = [
                         &[s_at, c_at, Arg::Ptr(&dg, 0), Arg::Ptr(&dl, 0)],
                         &sizes[..],
                     ];
                     let bwd = [&bwd.concat()[..], &[Arg::F32(scaling as f32)]].concat();
-                    launch(&shim, "moe_gates_bwd_f32", launch_at, &bwd);
+                    launch_on(&shim, "moe_gates_bwd_f32", launch_at, &bwd);
                     let read = |b: &ShimBuffer, n| shim.read_f32(b, 0, n).unwrap();
                     vec![
                         read(&s, tokens * experts),
@@ -222,9 +206,9 @@ mod tests {
                         read(&dl, tokens * experts),
                     ]
                 });
-                close(&got[0], &values(&scores), 1e-6, &at);
-                close(&got[1], &values(&gates), 1e-6, &at);
-                close(&got[2], &want, 1e-5, &at);
+                assert_close(&got[0], &values(&scores), 1e-6, &at);
+                assert_close(&got[1], &values(&gates), 1e-6, &at);
+                assert_close(&got[2], &want, 1e-5, &at);
             }
         }
     }
@@ -292,15 +276,15 @@ mod tests {
                     let (r, s) = (Arg::Ptr(&routes, 0), Arg::Ptr(&slots, 0));
                     let gather = |from, gates, to| [&[from, r, s, gates, to][..], &sizes].concat();
                     let dispatch = gather(Arg::Ptr(&xb, 0), Arg::Null, Arg::Ptr(&xp, 0));
-                    launch(&shim, "moe_gather_f32", launch_at, &dispatch);
+                    launch_on(&shim, "moe_gather_f32", launch_at, &dispatch);
                     let routed = gather(Arg::Ptr(&dob, 0), Arg::Ptr(&gb, 0), Arg::Ptr(&dyp, 0));
-                    launch(&shim, "moe_gather_f32", launch_at, &routed);
+                    launch_on(&shim, "moe_gather_f32", launch_at, &routed);
                     let shape = [tokens, k, d].map(|v| Arg::I32(v as i32));
                     let combine = |from, gates, base, to| {
                         [&[from, Arg::Ptr(&pos, 0), s, gates, base, to][..], &shape].concat()
                     };
                     let (yb, gb, ob) = (Arg::Ptr(&yb, 0), Arg::Ptr(&gb, 0), Arg::Ptr(&out, 0));
-                    launch(
+                    launch_on(
                         &shim,
                         "moe_combine_f32",
                         launch_at,
@@ -308,9 +292,9 @@ mod tests {
                     );
                     // No base: what `dx` held (garbage) is overwritten.
                     let back = combine(Arg::Ptr(&dxpb, 0), Arg::Null, Arg::Null, Arg::Ptr(&dx, 0));
-                    launch(&shim, "moe_combine_f32", launch_at, &back);
+                    launch_on(&shim, "moe_combine_f32", launch_at, &back);
                     let dgates = [&[Arg::Ptr(&dob, 0), yb, r, s, Arg::Ptr(&dg, 0)][..], &sizes];
-                    launch(&shim, "moe_gate_grads_f32", launch_at, &dgates.concat());
+                    launch_on(&shim, "moe_gate_grads_f32", launch_at, &dgates.concat());
                     let read = |b: &ShimBuffer, n| shim.read_f32(b, 0, n).unwrap();
                     vec![
                         read(&xp, n * d),
@@ -323,7 +307,7 @@ mod tests {
                 assert_eq!(got[0], values(&xp_want), "{at}: dispatch");
                 assert_eq!(got[1], values(&out_want), "{at}: combine");
                 assert_eq!(got[2], grads[0], "{at}: the permuted rows' gradient");
-                close(&got[3], &grads[1], 1e-5, &format!("{at}: gates"));
+                assert_close(&got[3], &grads[1], 1e-5, &format!("{at}: gates"));
                 assert_eq!(got[4], dx_want, "{at}: the input's gradient");
             }
         }

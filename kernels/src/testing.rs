@@ -1,5 +1,6 @@
 //! What the kernels' tests share: seeded random tensors, the largest difference between two
-//! results or their gradients, and the masks and rotary tables of packed rows.
+//! results or their gradients, the masks and rotary tables of packed rows, and a launch on the
+//! SIMT shim.
 
 use crate::rope::{RopeTables, rope_angles};
 
@@ -104,4 +105,28 @@ pub fn in_both_schedules(
         "{at}: the two schedules disagree"
     );
     forward
+}
+
+/// Launches `name` on `shim` with `grid` blocks of `block` threads, panicking with the
+/// kernel's name when the launch fails.
+pub fn launch_on(
+    shim: &crate::launch::Shim,
+    name: &str,
+    (grid, block): (u32, u32),
+    args: &[crate::launch::Arg<'_, <crate::launch::Shim as crate::launch::Launcher>::Buffer>],
+) {
+    use crate::launch::{Geometry, Launcher};
+    // SAFETY: each test sizes its buffers for the shapes it passes.
+    let launched = unsafe { shim.launch(name, Geometry::linear(grid, block), args) };
+    launched.unwrap_or_else(|e| panic!("{name}: {e}"));
+}
+
+/// Asserts |got − want| ≤ `tolerance` · the largest |want| (or 1e-30), naming the case.
+pub fn assert_close(got: &[f32], want: &[f32], tolerance: f32, at: &str) {
+    let largest = want.iter().fold(1e-30f32, |m, w| m.max(w.abs()));
+    let gap = largest_gap(got, want);
+    assert!(
+        gap <= tolerance * largest,
+        "{at}: {gap:e} apart, largest {largest:e}"
+    );
 }

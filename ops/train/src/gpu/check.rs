@@ -242,11 +242,21 @@ pub(crate) fn gradients<L: Launcher>(
     tied: bool,
 ) -> Result<Gap, RunError> {
     let mut t = trainer(pattern, activation, tied, SMALL)?;
+    step_gap(launcher, &mut t, || PackedCounting(2))
+}
+
+/// How far the device's gradients of `t`'s first step (unclipped) on `source`'s batches are
+/// from the CPU's.
+pub(crate) fn step_gap<L: Launcher, S: BatchSource>(
+    launcher: &L,
+    t: &mut Trainer,
+    source: impl Fn() -> S,
+) -> Result<Gap, RunError> {
     t.schedule.clip_grad = 0.0;
-    let want = cpu_gradients(&t, &mut PackedCounting(2))?;
-    let mut step = DeviceStep::upload(launcher, &t)?;
-    step.step(&mut t, &mut PackedCounting(2))?;
-    Ok(Gap::of(&t, &step.gradients()?, &want))
+    let want = cpu_gradients(t, &mut source())?;
+    let mut step = DeviceStep::upload(launcher, t)?;
+    step.step(t, &mut source())?;
+    Ok(Gap::of(t, &step.gradients()?, &want))
 }
 
 /// The CPU's gradients of global step 0, summed over its micro-batches.

@@ -13,8 +13,8 @@ const MAX_GRID: u32 = 1024;
 /// Operand transposes of [`Kernels::gemm`]: `NT` is `a · bᵀ` (a linear layer's forward),
 /// `NN` is `a · b` (its input gradient), `TN` is `aᵀ · b` (its weight gradient).
 pub(super) const NT: (i32, i32) = (0, 1);
-pub(super) const NN: (i32, i32) = (0, 0);
-pub(super) const TN: (i32, i32) = (1, 0);
+const NN: (i32, i32) = (0, 0);
+const TN: (i32, i32) = (1, 0);
 
 /// Threads per block of attention.cu's kernels (its `ATTN_MAX_THREADS`): four warps, each
 /// owning 2 query rows (forward, dq) or 4 keys (dk/dv).
@@ -346,6 +346,22 @@ impl<L: Launcher> Kernels<'_, L> {
             Arg::I64(0),
         ];
         self.run("gemm_f32", geometry, &args)
+    }
+
+    /// The backward of a linear layer `y = x · wᵀ` over `rows` rows of `inputs` → `outputs`:
+    /// the weight's gradient added into `dw` (`dyᵀ · x`), and `dx = dy · w + beta · dx`.
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn linear_backward(
+        &self,
+        dy: Arg<'_, L::Buffer>,
+        x: Arg<'_, L::Buffer>,
+        (w, dw): (Arg<'_, L::Buffer>, Arg<'_, L::Buffer>),
+        dx: Arg<'_, L::Buffer>,
+        (rows, outputs, inputs): (usize, usize, usize),
+        beta: f32,
+    ) -> Result<(), RunError> {
+        self.gemm(dy, x, dw, (outputs, inputs, rows), TN, 1.0)?;
+        self.gemm(dy, w, dx, (rows, inputs, outputs), NN, beta)
     }
 
     /// `acc += x` over `n` floats.

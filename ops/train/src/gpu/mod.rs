@@ -38,7 +38,7 @@ mod moe;
 
 use crate::{BatchSource, Stepper, Trainer};
 use kernels::launch::{Arg, Geometry, Launcher};
-use launches::{Kernels, NN, NT, Packed, TN, elementwise_grid, row_grid};
+use launches::{Kernels, NT, Packed, elementwise_grid, row_grid};
 use mamba::{MambaActs, MambaScratch, Scan, Ssm};
 use model::config::{Activation, BlockKind};
 use model::layers::Rope;
@@ -70,6 +70,11 @@ struct Slot {
 impl Slot {
     fn at<'b, B>(&self, buffer: &'b B) -> Arg<'b, B> {
         Arg::Ptr(buffer, self.offset * 4)
+    }
+
+    /// The parameter in the weights and in the gradients.
+    fn with_grad<'b, B>(&self, (w, g): (&'b B, &'b B)) -> (Arg<'b, B>, Arg<'b, B>) {
+        (self.at(w), self.at(g))
     }
 }
 
@@ -610,8 +615,8 @@ impl<'l, L: Launcher> DeviceStep<'l, L> {
         // Backward, in reverse: the head, the final norm, each block, the embedding.
         let (dlogits, dx) = (Arg::Ptr(&acts.dlogits, 0), Arg::Ptr(&acts.dx, 0));
         let (dh, dnorm_in) = (Arg::Ptr(&acts.dh, 0), Arg::Ptr(&acts.dnorm_in, 0));
-        k.gemm(dlogits, final_normed, l.head.at(g), (v, d, rows), TN, 1.0)?;
-        k.gemm(dlogits, l.head.at(w), dh, (rows, d, v), NN, 0.0)?;
+        let head = l.head.with_grad((w, g));
+        k.linear_backward(dlogits, final_normed, head, dh, (rows, v, d), 0.0)?;
         k.rms_norm_backward(x_at(last), l.final_norm, rstd_at(last), dh, dx, acts, self)?;
         for (i, (block, a)) in l.blocks.iter().zip(&acts.blocks).enumerate().rev() {
             let (projected, mixed) = (Arg::Ptr(&a.projected, 0), Arg::Ptr(&a.mixed, 0));
@@ -619,8 +624,8 @@ impl<'l, L: Launcher> DeviceStep<'l, L> {
             match (&block.body, &routed[i]) {
                 (Body::Projected(p), _) => {
                     let (n_in, n_mid) = (p.in_width, p.mid_width);
-                    k.gemm(dx, p.w_out.at(w), dmixed, (rows, n_mid, d), NN, 0.0)?;
-                    k.gemm(dx, mixed, p.w_out.at(g), (d, n_mid, rows), TN, 1.0)?;
+                    let w_out = p.w_out.with_grad((w, g));
+                    k.linear_backward(dx, mixed, w_out, dmixed, (rows, d, n_mid), 0.0)?;
                     match p.mixer {
                         Mixer::Mlp(activation) => {
                             k.activation_backward(activation, projected, dmixed, dprojected, n_mid)?
@@ -633,15 +638,8 @@ impl<'l, L: Launcher> DeviceStep<'l, L> {
                             k.mamba_backward((w, g), &ssm, a, scratch, &scan, dmixed, dprojected)?
                         }
                     }
-                    k.gemm(
-                        dprojected,
-                        normed_at(i),
-                        p.w_in.at(g),
-                        (n_in, d, rows),
-                        TN,
-                        1.0,
-                    )?;
-                    k.gemm(dprojected, p.w_in.at(w), dh, (rows, d, n_in), NN, 0.0)?;
+                    let (w_in, normed) = (p.w_in.with_grad((w, g)), normed_at(i));
+                    k.linear_backward(dprojected, normed, w_in, dh, (rows, n_in, d), 0.0)?;
                 }
                 (Body::Moe(experts), Some(r)) => {
                     let scratch = moe_scratch(acts)?;
@@ -1098,12 +1096,7 @@ mod tests {
                 Model::new(&cfg, 32, 5).unwrap(),
                 trainer("relu2", false, 0.0).schedule,
             );
-            t.schedule.clip_grad = 0.0;
-            let want = check::cpu_gradients(&t, &mut LongPacked).unwrap();
-            let shim = Shim::default();
-            let mut step = DeviceStep::upload(&shim, &t).unwrap();
-            step.step(&mut t, &mut LongPacked).unwrap();
-            let gap = check::Gap::of(&t, &step.gradients().unwrap(), &want);
+            let gap = check::step_gap(&Shim::default(), &mut t, || LongPacked).unwrap();
             assert!(gap.passes(), "`{pattern}`, position {position}: {gap:?}");
         }
     }
@@ -1260,13 +1253,8 @@ mod tests {
                 t.model.moe_layers().map(|(_, m)| m.bias()).collect()
             };
 
-            let mut t = fresh();
-            t.schedule.clip_grad = 0.0;
-            let want = check::cpu_gradients(&t, &mut LongPacked).unwrap();
             let shim = Shim::default();
-            let mut step = DeviceStep::upload(&shim, &t).unwrap();
-            step.step(&mut t, &mut LongPacked).unwrap();
-            let gap = check::Gap::of(&t, &step.gradients().unwrap(), &want);
+            let gap = check::step_gap(&shim, &mut fresh(), || LongPacked).unwrap();
             assert!(gap.passes(), "`{pattern}`: {gap:?}");
 
             let (mut cpu, mut on_shim) = (fresh(), fresh());

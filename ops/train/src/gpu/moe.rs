@@ -22,7 +22,7 @@
 //! rows of the permuted buffers, one GEMM each, and an expert no token chose is not run (its
 //! gradient stays 0, as on the CPU).
 
-use super::launches::{Kernels, NN, NT, TN, row_grid};
+use super::launches::{Kernels, NT, row_grid};
 use super::{BlockActs, Slot, device};
 use kernels::launch::{Arg, Geometry, Launcher};
 use kernels::moe::Permutation;
@@ -148,6 +148,43 @@ pub(super) struct Routed<B> {
     k: usize,
 }
 
+impl<B> Routed<B> {
+    /// Runs `f` on every expert that has tokens, with its permuted rows, in expert order.
+    fn each_expert(
+        &self,
+        e: &Experts,
+        mut f: impl FnMut(&Mlp, Rows) -> Result<(), RunError>,
+    ) -> Result<(), RunError> {
+        for (x, expert) in e.routed.iter().enumerate() {
+            let range = self.layout.rows_of(x);
+            if !range.is_empty() {
+                f(
+                    expert,
+                    Rows {
+                        start: range.start,
+                        len: range.len(),
+                    },
+                )?;
+            }
+        }
+        Ok(())
+    }
+}
+
+/// One expert's rows of the permuted buffers.
+#[derive(Clone, Copy)]
+struct Rows {
+    start: usize,
+    len: usize,
+}
+
+impl Rows {
+    /// Its first row of `buffer`, whose rows are `width` floats.
+    fn of<B>(self, buffer: &B, width: usize) -> Arg<'_, B> {
+        Arg::Ptr(buffer, self.start * width * 4)
+    }
+}
+
 /// A block's input, the gradient of its output, and where the gradient of its input goes.
 pub(super) type Flow<'a, B> = (Arg<'a, B>, Arg<'a, B>, Arg<'a, B>);
 
@@ -229,42 +266,20 @@ impl<L: Launcher> Kernels<'_, L> {
         let xp = Arg::Ptr(&m.xp, 0);
         self.gather(&r, h, Arg::Null, xp, n, hidden)?;
         let (in_width, ffn) = e.widths();
-        for (x, expert) in e.routed.iter().enumerate() {
-            let rows_of = r.layout.rows_of(x);
-            let at = |b, width| Arg::Ptr(b, rows_of.start * width * 4);
-            let shape = (rows_of.len(), in_width, hidden);
-            if !rows_of.is_empty() {
-                self.gemm(
-                    at(&m.xp, hidden),
-                    expert.fc1.at(w),
-                    at(&m.hp, in_width),
-                    shape,
-                    NT,
-                    0.0,
-                )?;
-            }
-        }
+        r.each_expert(e, |x, rows| {
+            let (xp, hp) = (rows.of(&m.xp, hidden), rows.of(&m.hp, in_width));
+            self.gemm(xp, x.fc1.at(w), hp, (rows.len, in_width, hidden), NT, 0.0)
+        })?;
         let permuted = Kernels {
             launcher: self.launcher,
             rows: n,
         };
         let (hp, ap) = (Arg::Ptr(&m.hp, 0), Arg::Ptr(&m.ap, 0));
         permuted.activation(e.activation, hp, ap, ffn)?;
-        for (x, expert) in e.routed.iter().enumerate() {
-            let rows_of = r.layout.rows_of(x);
-            let at = |b, width| Arg::Ptr(b, rows_of.start * width * 4);
-            let shape = (rows_of.len(), hidden, ffn);
-            if !rows_of.is_empty() {
-                self.gemm(
-                    at(&m.ap, ffn),
-                    expert.fc2.at(w),
-                    at(&m.yp, hidden),
-                    shape,
-                    NT,
-                    0.0,
-                )?;
-            }
-        }
+        r.each_expert(e, |x, rows| {
+            let (ap, yp) = (rows.of(&m.ap, ffn), rows.of(&m.yp, hidden));
+            self.gemm(ap, x.fc2.at(w), yp, (rows.len, hidden, ffn), NT, 0.0)
+        })?;
         let yp = Arg::Ptr(&m.yp, 0);
         self.combine(&r, yp, gates, base, out, hidden)?;
         Ok(r)
@@ -310,81 +325,36 @@ impl<L: Launcher> Kernels<'_, L> {
             Geometry::linear(grid, GATE_GRAD_BLOCK),
             &grads,
         )?;
-        for (x, expert) in e.routed.iter().enumerate() {
-            let rows_of = r.layout.rows_of(x);
-            let (len, at) = (rows_of.len(), |b, width| {
-                Arg::Ptr(b, rows_of.start * width * 4)
-            });
-            if len > 0 {
-                let dyp = at(&s.dyp, hidden);
-                self.gemm(
-                    dyp,
-                    expert.fc2.at(w),
-                    at(&s.dap, ffn),
-                    (len, ffn, hidden),
-                    NN,
-                    0.0,
-                )?;
-                self.gemm(
-                    dyp,
-                    at(&m.ap, ffn),
-                    expert.fc2.at(g),
-                    (hidden, ffn, len),
-                    TN,
-                    1.0,
-                )?;
-            }
-        }
+        r.each_expert(e, |x, rows| {
+            let (dyp, ap, dap) = (
+                rows.of(&s.dyp, hidden),
+                rows.of(&m.ap, ffn),
+                rows.of(&s.dap, ffn),
+            );
+            let fc2 = x.fc2.with_grad((w, g));
+            self.linear_backward(dyp, ap, fc2, dap, (rows.len, hidden, ffn), 0.0)
+        })?;
         let permuted = Kernels {
             launcher: self.launcher,
             rows: n,
         };
         let (hp, dap, dhp) = (Arg::Ptr(&m.hp, 0), Arg::Ptr(&s.dap, 0), Arg::Ptr(&s.dhp, 0));
         permuted.activation_backward(e.activation, hp, dap, dhp, ffn)?;
-        for (x, expert) in e.routed.iter().enumerate() {
-            let rows_of = r.layout.rows_of(x);
-            let (len, at) = (rows_of.len(), |b, width| {
-                Arg::Ptr(b, rows_of.start * width * 4)
-            });
-            if len > 0 {
-                let dhp = at(&s.dhp, in_width);
-                let fc1 = (expert.fc1.at(w), expert.fc1.at(g));
-                self.gemm(
-                    dhp,
-                    at(&m.xp, hidden),
-                    fc1.1,
-                    (in_width, hidden, len),
-                    TN,
-                    1.0,
-                )?;
-                self.gemm(
-                    dhp,
-                    fc1.0,
-                    at(&s.dxp, hidden),
-                    (len, hidden, in_width),
-                    NN,
-                    0.0,
-                )?;
-            }
-        }
+        r.each_expert(e, |x, rows| {
+            let (dhp, xp) = (rows.of(&s.dhp, in_width), rows.of(&m.xp, hidden));
+            let (fc1, dxp) = (x.fc1.with_grad((w, g)), rows.of(&s.dxp, hidden));
+            self.linear_backward(dhp, xp, fc1, dxp, (rows.len, in_width, hidden), 0.0)
+        })?;
 
         // The shared expert's dh, then the routed experts' rows added onto it in expert order.
         let base = match &e.shared {
             Some(shared) => {
                 let (projected, mixed) = (Arg::Ptr(&a.projected, 0), Arg::Ptr(&a.mixed, 0));
                 let (sf, si) = (shared.ffn, shared.in_width);
-                self.gemm(dout, shared.fc2.at(w), dmixed, (rows, sf, hidden), NN, 0.0)?;
-                self.gemm(dout, mixed, shared.fc2.at(g), (hidden, sf, rows), TN, 1.0)?;
+                let (fc1, fc2) = (shared.fc1.with_grad((w, g)), shared.fc2.with_grad((w, g)));
+                self.linear_backward(dout, mixed, fc2, dmixed, (rows, hidden, sf), 0.0)?;
                 self.activation_backward(e.activation, projected, dmixed, dprojected, sf)?;
-                self.gemm(dprojected, h, shared.fc1.at(g), (si, hidden, rows), TN, 1.0)?;
-                self.gemm(
-                    dprojected,
-                    shared.fc1.at(w),
-                    dh,
-                    (rows, hidden, si),
-                    NN,
-                    0.0,
-                )?;
+                self.linear_backward(dprojected, h, fc1, dh, (rows, si, hidden), 0.0)?;
                 dh
             }
             None => Arg::Null,
@@ -397,15 +367,8 @@ impl<L: Launcher> Kernels<'_, L> {
         let args = [scores, Arg::Ptr(&r.chosen, 0), dgates, dlogits];
         let args = [&args[..], &sizes, &[Arg::F32(e.scaling)]].concat();
         self.run("moe_gates_bwd_f32", self.per_token(), &args)?;
-        self.gemm(dlogits, h, e.router.at(g), (experts, hidden, rows), TN, 1.0)?;
-        self.gemm(
-            dlogits,
-            e.router.at(w),
-            dh,
-            (rows, hidden, experts),
-            NN,
-            1.0,
-        )
+        let router = e.router.with_grad((w, g));
+        self.linear_backward(dlogits, h, router, dh, (rows, experts, hidden), 1.0)
     }
 
     /// `to[i] = w_i · from[route_i]` for the `n` permuted rows, `w_i` the row's gate (or 1
