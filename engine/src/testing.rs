@@ -11,53 +11,49 @@ use nemo_dag_op::{
 
 struct DeclaredOutputs(&'static Spec);
 
-static SPEC: Spec = Spec {
-    name: "cmd",
-    version: 1,
-    summary: "test double: the stage's declared outputs",
-    inputs: &[],
-    other_inputs: Some("any"),
-    outputs: Outputs::Declared,
-    resumable: false,
-    launched: true,
-    gpu: false,
-};
+/// A test double's spec: it takes any inputs and makes the outputs its stage declares.
+const fn double(
+    name: &'static str,
+    summary: &'static str,
+    (resumable, launched, gpu): (bool, bool, bool),
+) -> Spec {
+    Spec {
+        name,
+        summary,
+        version: 1,
+        inputs: &[],
+        other_inputs: Some("any"),
+        outputs: Outputs::Declared,
+        resumable,
+        launched,
+        gpu,
+    }
+}
 
-static RESUMABLE: Spec = Spec {
-    name: "resumable",
-    summary: "test double: the stage's declared outputs, saved on SIGTERM and resumed",
-    version: 1,
-    inputs: &[],
-    other_inputs: Some("any"),
-    outputs: Outputs::Declared,
-    resumable: true,
-    launched: true,
-    gpu: false,
-};
+// (resumable, launched, gpu) of each double.
+static SPEC: Spec = double(
+    "cmd",
+    "test double: the stage's declared outputs",
+    (false, true, false),
+);
 
-static TRAINS: Spec = Spec {
-    name: "trains",
-    summary: "test double: an op that trains on a GPU when its stage's device asks",
-    version: 1,
-    inputs: &[],
-    other_inputs: Some("any"),
-    outputs: Outputs::Declared,
-    resumable: true,
-    launched: false,
-    gpu: true,
-};
+static RESUMABLE: Spec = double(
+    "resumable",
+    "test double: the stage's declared outputs, saved on SIGTERM and resumed",
+    (true, true, false),
+);
 
-static IN_IMAGE: Spec = Spec {
-    name: "in_image",
-    summary: "test double: an op whose `image` param names the image its software runs in",
-    version: 1,
-    inputs: &[],
-    other_inputs: Some("any"),
-    outputs: Outputs::Declared,
-    resumable: false,
-    launched: true,
-    gpu: false,
-};
+static TRAINS: Spec = double(
+    "trains",
+    "test double: an op that trains on a GPU when its stage's device asks",
+    (true, false, true),
+);
+
+static IN_IMAGE: Spec = double(
+    "in_image",
+    "test double: an op whose `image` param names the image its software runs in",
+    (false, true, false),
+);
 
 impl Op for DeclaredOutputs {
     type Params = serde_json::Value;
