@@ -107,7 +107,10 @@ fn gpu_check_on_the_shim_holds_the_gpu_trainer_to_the_cpu_trainer() {
     assert_eq!(passing("gradients    `*-*-`"), 1, "{out}");
     assert_eq!(passing("gradients    `M*M-`"), 1, "{out}");
     assert_eq!(passing("gradients    `M*E-E`"), 1, "{out}");
+    assert_eq!(passing("gradients    `ME*-/*E`"), 1, "{out}");
     assert_eq!(passing("curve        `M*-`"), 1, "{out}");
+    assert_eq!(passing("objective    dpo on `M*E-/*`"), 1, "{out}");
+    assert_eq!(passing("objective    grpo on `M*E-/*`"), 1, "{out}");
     assert_eq!(passing("determinism"), 1, "{out}");
     assert_eq!(lines.last().copied(), Some("result       ok"), "{out}");
 
@@ -120,7 +123,7 @@ fn gpu_check_on_the_shim_holds_the_gpu_trainer_to_the_cpu_trainer() {
         "{text}"
     );
     let gradients = report["gradients"].as_array().unwrap();
-    assert_eq!(gradients.len(), 5, "{text}");
+    assert_eq!(gradients.len(), 6, "{text}");
     for part in gradients {
         let (diff, largest) = (part["difference"].as_f64(), part["largest"].as_f64());
         assert!(diff.unwrap() <= 1e-5 * largest.unwrap(), "{part}");
@@ -135,6 +138,17 @@ fn gpu_check_on_the_shim_holds_the_gpu_trainer_to_the_cpu_trainer() {
         4,
         "{text}"
     );
+    let objectives = report["objectives"].as_array().unwrap();
+    let names: Vec<&str> = objectives
+        .iter()
+        .filter_map(|o| o["objective"].as_str())
+        .collect();
+    assert_eq!(names, ["dpo", "grpo"], "{text}");
+    for part in objectives {
+        assert!(part["relative"].as_f64().unwrap() <= 1e-5, "{part}");
+        assert!(part["curve_difference"].as_f64().unwrap() <= 1e-4, "{part}");
+        assert_eq!(part["ok"], true, "{part}");
+    }
     assert_eq!(report["determinism"]["same_bytes"], true, "{text}");
     assert_eq!(
         report["speed"],
@@ -192,5 +206,5 @@ fn the_ops_that_train_on_a_gpu_are_listed() {
             on_gpu.push(op);
         }
     }
-    assert_eq!(on_gpu, ["pretrain", "sft"], "{out}");
+    assert_eq!(on_gpu, ["pretrain", "sft", "dpo", "grpo"], "{out}");
 }

@@ -106,7 +106,7 @@ static SPEC: Spec = Spec {
     outputs: Outputs::Fixed(MODEL_OUTPUTS),
     resumable: true,
     launched: false,
-    gpu: false,
+    gpu: true,
 };
 
 impl Op for Dpo {

@@ -137,9 +137,9 @@ pub(crate) fn train_and_publish(
         })
     };
     let (mut on_device, mut on_cpu);
-    let stepper: &mut dyn Stepper = match (step, objective.next_token_source()) {
-        (Some(step), Some(source)) => {
-            on_device = OnDevice { step, source };
+    let stepper: &mut dyn Stepper = match step {
+        Some(step) if objective.per_token().is_some() => {
+            on_device = OnDevice { step, objective };
             &mut on_device
         }
         _ => {
@@ -225,10 +225,10 @@ fn gpu_for(
     if trainer.step >= trainer.schedule.steps {
         return Ok(None);
     }
-    let trainable = match objective.next_token_source() {
+    let trainable = match objective.per_token() {
         None => Err(RunError::new(format!(
             "stage `{}`'s objective trains on the CPU only: the GPU trainer minimises \
-             next-token cross-entropy (pretrain, sft)",
+             objectives of the output head's log-probabilities (pretrain, sft, dpo, grpo)",
             ctx.stage.name
         ))),
         Some(_) => train::gpu::supports(trainer),
@@ -324,9 +324,10 @@ mod tests {
     use train::gpu::check::Counting;
     use train::{BatchSource, NextToken};
 
-    fn trainer(pattern: &str) -> Trainer {
+    /// A model of `pattern` whose attention heads have `head_dim` dimensions.
+    fn trainer(pattern: &str, head_dim: usize) -> Trainer {
         let cfg: ModelConfig = serde_json::from_value(json!({
-            "pattern": pattern, "hidden": 16, "heads": 2, "kv_heads": 1, "head_dim": 8,
+            "pattern": pattern, "hidden": 16, "heads": 2, "kv_heads": 1, "head_dim": head_dim,
             "ffn": 16, "moe": {"experts": 4, "top_k": 2, "expert_ffn": 8}
         }))
         .unwrap();
@@ -337,10 +338,11 @@ mod tests {
         Trainer::new(Model::new(&cfg, 32, 1).unwrap(), schedule)
     }
 
-    /// An objective the GPU trainer cannot minimise (as DPO's and GRPO's).
-    struct Preference;
+    /// An objective the GPU trainer cannot minimise: not a function of the head's
+    /// log-probabilities.
+    struct CpuOnly;
 
-    impl Objective for Preference {
+    impl Objective for CpuOnly {
         fn prepare(&mut self, _: &Model, _: u64) -> Result<usize, RunError> {
             Ok(0)
         }
@@ -349,11 +351,11 @@ mod tests {
         }
     }
 
-    /// `gpu_for` on `device` for a model of `pattern` under `objective`: the GPU it picks
-    /// (or its error) and what it wrote in the log.
+    /// `gpu_for` on `device` for `trainer` under `objective`: the GPU it picks (or its error)
+    /// and what it wrote in the log.
     fn pick(
         device: Device,
-        pattern: &str,
+        trainer: &Trainer,
         objective: &mut dyn Objective,
     ) -> (Result<Option<usize>, String>, String) {
         let (inputs, outputs, params) = (BTreeMap::new(), BTreeMap::new(), json!({}));
@@ -375,7 +377,7 @@ mod tests {
             launcher: &[],
             device,
         };
-        let picked = gpu_for(&mut ctx, objective, &trainer(pattern))
+        let picked = gpu_for(&mut ctx, objective, trainer)
             .map(|gpu| gpu.map(|g| g.ordinal))
             .map_err(|e| e.to_string());
         (picked, String::from_utf8(log).unwrap())
@@ -388,22 +390,31 @@ mod tests {
         let mut source = Counting(1);
         let source: &mut dyn BatchSource = &mut source;
         let mut next_token = NextToken::new(source);
-        assert_eq!(pick(Device::Cuda(2), "*-", &mut next_token).0, Ok(Some(2)));
-        assert_eq!(pick(Device::Auto, "*-", &mut next_token).0, Ok(Some(0)));
         assert_eq!(
-            pick(Device::Cpu, "*-", &mut next_token),
+            pick(Device::Cuda(2), &trainer("*-", 8), &mut next_token).0,
+            Ok(Some(2))
+        );
+        assert_eq!(
+            pick(Device::Auto, &trainer("*-", 8), &mut next_token).0,
+            Ok(Some(0))
+        );
+        assert_eq!(
+            pick(Device::Cpu, &trainer("*-", 8), &mut next_token),
             (Ok(None), String::new())
         );
 
-        assert_eq!(pick(Device::Cuda(1), "*E-", &mut next_token).0, Ok(Some(1)));
-        let (picked, _) = pick(Device::Cuda(0), "*E-/*E", &mut next_token);
+        assert_eq!(
+            pick(Device::Cuda(1), &trainer("*E-/*E", 8), &mut next_token).0,
+            Ok(Some(1))
+        );
+        let (picked, _) = pick(Device::Cuda(0), &trainer("*E-", 256), &mut next_token);
         let err = picked.unwrap_err();
-        assert!(err.contains("multi-token prediction depths"), "{err}");
-        let (picked, log) = pick(Device::Auto, "*E-/*E", &mut next_token);
+        assert!(err.contains("attention heads of 256 dimensions"), "{err}");
+        let (picked, log) = pick(Device::Auto, &trainer("*E-", 256), &mut next_token);
         assert_eq!(picked, Ok(None));
         assert!(
             log.contains("device auto: training on the CPU")
-                && log.contains("multi-token prediction"),
+                && log.contains("heads of 256 dimensions"),
             "{log}"
         );
         assert!(
@@ -411,11 +422,28 @@ mod tests {
             "no advice to do what it does: {log}"
         );
 
-        let err = pick(Device::Cuda(0), "*-", &mut Preference).0.unwrap_err();
+        // DPO's objective is the head's log-probabilities: it trains on the GPU.
+        let t = trainer("*E-", 8);
+        let loss = train::dpo::LossConfig {
+            beta: 0.1,
+            average_log_probs: false,
+            preference_weight: 1.0,
+            sft_weight: 0.0,
+        };
+        let reference = trainer("*E-", 8).model;
+        let mut dpo = train::dpo::DpoObjective::new(reference, Vec::new(), loss, &t.schedule);
+        assert_eq!(pick(Device::Cuda(3), &t, &mut dpo).0, Ok(Some(3)));
+
+        let err = pick(Device::Cuda(0), &trainer("*-", 8), &mut CpuOnly)
+            .0
+            .unwrap_err();
         assert!(
             err.contains("stage `train`'s objective trains on the CPU only"),
             "{err}"
         );
-        assert_eq!(pick(Device::Auto, "*-", &mut Preference).0, Ok(None));
+        assert_eq!(
+            pick(Device::Auto, &trainer("*-", 8), &mut CpuOnly).0,
+            Ok(None)
+        );
     }
 }

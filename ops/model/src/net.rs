@@ -348,7 +348,7 @@ impl Model {
 /// Inputs, labels and loss mask for MTP depth `k`: ids shifted left by `k` inside each row;
 /// a position keeps its loss only if the label `k` further on is still in the same packed
 /// subsequence (rolled-in positions are masked).
-fn shift_left(batch: &Batch, k: usize) -> (Vec<u32>, Vec<u32>, Vec<f32>) {
+pub fn shift_left(batch: &Batch, k: usize) -> (Vec<u32>, Vec<u32>, Vec<f32>) {
     let (b, t) = (batch.layout.batch, batch.layout.len);
     let seg = &batch.layout.segments;
     let mut ids = vec![0u32; b * t];

@@ -23,14 +23,17 @@
 //! seeded order reshuffled every epoch, a pure function of the step, so a resumed run sees what
 //! an uninterrupted one would. The reference log-probabilities are recomputed with each
 //! micro-batch, in the same layout as the policy's (no cache: a run rarely sees a pair twice).
+//! On a GPU both models run on the device and the loss's derivative in each token's
+//! log-probability is taken on the host ([`PerToken::grad`]).
 //!
 
 use crate::order::RowOrder;
-use crate::{MicroLoss, Objective, Schedule, Tally, err, token_logprobs};
+use crate::{MicroLoss, Objective, PerToken, Schedule, Tally, TokenGrad, err, token_logprobs};
 use candle_core::{DType, Tensor};
 use model::layers::Layout;
-use model::net::Model;
+use model::net::{Batch, Model};
 use nemo_dag_op::RunError;
+use std::borrow::Cow;
 use std::collections::BTreeMap;
 
 /// A tokenized conversation: `ids[start..]` is the response.
@@ -67,6 +70,12 @@ pub struct LossConfig {
 pub struct Terms {
     /// The micro-batch's part of the global loss, to differentiate.
     pub total: Tensor,
+    pub sums: PairSums,
+}
+
+/// A micro-batch's figures, summed over its pairs.
+#[derive(Debug, Default)]
+pub struct PairSums {
     /// Σ over pairs of the pair's weighted loss.
     pub loss_sum: f64,
     /// Σ −log σ(β·Δ).
@@ -127,12 +136,27 @@ pub fn preference_terms(
     );
     Ok(Terms {
         total,
-        loss_sum: per_pair.iter().sum(),
-        preference_sum: pref.iter().sum(),
-        sft_sum: nll.iter().sum(),
-        correct: delta.iter().filter(|d| **d > 0.0).count() as f64,
-        margin_sum: delta.iter().sum(),
+        sums: PairSums {
+            loss_sum: per_pair.iter().sum(),
+            preference_sum: pref.iter().sum(),
+            sft_sum: nll.iter().sum(),
+            correct: delta.iter().filter(|d| **d > 0.0).count() as f64,
+            margin_sum: delta.iter().sum(),
+        },
     })
+}
+
+impl PairSums {
+    /// The figures [`DpoObjective::metrics`] reads, for a micro-batch of `pairs` pairs.
+    fn tally(&self, pairs: usize) -> Tally {
+        Tally::from([
+            ("pairs", pairs as f64),
+            ("correct", self.correct),
+            ("margin", self.margin_sum),
+            ("preference", self.preference_sum),
+            ("sft", self.sft_sum),
+        ])
+    }
 }
 
 /// A micro-batch of pairs as model inputs: `2m` rows (chosen, rejected, chosen, …), each the
@@ -226,6 +250,17 @@ impl DpoObjective {
         &self.pairs
     }
 
+    /// Micro-batch `i` of the prepared step: its pairs, collated.
+    fn micro(&self, i: usize) -> (usize, Collated) {
+        let from = (i * self.micro_batch).min(self.step_pairs.len());
+        let to = ((i + 1) * self.micro_batch).min(self.step_pairs.len());
+        let pairs: Vec<&Pair> = self.step_pairs[from..to]
+            .iter()
+            .map(|k| &self.pairs[*k])
+            .collect();
+        (pairs.len(), collate(&pairs))
+    }
+
     /// Tokens the model reads in global step `step` (both completions, unpadded).
     pub fn tokens_in_step(&mut self, step: u64) -> u64 {
         self.pairs_of_step(step)
@@ -244,14 +279,12 @@ impl Objective for DpoObjective {
         Ok(self.global_batch.div_ceil(self.micro_batch))
     }
 
+    fn per_token(&self) -> Option<&dyn PerToken> {
+        Some(self)
+    }
+
     fn loss(&self, model: &Model, i: usize) -> Result<MicroLoss, RunError> {
-        let from = (i * self.micro_batch).min(self.step_pairs.len());
-        let to = ((i + 1) * self.micro_batch).min(self.step_pairs.len());
-        let pairs: Vec<&Pair> = self.step_pairs[from..to]
-            .iter()
-            .map(|k| &self.pairs[*k])
-            .collect();
-        let c = collate(&pairs);
+        let (pairs, c) = self.micro(i);
         let (b, t) = (c.layout.batch, c.layout.len);
         let mask = Tensor::from_vec(c.mask, (b, t), &candle_core::Device::Cpu).map_err(err)?;
         let sums = |m: &Model| -> candle_core::Result<Tensor> {
@@ -263,15 +296,9 @@ impl Objective for DpoObjective {
             .map_err(err)?;
         Ok(MicroLoss {
             total: terms.total,
-            sum: terms.loss_sum,
-            count: pairs.len() as f64,
-            tally: Tally::from([
-                ("pairs", pairs.len() as f64),
-                ("correct", terms.correct),
-                ("margin", terms.margin_sum),
-                ("preference", terms.preference_sum),
-                ("sft", terms.sft_sum),
-            ]),
+            sum: terms.sums.loss_sum,
+            count: pairs as f64,
+            tally: terms.sums.tally(pairs),
         })
     }
 
@@ -287,6 +314,91 @@ impl Objective for DpoObjective {
             m.insert("sft_loss".to_string(), f("sft") / n);
         }
         m
+    }
+}
+
+/// The loss of the module docs as a function of each token's log-probability, for the GPU
+/// trainer: the per-row sums over response tokens, Δ, and the derivative of every pair's loss
+/// in its two sums (`d softplus(x)/dx = σ(x)`), spread back over the response tokens.
+impl PerToken for DpoObjective {
+    fn batch(&self, i: usize) -> Result<Cow<'_, Batch>, RunError> {
+        let (_, c) = self.micro(i);
+        Ok(Cow::Owned(Batch {
+            ids: c.ids,
+            labels: c.labels,
+            loss_mask: c.mask,
+            layout: c.layout,
+            valid: None,
+        }))
+    }
+
+    fn reference(&self) -> Option<&Model> {
+        Some(&self.reference)
+    }
+
+    fn grad(
+        &self,
+        i: usize,
+        logp: &[f32],
+        reference: Option<&[f32]>,
+    ) -> Result<TokenGrad, RunError> {
+        let (pairs, c) = self.micro(i);
+        let reference =
+            reference.ok_or_else(|| RunError::new("dpo: no reference log-probabilities"))?;
+        let len = c.layout.len;
+        let sums = |values: &[f32]| -> Vec<f64> {
+            values
+                .chunks(len)
+                .zip(c.mask.chunks(len))
+                .map(|(v, m)| v.iter().zip(m).map(|(v, m)| *v as f64 * *m as f64).sum())
+                .collect()
+        };
+        let (policy, refs) = (sums(logp), sums(reference));
+        let cfg = &self.cfg;
+        let per_token = |row: usize| -> f64 {
+            if cfg.average_log_probs {
+                1.0 / c.counts[row] as f64
+            } else {
+                1.0
+            }
+        };
+        let reward = |row: usize| (policy[row] - refs[row]) * per_token(row);
+        let global = self.global_batch as f64;
+        let mut terms = PairSums::default();
+        // ∂loss/∂(Σ log π) of each row.
+        let mut drow = vec![0.0; c.counts.len()];
+        for pair in 0..pairs {
+            let (chosen, rejected) = (2 * pair, 2 * pair + 1);
+            let delta = reward(chosen) - reward(rejected);
+            let x = -cfg.beta * delta;
+            let preference = x.max(0.0) + (-x.abs()).exp().ln_1p();
+            let sigmoid = if x >= 0.0 {
+                1.0 / (1.0 + (-x).exp())
+            } else {
+                x.exp() / (1.0 + x.exp())
+            };
+            let count = c.counts[chosen] as f64;
+            let nll = -policy[chosen] / count;
+            terms.loss_sum += cfg.preference_weight * preference + cfg.sft_weight * nll;
+            terms.preference_sum += preference;
+            terms.sft_sum += nll;
+            terms.correct += f64::from(u8::from(delta > 0.0));
+            terms.margin_sum += delta;
+            let dreward = cfg.preference_weight * -cfg.beta * sigmoid / global;
+            drow[chosen] = dreward * per_token(chosen) - cfg.sft_weight / count / global;
+            drow[rejected] = -dreward * per_token(rejected);
+        }
+        Ok(TokenGrad {
+            dlogp: c
+                .mask
+                .iter()
+                .enumerate()
+                .map(|(t, m)| (drow[t / len] * *m as f64) as f32)
+                .collect(),
+            sum: terms.loss_sum,
+            count: pairs as f64,
+            tally: terms.tally(pairs),
+        })
     }
 }
 
@@ -342,9 +454,9 @@ mod tests {
             close(total, (0.386_871_006 + 1.136_871_006) / 2.0, 1e-6),
             "{total}"
         );
-        assert!(close(s.preference_sum, 1.523_742_012, 1e-6));
-        assert_eq!(s.correct, 1.0, "only pair 1 has Δ > 0");
-        assert!(close(s.margin_sum, 0.0, 1e-6));
+        assert!(close(s.sums.preference_sum, 1.523_742_012, 1e-6));
+        assert_eq!(s.sums.correct, 1.0, "only pair 1 has Δ > 0");
+        assert!(close(s.sums.margin_sum, 0.0, 1e-6));
         // The same micro-batch as half of a global batch of 4 pairs contributes half as much.
         let half = preference_terms(&policy, &reference, &counts, &cfg(0.5, false), 4).unwrap();
         assert!(close(
@@ -361,8 +473,8 @@ mod tests {
             close(total, (0.549_054_862 + 0.861_554_862) / 2.0, 1e-6),
             "{total}"
         );
-        assert!(close(a.margin_sum, 0.0, 1e-6));
-        assert_eq!(a.correct, 1.0);
+        assert!(close(a.sums.margin_sum, 0.0, 1e-6));
+        assert_eq!(a.sums.correct, 1.0);
 
         // SFT term: the chosen responses' mean token NLL, 3/2 and 6/2, averaged over pairs.
         let sft = LossConfig {
@@ -376,7 +488,7 @@ mod tests {
             2.25,
             1e-6
         ));
-        assert!(close(s.sft_sum, 4.5, 1e-6));
+        assert!(close(s.sums.sft_sum, 4.5, 1e-6));
 
         // Δ = 0 everywhere (policy = reference): ln 2, no pair counts as correct, and the
         // gradient is −β·σ(0)/G on chosen rows and +β·σ(0)/G on rejected ones, not 0.
@@ -384,7 +496,7 @@ mod tests {
         let s = preference_terms(v.as_tensor(), &reference, &counts, &cfg(0.5, false), 2).unwrap();
         let l = s.total.to_scalar::<f32>().unwrap() as f64;
         assert!(close(l, std::f64::consts::LN_2, 1e-6), "{l}");
-        assert_eq!(s.correct, 0.0);
+        assert_eq!(s.sums.correct, 0.0);
         let g = s.total.backward().unwrap();
         let g = g.get(v.as_tensor()).unwrap().to_vec1::<f32>().unwrap();
         for (k, x) in g.iter().enumerate() {

@@ -25,15 +25,20 @@
 //! their group's baseline. Everything a step does is a function of the step number and the
 //! weights, so a resumed run generates the same rollouts as an uninterrupted one.
 //!
+//! On a GPU ([`crate::gpu`]) the rollouts are still generated on the CPU, with the weights
+//! brought back from the device before each step ([`PerToken::prepares_with_weights`]); the
+//! policy's and the reference's log-probabilities and the backward run on the device, the
+//! loss's derivative in each log-probability on the host ([`PerToken::grad`]).
+//!
 //! Metrics per step (log line and curve): `reward` (mean), `accuracy` (fraction of responses
 //! scoring 1), `response_length` (mean new tokens), `truncated` (fraction that hit the limit),
 //! `kl` (mean k3 per response token, only when the KL term is on).
 
 use crate::order::RowOrder;
-use crate::{MicroLoss, Objective, Tally, err, token_logprobs};
+use crate::{MicroLoss, Objective, PerToken, Tally, TokenGrad, err, token_logprobs};
 use candle_core::{Device, Tensor};
 use model::layers::Layout;
-use model::net::Model;
+use model::net::{Batch, Model};
 use model::params::Rng;
 use model::sampling::{Sampling, generate_split};
 use nemo_dag_op::RunError;
@@ -183,17 +188,13 @@ pub type Score<'a> = dyn Fn(&Prompt, &[u32]) -> f64 + Sync + 'a;
 
 /// One micro-batch of rollouts, ready for the loss.
 struct Micro {
-    ids: Vec<u32>,
-    labels: Vec<u32>,
-    layout: Layout,
+    /// The rollouts' ids, labels and layout; its loss mask marks the response tokens (1/0),
+    /// for the KL metric.
+    batch: Batch,
     /// Per token: the advantage of its response (0 off the response).
-    adv: Tensor,
+    adv: Vec<f32>,
     /// Per token: its share of the global loss (0 off the response, and for filtered rollouts).
-    weight: Tensor,
-    /// Response tokens of the micro-batch (1/0), for the KL metric.
-    mask: Tensor,
-    /// Reference log-probs, when the KL term is on.
-    reference: Option<Tensor>,
+    weight: Vec<f32>,
 }
 
 /// GRPO as a training [`Objective`]: each step generates, scores and batches its rollouts.
@@ -361,24 +362,16 @@ impl Objective for Rollouts<'_> {
                     }
                 }
             }
-            let layout = Layout::plain(b, t);
-            let tensor = |v: Vec<f32>| Tensor::from_vec(v, (b, t), &Device::Cpu);
-            let reference = match &self.reference {
-                Some(r) => Some(
-                    token_logprobs(r, &ids, &labels, &layout)
-                        .map_err(err)?
-                        .detach(),
-                ),
-                None => None,
-            };
             self.micro.push(Micro {
-                adv: tensor(a).map_err(err)?,
-                weight: tensor(w).map_err(err)?,
-                mask: tensor(mask).map_err(err)?,
-                ids,
-                labels,
-                layout,
-                reference,
+                batch: Batch {
+                    ids,
+                    labels,
+                    loss_mask: mask,
+                    layout: Layout::plain(b, t),
+                    valid: None,
+                },
+                adv: a,
+                weight: w,
             });
         }
 
@@ -403,20 +396,36 @@ impl Objective for Rollouts<'_> {
         Ok(self.micro.len())
     }
 
+    fn per_token(&self) -> Option<&dyn PerToken> {
+        Some(self)
+    }
+
     fn loss(&self, model: &Model, i: usize) -> Result<MicroLoss, RunError> {
-        let m = &self.micro[i];
+        let m = self.micro.get(i).ok_or_else(|| no_micro(i))?;
+        let Batch {
+            ids,
+            labels,
+            layout,
+            ..
+        } = &m.batch;
+        let tensor =
+            |v: &[f32]| Tensor::from_vec(v.to_vec(), (layout.batch, layout.len), &Device::Cpu);
         let mut tally = Tally::new();
-        let logp = token_logprobs(model, &m.ids, &m.labels, &m.layout).map_err(err)?;
+        let logp = token_logprobs(model, ids, labels, layout).map_err(err)?;
         // On-policy: π_old is these very weights, so the ratio is 1 in value.
         let old = logp.detach();
-        let mut per_token = token_loss(&logp, &old, &m.adv, &self.loss).map_err(err)?;
-        if let Some(reference) = &m.reference {
-            let kl = kl_k3(&logp, reference).map_err(err)?;
-            let masked = (&kl * &m.mask)
+        let adv = tensor(&m.adv).map_err(err)?;
+        let mut per_token = token_loss(&logp, &old, &adv, &self.loss).map_err(err)?;
+        if let Some(reference) = &self.reference {
+            let reference = token_logprobs(reference, ids, labels, layout)
+                .map_err(err)?
+                .detach();
+            let mask = tensor(&m.batch.loss_mask).map_err(err)?;
+            let kl = kl_k3(&logp, &reference).map_err(err)?;
+            let masked = (&kl * &mask)
                 .and_then(|k| k.sum_all()?.to_scalar::<f32>())
                 .map_err(err)?;
-            let count = m
-                .mask
+            let count = mask
                 .sum_all()
                 .and_then(|c| c.to_scalar::<f32>())
                 .map_err(err)?;
@@ -424,7 +433,7 @@ impl Objective for Rollouts<'_> {
             tally.insert("kl_tokens", count as f64);
             per_token = (per_token + (kl * self.loss.reference_policy_kl_penalty)).map_err(err)?;
         }
-        let total = (per_token * &m.weight)
+        let total = (per_token * tensor(&m.weight).map_err(err)?)
             .and_then(|l| l.sum_all())
             .map_err(err)?;
         let value = total.to_scalar::<f32>().map_err(err)? as f64;
@@ -444,6 +453,78 @@ impl Objective for Rollouts<'_> {
             m.insert("kl".into(), sum / tokens);
         }
         m
+    }
+}
+
+fn no_micro(i: usize) -> RunError {
+    RunError::new(format!("grpo: no micro-batch {i} in the prepared step"))
+}
+
+/// `∂/∂logp` of [`token_loss`] on-policy (`old = logp`, so the ratio `r = exp(logp − old)` is 1
+/// with `∂r/∂logp = 1`), with candle's rule at the kinks the CPU's autograd goes through:
+/// where `maximum` or `minimum` has both sides equal, each side gets half the gradient. The
+/// unclipped and clipped losses are always equal at `r = 1`, so each takes half; the clip
+/// passes `r`'s gradient whole, or half at a bound of 1 (`ratio_clip_min` or `ratio_clip_max`
+/// 0). The dual clip never binds: for `A < 0`, `−A < −A·c`. So with both clips above 0 this is
+/// `−A`, the policy gradient.
+fn on_policy_dloss(adv: f64, cfg: &LossConfig) -> f64 {
+    let half_at = |bound: f64| if bound == 0.0 { 0.5 } else { 1.0 };
+    let dclip = half_at(cfg.ratio_clip_min) * half_at(cfg.ratio_clip_max);
+    -adv * (1.0 + dclip) / 2.0
+}
+
+/// The clipped surrogate and the k3 KL term per token, weighted by each token's share of the
+/// global loss, for the GPU trainer: their values, and their derivatives in `logp` (the KL's
+/// `1 − exp(ref − logp)`).
+impl PerToken for Rollouts<'_> {
+    fn batch(&self, i: usize) -> Result<std::borrow::Cow<'_, Batch>, RunError> {
+        let m = self.micro.get(i).ok_or_else(|| no_micro(i))?;
+        Ok(std::borrow::Cow::Borrowed(&m.batch))
+    }
+
+    fn reference(&self) -> Option<&Model> {
+        self.reference.as_ref()
+    }
+
+    fn prepares_with_weights(&self) -> bool {
+        true
+    }
+
+    fn grad(
+        &self,
+        i: usize,
+        logp: &[f32],
+        reference: Option<&[f32]>,
+    ) -> Result<TokenGrad, RunError> {
+        let m = self.micro.get(i).ok_or_else(|| no_micro(i))?;
+        let beta = self.loss.reference_policy_kl_penalty;
+        let (mut sum, mut kl_sum, mut tally) = (0.0, 0.0, Tally::new());
+        let mut dlogp = Vec::with_capacity(logp.len());
+        for (t, lp) in logp.iter().enumerate() {
+            let (adv, weight) = (m.adv[t] as f64, m.weight[t] as f64);
+            // At r = 1 every branch of the clipped loss is −A.
+            let (mut value, mut d) = (-adv, on_policy_dloss(adv, &self.loss));
+            if let Some(reference) = reference {
+                let logr = reference[t] as f64 - *lp as f64;
+                let kl = logr.exp() - 1.0 - logr;
+                kl_sum += kl * m.batch.loss_mask[t] as f64;
+                value += beta * kl;
+                d += beta * (1.0 - logr.exp());
+            }
+            sum += weight * value;
+            dlogp.push((weight * d) as f32);
+        }
+        if reference.is_some() {
+            tally.insert("kl_sum", kl_sum);
+            let tokens = m.batch.loss_mask.iter().map(|x| *x as f64).sum();
+            tally.insert("kl_tokens", tokens);
+        }
+        Ok(TokenGrad {
+            dlogp,
+            sum,
+            count: 1.0 / self.micro.len() as f64,
+            tally,
+        })
     }
 }
 
@@ -577,6 +658,40 @@ mod tests {
         assert_eq!(g, vec![-2.0, 1.0, -0.5]);
     }
 
+    /// The GPU trainer's host derivative of the clipped loss is what candle's autograd gives
+    /// through `token_loss` on-policy, kinks included: clip bounds of 0 (where `clamp` meets
+    /// the ratio) and the dual clip, for advantages of both signs and 0.
+    #[test]
+    fn the_host_derivative_on_policy_is_autograds() {
+        for (lo, hi, c) in [
+            (0.2, 0.28, None),
+            (0.0, 0.28, None),
+            (0.2, 0.0, Some(3.0)),
+            (0.0, 0.0, Some(1.5)),
+        ] {
+            let cfg = LossConfig {
+                ratio_clip_min: lo,
+                ratio_clip_max: hi,
+                ratio_clip_c: c,
+                ..cfg(None)
+            };
+            let advantages = [-1.3f32, 0.0, 0.7, 2.0];
+            let logp = Var::from_tensor(&row(&[-0.5, -1.0, -2.0, -0.1])).unwrap();
+            let old = logp.as_tensor().detach();
+            let loss = token_loss(logp.as_tensor(), &old, &row(&advantages), &cfg).unwrap();
+            let grads = loss.sum_all().unwrap().backward().unwrap();
+            let want = grads.get(logp.as_tensor()).unwrap();
+            let want = want.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            for (a, w) in advantages.iter().zip(want) {
+                let got = on_policy_dloss(*a as f64, &cfg);
+                assert!(
+                    (got - w as f64).abs() < 1e-7,
+                    "lo {lo} hi {hi} c {c:?} A {a}: {got} vs autograd {w}"
+                );
+            }
+        }
+    }
+
     #[test]
     fn k3_is_exp_minus_one_minus_log_ratio() {
         let k: Vec<f32> = kl_k3(&row(&[0.0, 0.0]), &row(&[2.0f32.ln(), 0.0]))
@@ -686,7 +801,7 @@ mod tests {
             let mut seen = Vec::new();
             for _ in 0..3 {
                 trainer.step(&mut objective).unwrap();
-                seen.push(objective.micro[0].ids.clone());
+                seen.push(objective.micro[0].batch.ids.clone());
             }
             let w =
                 model::params::to_f32_vec(trainer.model.params.iter().next().unwrap().1).unwrap();
@@ -745,13 +860,10 @@ mod tests {
             let (cfg, _) = setup(extra);
             let mut o = Rollouts::new(cfg.clone(), prompts(), None, vec![0], &starts_with_3);
             o.prepare(&model, 0).unwrap();
-            let cat = |f: fn(&Micro) -> &Tensor| -> Vec<f32> {
-                o.micro
-                    .iter()
-                    .flat_map(|m| f(m).flatten_all().unwrap().to_vec1::<f32>().unwrap())
-                    .collect()
+            let cat = |f: fn(&Micro) -> &[f32]| -> Vec<f32> {
+                o.micro.iter().flat_map(|m| f(m).to_vec()).collect()
             };
-            (cat(|m| &m.weight), cat(|m| &m.mask))
+            (cat(|m| &m.weight), cat(|m| &m.batch.loss_mask))
         };
         let (w, mask) = shares(json!({}));
         let total: f32 = w.iter().sum();

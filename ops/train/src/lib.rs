@@ -162,12 +162,64 @@ pub trait Objective: Sync {
         let _ = tally;
         BTreeMap::new()
     }
-    /// The batches, when the objective is next-token cross-entropy over them and nothing
-    /// else: what the GPU trainer ([`gpu::DeviceStep`]) minimises. `None` (the preference
-    /// and RL objectives): the objective trains on the CPU only.
-    fn next_token_source(&mut self) -> Option<&mut dyn BatchSource> {
+    /// The objective as a function of the output head's per-token log-probabilities
+    /// ([`PerToken`]): what the GPU trainer ([`gpu::DeviceStep`]) minimises. `None`: the
+    /// objective trains on the CPU only.
+    fn per_token(&self) -> Option<&dyn PerToken> {
         None
     }
+}
+
+/// An objective whose loss on a micro-batch is a function of the log-probabilities the main
+/// output head gives the micro-batch's labels, `logp[t] = log softmax(logits[t])[labels[t]]`,
+/// and of a frozen reference model's: next-token cross-entropy (`−Σ mask·logp`, with the MTP
+/// heads' losses beside it), DPO (sums of `logp − ref` over each completion) and GRPO (the
+/// clipped surrogate and the k3 KL per token). The GPU trainer runs the network, hands each
+/// micro-batch's `logp` to [`PerToken::grad`], and back-propagates the gradient it returns;
+/// everything between the two is the objective's own arithmetic on the host.
+pub trait PerToken {
+    /// Micro-batch `i` of the step [`Objective::prepare`] prepared: ids, labels and layout
+    /// (its loss mask is what the MTP heads read, when they are trained).
+    fn batch(&self, i: usize) -> Result<std::borrow::Cow<'_, Batch>, RunError>;
+    /// When the MTP heads are trained (next-token cross-entropy): what their masked
+    /// cross-entropy is divided by, the global batch's loss tokens, as the main head's is.
+    /// `None`: the objective reads the main head only, and MTP depths get no gradient.
+    fn mtp_normaliser(&self) -> Option<f64> {
+        None
+    }
+    /// Whether the policy's forward counts the tokens each MoE expert gets, for the
+    /// aux-loss-free bias update after the step: as the CPU trainer does, a training forward
+    /// ([`Model::loss`], next-token cross-entropy) counts, and the log-probabilities DPO and
+    /// GRPO read through [`Model::logits`] do not.
+    fn counts_experts(&self) -> bool {
+        false
+    }
+    /// The frozen model whose log-probabilities [`PerToken::grad`] reads, if any.
+    fn reference(&self) -> Option<&Model> {
+        None
+    }
+    /// Whether [`Objective::prepare`] reads the model's current weights (GRPO generates its
+    /// rollouts with them), so they must be brought back from the device before it.
+    fn prepares_with_weights(&self) -> bool {
+        false
+    }
+    /// Micro-batch `i`'s loss from the policy's `logp` (and the reference's, when
+    /// [`PerToken::reference`] is given): its figures, and `∂loss/∂logp` per token.
+    fn grad(
+        &self,
+        i: usize,
+        logp: &[f32],
+        reference: Option<&[f32]>,
+    ) -> Result<TokenGrad, RunError>;
+}
+
+/// What [`PerToken::grad`] gives for one micro-batch: the loss's gradient in each token's
+/// log-probability, and the figures a [`MicroLoss`] carries.
+pub struct TokenGrad {
+    pub dlogp: Vec<f32>,
+    pub sum: f64,
+    pub count: f64,
+    pub tally: Tally,
 }
 
 /// How an optimizer step is taken: on the CPU by candle's autograd ([`OnCpu`]), or on a GPU
@@ -224,8 +276,8 @@ impl<'a> NextToken<'a> {
 }
 
 impl Objective for NextToken<'_> {
-    fn next_token_source(&mut self) -> Option<&mut dyn BatchSource> {
-        Some(&mut *self.source)
+    fn per_token(&self) -> Option<&dyn PerToken> {
+        Some(self)
     }
 
     fn prepare(&mut self, _model: &Model, step: u64) -> Result<usize, RunError> {
@@ -242,6 +294,48 @@ impl Objective for NextToken<'_> {
             total: loss.total,
             sum: loss.main_sum,
             count: loss.tokens,
+            tally: Tally::new(),
+        })
+    }
+}
+
+/// `loss = −Σ mask·logp / normaliser`: `∂loss/∂logp = −mask / normaliser`, the figures those
+/// of [`NextToken::loss`] (the main head's summed cross-entropy over its loss tokens).
+impl PerToken for NextToken<'_> {
+    fn batch(&self, i: usize) -> Result<std::borrow::Cow<'_, Batch>, RunError> {
+        self.micro
+            .get(i)
+            .map(std::borrow::Cow::Borrowed)
+            .ok_or_else(|| RunError::new(format!("no micro-batch {i} in the prepared step")))
+    }
+
+    fn mtp_normaliser(&self) -> Option<f64> {
+        Some(self.normaliser)
+    }
+
+    fn counts_experts(&self) -> bool {
+        true
+    }
+
+    fn grad(
+        &self,
+        i: usize,
+        logp: &[f32],
+        _reference: Option<&[f32]>,
+    ) -> Result<TokenGrad, RunError> {
+        let batch = self.batch(i)?;
+        let mask = &batch.loss_mask;
+        Ok(TokenGrad {
+            dlogp: mask
+                .iter()
+                .map(|m| -((*m as f64 / self.normaliser) as f32))
+                .collect(),
+            sum: logp
+                .iter()
+                .zip(mask)
+                .map(|(l, m)| -*l as f64 * *m as f64)
+                .sum(),
+            count: loss_tokens(&batch),
             tally: Tally::new(),
         })
     }

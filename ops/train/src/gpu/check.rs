@@ -17,7 +17,7 @@
 //! [`run`] also returns every figure as JSON, which `gpu-check --json` writes.
 
 use super::DeviceStep;
-use crate::{BatchSource, NextToken, Schedule, Trainer};
+use crate::{BatchSource, NextToken, Objective, Schedule, Trainer, dpo, grpo};
 use kernels::launch::Launcher;
 use model::config::ModelConfig;
 use model::layers::Layout;
@@ -35,7 +35,15 @@ pub const GRADIENT_TOLERANCE: f32 = 1e-5;
 /// Largest relative difference of a step's loss or gradient norm.
 pub const CURVE_TOLERANCE: f64 = 1e-4;
 
-fn trainer(pattern: &str, activation: &str, tied: bool, size: Size) -> Result<Trainer, RunError> {
+/// A model of `pattern` at `size`, with `overrides`' top-level keys (an object, or null) put
+/// over the config made here.
+fn trainer(
+    pattern: &str,
+    activation: &str,
+    tied: bool,
+    size: Size,
+    overrides: &Value,
+) -> Result<Trainer, RunError> {
     let (heads, kv_heads, head_dim) = size.heads;
     let mut cfg = json!({
         "pattern": pattern, "hidden": size.hidden, "heads": heads, "kv_heads": kv_heads,
@@ -56,6 +64,11 @@ fn trainer(pattern: &str, activation: &str, tied: bool, size: Size) -> Result<Tr
             "experts": 4, "top_k": 2, "expert_ffn": 16, "shared_ffn": 24, "scaling": 2.5,
             "bias_update_rate": 1e-2
         });
+    }
+    if let Some(overrides) = overrides.as_object() {
+        for (key, value) in overrides {
+            cfg[key] = value.clone();
+        }
     }
     let cfg: ModelConfig = serde_json::from_value(cfg)
         .map_err(|e| RunError::new(format!("gpu-check's model: {e}")))?;
@@ -81,17 +94,26 @@ struct Size {
 /// The models the gradients are checked on: (pattern, activation, tied head), all on
 /// [`PackedCounting`]'s rows of two segments. Attention has grouped-query heads and RoPE;
 /// Mamba-2 blocks have two groups and chunks of 4 tokens; MoE blocks route each token to 2
-/// of 4 experts and have a shared expert.
-pub const MODELS: [(&str, &str, bool); 5] = [
+/// of 4 experts and have a shared expert; `ME*-/*E` is the hybrid of the speed part with an
+/// MTP depth of attention and MoE after `/`.
+pub const MODELS: [(&str, &str, bool); 6] = [
     ("--", "swiglu", false),
     ("--", "relu2", true),
     ("*-*-", "swiglu", false),
     ("M*M-", "relu2", false),
     ("M*E-E", "relu2", false),
+    ("ME*-/*E", "relu2", false),
 ];
 
 /// The curve's and the determinism check's model: Mamba-2, attention and MLP blocks.
 const CURVE_MODEL: &str = "M*-";
+
+/// The model DPO and GRPO are checked on: Mamba-2, attention, MoE and MLP blocks and an MTP
+/// depth, which neither objective trains (its gradients must stay 0, as on the CPU).
+pub const OBJECTIVE_MODEL: &str = "M*E-/*";
+
+/// The objectives beside next-token cross-entropy that the GPU trainer minimises.
+pub const OBJECTIVES: [&str; 2] = ["dpo", "grpo"];
 
 const SMALL: Size = Size {
     hidden: 32,
@@ -157,6 +179,27 @@ pub fn run<L: Launcher>(
         "pattern": CURVE_MODEL, "losses": device_curve, "difference": worst,
         "tolerance": CURVE_TOLERANCE, "ok": pass
     });
+    let mut objectives = Vec::new();
+    for name in OBJECTIVES {
+        let (gap, worst) = objective(launcher, name)?;
+        let pass = gap.passes() && worst <= CURVE_TOLERANCE;
+        ok &= pass;
+        writeln!(
+            out,
+            "objective    {name} on `{OBJECTIVE_MODEL}`: gradients furthest `{}`, {:.1e} of its \
+             largest (tolerance {GRADIENT_TOLERANCE:.0e}); {} steps' losses, norms and figures \
+             within {worst:.2e} of the CPU (tolerance {CURVE_TOLERANCE:.0e}): {}",
+            gap.parameter,
+            gap.relative(),
+            SMALL.steps,
+            verdict(pass)
+        )?;
+        objectives.push(json!({
+            "objective": name, "pattern": OBJECTIVE_MODEL, "parameter": gap.parameter,
+            "difference": gap.difference, "largest": gap.largest, "relative": gap.relative(),
+            "curve_difference": worst, "ok": pass
+        }));
+    }
     let same = deterministic(launcher)?;
     ok &= same;
     writeln!(
@@ -179,6 +222,7 @@ pub fn run<L: Launcher>(
         "device": launcher.describe(),
         "gradients": parts,
         "curve": curve,
+        "objectives": objectives,
         "determinism": {"same_bytes": same, "ok": same},
         "speed": speeds,
         "ok": ok,
@@ -241,7 +285,7 @@ pub(crate) fn gradients<L: Launcher>(
     activation: &str,
     tied: bool,
 ) -> Result<Gap, RunError> {
-    let mut t = trainer(pattern, activation, tied, SMALL)?;
+    let mut t = trainer(pattern, activation, tied, SMALL, &Value::Null)?;
     step_gap(launcher, &mut t, || PackedCounting(2))
 }
 
@@ -252,28 +296,37 @@ pub(crate) fn step_gap<L: Launcher, S: BatchSource>(
     t: &mut Trainer,
     source: impl Fn() -> S,
 ) -> Result<Gap, RunError> {
+    objective_gap(launcher, t, &mut NextToken::new(&mut source()))
+}
+
+/// How far the device's gradients of `t`'s next step (unclipped) of `objective` are from the
+/// CPU's.
+pub(crate) fn objective_gap<L: Launcher>(
+    launcher: &L,
+    t: &mut Trainer,
+    objective: &mut dyn Objective,
+) -> Result<Gap, RunError> {
     t.schedule.clip_grad = 0.0;
-    let want = cpu_gradients(t, &mut source())?;
+    let want = cpu_gradients(t, objective)?;
     let mut step = DeviceStep::upload(launcher, t)?;
-    step.step(t, &mut source())?;
+    step.step_on(t, objective)?;
     Ok(Gap::of(t, &step.gradients()?, &want))
 }
 
-/// The CPU's gradients of global step 0, summed over its micro-batches.
+/// The CPU's gradients of `t`'s next step of `objective`, summed over its micro-batches.
 pub(crate) fn cpu_gradients(
     t: &Trainer,
-    source: &mut dyn BatchSource,
+    objective: &mut dyn Objective,
 ) -> Result<Vec<Vec<f32>>, RunError> {
-    let micro = source.global_batch(0)?;
-    let normaliser = crate::global_loss_tokens(&micro);
+    let micro = objective.prepare(&t.model, t.step)?;
     let mut sums: Vec<Vec<f32>> = t
         .model
         .params
         .iter()
         .map(|(_, v)| vec![0.0; v.elem_count()])
         .collect();
-    for batch in &micro {
-        let loss = t.model.loss(batch, normaliser, true).map_err(crate::err)?;
+    for i in 0..micro {
+        let loss = objective.loss(&t.model, i)?;
         let grads = loss.total.backward().map_err(crate::err)?;
         for (sum, (_, var)) in sums.iter_mut().zip(t.model.params.iter()) {
             if let Some(g) = grads.get(var.as_tensor()) {
@@ -285,13 +338,146 @@ pub(crate) fn cpu_gradients(
     Ok(sums)
 }
 
+/// DPO or GRPO (`name`) on [`OBJECTIVE_MODEL`]: how far the device's step-1 gradients are from
+/// the CPU's, and the largest relative difference of [`SMALL`]'s steps from the CPU trainer's.
+/// DPO's reference differs from the policy (so Δ ≠ 0 from the first step) and averages its
+/// log-probabilities with an SFT term; GRPO samples 2 responses to each of 2 prompts a step
+/// (rewarded for starting with a token below 16) with the k3 KL term to a reference.
+pub(crate) fn objective<L: Launcher>(launcher: &L, name: &str) -> Result<(Gap, f64), RunError> {
+    let fresh = |seed: u64| -> Result<Trainer, RunError> {
+        let mut t = trainer(OBJECTIVE_MODEL, "relu2", false, SMALL, &Value::Null)?;
+        t.model = Model::new(&t.model.cfg, SMALL.vocab, seed).map_err(crate::err)?;
+        Ok(t)
+    };
+    let reference = || fresh(29).map(|t| t.model);
+    let schedule = fresh(11)?.schedule;
+    let pairs: Vec<dpo::Pair> = (0..8u32)
+        .map(|k| {
+            let prompt = [1, 2 + k % 5, 3];
+            let chosen = [4, 5 + k % 2, 6];
+            let rejected = [9, 10 + k % 3, 11, 12, 13];
+            let sequence = |answer: &[u32]| dpo::Sequence {
+                ids: prompt.iter().chain(answer).copied().collect(),
+                start: prompt.len(),
+            };
+            dpo::Pair {
+                chosen: sequence(&chosen),
+                rejected: sequence(&rejected[..2 + k as usize % 4]),
+            }
+        })
+        .collect();
+    let prompts: Vec<grpo::Prompt> = [[1, 2], [4, 5], [6, 1], [2, 2]]
+        .iter()
+        .map(|ids| grpo::Prompt {
+            ids: ids.to_vec(),
+            expected: String::new(),
+            env: "math".into(),
+        })
+        .collect();
+    let score = |_: &grpo::Prompt, response: &[u32]| f64::from(response.first() < Some(&16));
+    let rl = grpo::Config {
+        prompts_per_step: 2,
+        generations: 2,
+        sampling: model::sampling::Sampling {
+            temperature: 1.0,
+            top_p: 1.0,
+            top_k: None,
+            max_tokens: 3,
+        },
+        seed: 5,
+        micro_batch: schedule.micro_batch,
+        normalize_rewards: true,
+        leave_one_out: true,
+        overlong_filtering: false,
+        advantage_clip: (None, None),
+        loss: grpo::LossConfig {
+            ratio_clip_min: 0.2,
+            ratio_clip_max: 0.28,
+            ratio_clip_c: Some(3.0),
+            reference_policy_kl_penalty: 0.05,
+            token_level_loss: false,
+        },
+    };
+    let make = || -> Result<Box<dyn Objective + '_>, RunError> {
+        Ok(match name {
+            "dpo" => {
+                let loss = dpo::LossConfig {
+                    beta: 0.5,
+                    average_log_probs: true,
+                    preference_weight: 1.0,
+                    sft_weight: 0.2,
+                };
+                Box::new(dpo::DpoObjective::new(
+                    reference()?,
+                    pairs.clone(),
+                    loss,
+                    &schedule,
+                ))
+            }
+            _ => {
+                let (prompts, reference) = (prompts.clone(), Some(reference()?));
+                Box::new(grpo::Rollouts::new(
+                    rl.clone(),
+                    prompts,
+                    reference,
+                    vec![],
+                    &score,
+                ))
+            }
+        })
+    };
+    let gap = objective_gap(launcher, &mut fresh(11)?, make()?.as_mut())?;
+    let (mut cpu, mut on_device) = (fresh(11)?, fresh(11)?);
+    let (mut cpu_objective, mut device_objective) = (make()?, make()?);
+    let worst = curve_gap(
+        launcher,
+        (&mut cpu, cpu_objective.as_mut()),
+        (&mut on_device, device_objective.as_mut()),
+        SMALL.steps,
+    )?;
+    Ok((gap, worst))
+}
+
+/// The largest relative difference, over `steps` steps, of the device's losses, gradient norms
+/// and objective's figures (`device`: a trainer and its objective) from the CPU trainer's
+/// (`cpu`: a trainer of the same model and schedule, and its own objective). A figure on one
+/// side only, or not a number, is infinitely far.
+pub(crate) fn curve_gap<L: Launcher>(
+    launcher: &L,
+    cpu: (&mut Trainer, &mut dyn Objective),
+    device: (&mut Trainer, &mut dyn Objective),
+    steps: u64,
+) -> Result<f64, RunError> {
+    let mut step = DeviceStep::upload(launcher, device.0)?;
+    let relative = |a: f64, b: f64| {
+        let r = (a - b).abs() / b.abs().max(1e-6);
+        if r.is_nan() { f64::INFINITY } else { r }
+    };
+    let mut worst = 0f64;
+    for _ in 0..steps {
+        let (cpu_loss, cpu_norm) = cpu.0.step(cpu.1)?;
+        let (loss, norm) = step.step_on(device.0, device.1)?;
+        worst = worst
+            .max(relative(loss, cpu_loss))
+            .max(relative(norm, cpu_norm));
+        let (want, got) = (&cpu.0.last_metrics, &device.0.last_metrics);
+        if want.keys().ne(got.keys()) {
+            return Ok(f64::INFINITY);
+        }
+        for (key, value) in want {
+            worst = worst.max(relative(got[key], *value));
+        }
+    }
+    Ok(worst)
+}
+
 /// The largest relative difference of the device's losses and norms from the CPU trainer's
 /// over [`SMALL`]'s steps, and the device's losses.
 fn curve<L: Launcher>(launcher: &L) -> Result<(f64, Vec<f64>), RunError> {
-    let mut cpu = trainer(CURVE_MODEL, "swiglu", false, SMALL)?;
+    let mut cpu = trainer(CURVE_MODEL, "swiglu", false, SMALL, &Value::Null)?;
     let mut source = PackedCounting(2);
     let mut objective = NextToken::new(&mut source);
-    let mut on_device = trainer(CURVE_MODEL, "swiglu", false, SMALL)?;
+    let mut on_device = trainer(CURVE_MODEL, "swiglu", false, SMALL, &Value::Null)?;
     let mut step = DeviceStep::upload(launcher, &on_device)?;
     let (mut worst, mut losses) = (0f64, Vec::new());
     for _ in 0..SMALL.steps {
@@ -308,7 +494,7 @@ fn curve<L: Launcher>(launcher: &L) -> Result<(f64, Vec<f64>), RunError> {
 /// Whether two runs of the same steps on the device end with the same weight bytes.
 fn deterministic<L: Launcher>(launcher: &L) -> Result<bool, RunError> {
     let run = || -> Result<Vec<u8>, RunError> {
-        let mut t = trainer(CURVE_MODEL, "swiglu", false, SMALL)?;
+        let mut t = trainer(CURVE_MODEL, "swiglu", false, SMALL, &Value::Null)?;
         let mut step = DeviceStep::upload(launcher, &t)?;
         for _ in 0..SMALL.steps {
             step.step(&mut t, &mut PackedCounting(2))?;
@@ -424,13 +610,18 @@ struct SpeedModel {
     size: Size,
     rows: usize,
     len: usize,
+    /// Config keys over [`trainer`]'s (null: none).
+    overrides: fn() -> Value,
 }
 
 /// The models timed: the four MLP blocks earlier figures were taken on, and a dense
 /// transformer of GPT-2 small's size (12 layers of attention and MLP, hidden 768, 12 heads of
 /// 64, FFN 3072, a tied vocabulary of 50,304, 8 × 1024 tokens a step: 124 M parameters; RoPE
-/// and squared ReLU where GPT-2 has learned positions and GELU).
-const SPEED_MODELS: [SpeedModel; 2] = [
+/// and squared ReLU where GPT-2 has learned positions and GELU); and the tiny hybrid
+/// `ME*-/*E` of the CPU training benchmark (bench/train_bench.py's `HYBRID`: Mamba-2, MoE,
+/// attention and MLP blocks, one MTP depth, no positional encoding, hidden 128, 16 × 128 tokens
+/// a step).
+const SPEED_MODELS: [SpeedModel; 3] = [
     SpeedModel {
         name: "4 MLP blocks, hidden 1024",
         pattern: "----",
@@ -445,6 +636,7 @@ const SPEED_MODELS: [SpeedModel; 2] = [
         },
         rows: 8,
         len: 512,
+        overrides: || Value::Null,
     },
     SpeedModel {
         name: "GPT-2 small (124M)",
@@ -460,15 +652,52 @@ const SPEED_MODELS: [SpeedModel; 2] = [
         },
         rows: 8,
         len: 1024,
+        overrides: || Value::Null,
+    },
+    SpeedModel {
+        name: "tiny hybrid, hidden 128",
+        pattern: "ME*-/*E",
+        activation: "relu2",
+        tied: false,
+        size: Size {
+            hidden: 128,
+            heads: (4, 2, 32),
+            ffn: 384,
+            vocab: 1024,
+            steps: 0,
+        },
+        rows: 16,
+        len: 128,
+        overrides: || {
+            json!({
+                "position": "none",
+                "mamba": {"heads": 4, "head_dim": 32, "state": 32, "groups": 1, "chunk": 64},
+                "moe": {"experts": 8, "top_k": 2, "expert_ffn": 192, "shared_ffn": 192,
+                        "scaling": 2.5}
+            })
+        },
     },
 ];
 
 /// Model FLOPs of one training token, as nanoGPT's `estimate_mfu` counts them (after the
 /// PaLM paper's appendix B): `6·N` for the parameters' matmuls forward and backward, plus
-/// `12·L·H·Q·T` for attention's scores and weighted sums over `T` tokens.
+/// `12·L·H·Q·T` for attention's scores and weighted sums over `T` tokens. `N` counts the
+/// parameters a token passes through: of an MoE layer's routed experts, only its top-k. The
+/// Mamba-2 scan's own FLOPs are not counted.
 fn flops_per_token(t: &Trainer, len: usize) -> f64 {
     let cfg = &t.model.cfg;
-    let params = t.model.params.count() as f64;
+    let routed: usize = t
+        .model
+        .params
+        .iter()
+        .filter(|(name, _)| name.contains(".moe.experts."))
+        .map(|(_, v)| v.elem_count())
+        .sum();
+    let idle = cfg
+        .moe
+        .as_ref()
+        .map_or(0.0, |m| (m.experts - m.top_k) as f64 / m.experts as f64);
+    let params = t.model.params.count() as f64 - routed as f64 * idle;
     let layers = t.model.pattern.count(model::config::BlockKind::Attention) as f64;
     6.0 * params + 12.0 * layers * (cfg.heads * cfg.head_dim * len) as f64
 }
@@ -490,7 +719,7 @@ fn speed<L: Launcher>(
     };
     let tokens_per_step = m.rows * m.len;
     let tokens = (tokens_per_step as u64 * steps) as f64;
-    let mut on_device = trainer(m.pattern, m.activation, m.tied, size)?;
+    let mut on_device = trainer(m.pattern, m.activation, m.tied, size, &(m.overrides)())?;
     let flops = flops_per_token(&on_device, m.len);
     let parameters = on_device.model.params.count();
     let mut step = DeviceStep::upload(launcher, &on_device)?;
@@ -502,7 +731,7 @@ fn speed<L: Launcher>(
         step.step(&mut on_device, &mut data)?;
     }
     let device_rate = tokens / clock.elapsed().as_secs_f64().max(1e-9);
-    let mut cpu = trainer(m.pattern, m.activation, m.tied, size)?;
+    let mut cpu = trainer(m.pattern, m.activation, m.tied, size, &(m.overrides)())?;
     let mut data = source();
     let mut objective = NextToken::new(&mut data);
     let clock = Instant::now();

@@ -131,16 +131,19 @@ impl<L: Launcher> Kernels<'_, L> {
         self.run("embedding_fwd_f32", geometry, &args)
     }
 
+    /// The gradient of the whole table, from `dout` of the rows `ids` looked up, into
+    /// `acts.dtable`.
     pub(super) fn embedding_backward(
         &self,
         dout: Arg<'_, L::Buffer>,
+        ids: &L::Buffer,
         acts: &Activations<L::Buffer>,
         vocab: usize,
         dim: usize,
     ) -> Result<(), RunError> {
         let args = [
             dout,
-            Arg::Ptr(&acts.ids, 0),
+            Arg::Ptr(ids, 0),
             Arg::Ptr(&acts.dtable, 0),
             Arg::I32(self.rows()),
             Arg::I32(vocab as i32),
@@ -244,23 +247,39 @@ impl<L: Launcher> Kernels<'_, L> {
         }
     }
 
-    /// Per-token cross-entropy and its gradient, scaled by each token's loss weight.
+    /// Per-token cross-entropy of the logits against `labels`, with each row's log-sum-exp.
     pub(super) fn cross_entropy(
         &self,
         logits: Arg<'_, L::Buffer>,
+        labels: &L::Buffer,
         acts: &Activations<L::Buffer>,
         vocab: usize,
     ) -> Result<(), RunError> {
         let geometry = Geometry::linear(row_grid(self.rows), ROW_BLOCK);
-        let (labels, lse) = (Arg::Ptr(&acts.labels, 0), Arg::Ptr(&acts.lse, 0));
+        let (labels, lse) = (Arg::Ptr(labels, 0), Arg::Ptr(&acts.lse, 0));
         let (rows, vocab) = (Arg::I32(self.rows()), Arg::I32(vocab as i32));
         let ce = Arg::Ptr(&acts.ce, 0);
         self.run(
             "cross_entropy_fwd_f32",
             geometry,
             &[logits, labels, ce, lse, rows, vocab],
-        )?;
-        let (dloss, dlogits) = (Arg::Ptr(&acts.dloss, 0), Arg::Ptr(&acts.dlogits, 0));
+        )
+    }
+
+    /// The logits' gradient from [`Kernels::cross_entropy`]'s, each token's scaled by its
+    /// weight `dloss` (∂loss/∂CE).
+    pub(super) fn cross_entropy_backward(
+        &self,
+        logits: Arg<'_, L::Buffer>,
+        labels: &L::Buffer,
+        dloss: Arg<'_, L::Buffer>,
+        acts: &Activations<L::Buffer>,
+        vocab: usize,
+    ) -> Result<(), RunError> {
+        let geometry = Geometry::linear(row_grid(self.rows), ROW_BLOCK);
+        let (labels, lse) = (Arg::Ptr(labels, 0), Arg::Ptr(&acts.lse, 0));
+        let (rows, vocab) = (Arg::I32(self.rows()), Arg::I32(vocab as i32));
+        let dlogits = Arg::Ptr(&acts.dlogits, 0);
         self.run(
             "cross_entropy_bwd_f32",
             geometry,
@@ -362,6 +381,26 @@ impl<L: Launcher> Kernels<'_, L> {
     ) -> Result<(), RunError> {
         self.gemm(dy, x, dw, (outputs, inputs, rows), TN, 1.0)?;
         self.gemm(dy, w, dx, (rows, inputs, outputs), NN, beta)
+    }
+
+    /// `dst[:, dst_at + j] = src[:, src_at + j]` for `j < width`, over the micro-batch's rows.
+    pub(super) fn columns(
+        &self,
+        (dst, dst_cols, dst_at): (Arg<'_, L::Buffer>, usize, usize),
+        (src, src_cols, src_at): (Arg<'_, L::Buffer>, usize, usize),
+        width: usize,
+    ) -> Result<(), RunError> {
+        let args = [
+            dst,
+            Arg::I32(dst_cols as i32),
+            Arg::I32(dst_at as i32),
+            src,
+            Arg::I32(src_cols as i32),
+            Arg::I32(src_at as i32),
+            Arg::I32(self.rows as i32),
+            Arg::I32(width as i32),
+        ];
+        self.elementwise("copy_columns_f32", self.rows * width, &args)
     }
 
     /// `acc += x` over `n` floats.

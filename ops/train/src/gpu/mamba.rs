@@ -211,26 +211,6 @@ fn missing(what: &str) -> RunError {
 }
 
 impl<L: Launcher> Kernels<'_, L> {
-    /// `dst[:, dst_at + j] = src[:, src_at + j]` for `j < width`, over the micro-batch's rows.
-    fn columns(
-        &self,
-        (dst, dst_cols, dst_at): (Arg<'_, L::Buffer>, usize, usize),
-        (src, src_cols, src_at): (Arg<'_, L::Buffer>, usize, usize),
-        width: usize,
-    ) -> Result<(), RunError> {
-        let args = [
-            dst,
-            Arg::I32(dst_cols as i32),
-            Arg::I32(dst_at as i32),
-            src,
-            Arg::I32(src_cols as i32),
-            Arg::I32(src_at as i32),
-            Arg::I32(self.rows as i32),
-            Arg::I32(width as i32),
-        ];
-        self.elementwise("copy_columns_f32", self.rows * width, &args)
-    }
-
     /// `out[h] = Σ u·v` over every (row, head h, p < `p`) of `[rows, H, p]`; `v` null: `Σ u`.
     fn head_sums(
         &self,

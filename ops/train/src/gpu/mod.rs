@@ -9,9 +9,9 @@
 //!
 //! What runs here so far: models of MLP blocks (`-`, SwiGLU or squared ReLU), attention
 //! blocks (`*`: grouped-query causal attention over packed segments, RoPE or none), Mamba-2
-//! blocks (`M`: [`mamba`]) and MoE blocks (`E`: [`moe`]), tied or untied output head, no MTP
-//! depths, f32 throughout, GEMMs through linear.cu. [`DeviceStep::upload`] names anything
-//! else. Three block kinds are the same three steps around a different middle — an input
+//! blocks (`M`: [`mamba`]) and MoE blocks (`E`: [`moe`]), MTP depths after `/` ([`mtp`]), tied
+//! or untied output head, f32 throughout, GEMMs through linear.cu. [`DeviceStep::upload`]
+//! names anything else. Three block kinds are the same three steps around a different middle — an input
 //! projection, the mixer, an output projection added onto the residual — and an MoE block
 //! runs such an MLP per expert on its own tokens, so one loop runs them all:
 //!
@@ -23,10 +23,13 @@
 //! MoE:     h = rms_norm(x);  x = x + shared_mlp(h) + Σ_top-k gate · expert_mlp(h)
 //! ```
 //!
-//! Per step, as [`Trainer::step`]:
+//! Per step, as [`Trainer::step`], for any objective of the main head's per-token
+//! log-probabilities ([`PerToken`]: next-token cross-entropy, DPO, GRPO):
 //!
 //! ```text
-//! for each micro-batch:      forward → per-token CE / global loss tokens → backward,
+//! for each micro-batch:      (the reference model's forward and logp, when the objective has one)
+//!                            forward → logp of each label → the objective's ∂loss/∂logp
+//!                            (on the host) → backward, with the MTP heads' CE when it trains them,
 //!                            gradients summed into one buffer, micro-batch by micro-batch
 //! global gradient norm → clip → lr from the schedule → AdamW on every parameter
 //! ```
@@ -35,17 +38,20 @@ pub mod check;
 mod launches;
 mod mamba;
 mod moe;
+mod mtp;
 
-use crate::{BatchSource, Stepper, Trainer};
+use crate::{BatchSource, Objective, PerToken, Stepper, Tally, TokenGrad, Trainer};
 use kernels::launch::{Arg, Geometry, Launcher};
 use launches::{Kernels, NT, Packed, elementwise_grid, row_grid};
 use mamba::{MambaActs, MambaScratch, Scan, Ssm};
-use model::config::{Activation, BlockKind};
+use model::config::{Activation, BlockKind, ModelConfig};
 use model::layers::Rope;
 use model::net::{Batch, Model};
 use moe::{Experts, MoeActs, MoeScratch};
+use mtp::{Join, JoinActs, JoinScratch};
 use nemo_dag_op::RunError;
 use std::collections::BTreeMap;
+use std::ops::Range;
 
 /// Blocks of the gradient-norm's partial sums (summed in block order by one block), for `n`
 /// gradients: one for every 4,096, at most 1,024. A GPU needs about a thousand blocks to read
@@ -98,6 +104,16 @@ struct Heads {
     dim: usize,
 }
 
+impl Heads {
+    fn of(cfg: &ModelConfig) -> Heads {
+        Heads {
+            heads: cfg.heads,
+            kv_heads: cfg.kv_heads(),
+            dim: cfg.head_dim,
+        }
+    }
+}
+
 /// The parameters of one block.
 struct Block {
     norm: Slot,
@@ -148,14 +164,42 @@ struct Projected {
     mid_width: usize,
 }
 
+/// A run of blocks from an input to the output head: the main stack, or an MTP depth.
+struct Stack {
+    /// Its blocks in [`Layout::blocks`].
+    blocks: Range<usize>,
+    /// Its input's slot in the residual streams (`xs`): each stack has one slot more than it
+    /// has blocks, so block `i` of stack `s` reads slot `i + s` and writes slot `i + s + 1`.
+    first_slot: usize,
+    final_norm: Slot,
+    /// An MTP depth's join of the shifted embedding and the previous stack's output; `None`
+    /// for the main stack, which starts from the embedding.
+    join: Option<Join>,
+}
+
+impl Stack {
+    /// The residual-stream slot block `i` reads.
+    fn slot(&self, i: usize) -> usize {
+        self.first_slot + i - self.blocks.start
+    }
+
+    /// The slot of the stack's output, which its final norm reads.
+    fn output(&self) -> usize {
+        self.first_slot + self.blocks.len()
+    }
+}
+
 /// Where each parameter the step touches lives, and the sizes it is launched with.
 struct Layout {
     vocab: usize,
     hidden: usize,
     eps: f32,
     embedding: Slot,
+    /// Every block: the main stack's, then each MTP depth's in turn (a shared depth's once per
+    /// depth, each with activations of its own).
     blocks: Vec<Block>,
-    final_norm: Slot,
+    /// The main stack, then MTP depths 1, 2, …
+    stacks: Vec<Stack>,
     /// The output head: the embedding's slot when tied.
     head: Slot,
     /// Whether attention blocks rotate queries and keys (RoPE).
@@ -168,14 +212,7 @@ impl Layout {
     fn of(trainer: &Trainer) -> Result<Layout, RunError> {
         let model = &trainer.model;
         let cfg = &model.cfg;
-        if !model.pattern.mtp.is_empty() {
-            return Err(unsupported("multi-token prediction depths".to_string()));
-        }
-        let heads = Heads {
-            heads: cfg.heads,
-            kv_heads: cfg.kv_heads(),
-            dim: cfg.head_dim,
-        };
+        let heads = Heads::of(cfg);
         if model.pattern.count(BlockKind::Attention) > 0 && heads.dim > MAX_HEAD_DIM {
             return Err(unsupported(format!(
                 "attention heads of {} dimensions (attention.cu holds at most {MAX_HEAD_DIM})",
@@ -201,92 +238,45 @@ impl Layout {
                 .copied()
                 .ok_or_else(|| RunError::new(format!("GPU trainer: the model has no `{name}`")))
         };
-        let blocks = model
-            .pattern
-            .main
-            .iter()
-            .enumerate()
-            .map(|(i, kind)| {
-                let norm = find(&format!("blocks.{i}.norm"))?;
-                let body = match kind {
-                    BlockKind::Attention => Projected {
-                        mixer: Mixer::Attention(heads),
-                        w_in: find(&format!("blocks.{i}.attn.qkv"))?,
-                        w_out: find(&format!("blocks.{i}.attn.proj"))?,
-                        in_width: (heads.heads + 2 * heads.kv_heads) * heads.dim,
-                        mid_width: heads.heads * heads.dim,
-                    },
-                    BlockKind::Mamba => {
-                        let m = cfg.mamba.as_ref().ok_or_else(|| {
-                            RunError::new("GPU trainer: Mamba blocks need `mamba:`".to_string())
-                        })?;
-                        let param = |name: &str| find(&format!("blocks.{i}.mamba.{name}"));
-                        let ssm = Ssm {
-                            heads: m.heads,
-                            head_dim: m.head_dim,
-                            groups: m.groups,
-                            state: m.state,
-                            conv: m.conv,
-                            chunk: m.chunk,
-                            eps: cfg.norm_eps as f32,
-                            conv_weight: param("conv_weight")?,
-                            conv_bias: param("conv_bias")?,
-                            dt_bias: param("dt_bias")?,
-                            a_log: param("a_log")?,
-                            d: param("d")?,
-                            norm: param("norm")?,
-                        };
-                        Projected {
-                            mixer: Mixer::Mamba(ssm),
-                            w_in: param("in_proj")?,
-                            w_out: param("out_proj")?,
-                            in_width: ssm.projected(),
-                            mid_width: ssm.inner(),
-                        }
-                    }
-                    BlockKind::Moe => {
-                        let m = cfg.moe.as_ref().ok_or_else(|| {
-                            RunError::new("GPU trainer: MoE blocks need `moe:`".to_string())
-                        })?;
-                        let mlp = |name: &str, ffn: usize| {
-                            Ok::<_, RunError>(moe::Mlp {
-                                fc1: find(&format!("blocks.{i}.moe.{name}.fc1"))?,
-                                fc2: find(&format!("blocks.{i}.moe.{name}.fc2"))?,
-                                in_width: in_width(cfg.activation, ffn),
-                                ffn,
-                            })
-                        };
-                        let experts = Experts {
-                            router: find(&format!("blocks.{i}.moe.router"))?,
-                            routed: (0..m.experts)
-                                .map(|e| mlp(&format!("experts.{e}"), m.expert_ffn))
-                                .collect::<Result<_, _>>()?,
-                            shared: (m.shared_ffn > 0)
-                                .then(|| mlp("shared", m.shared_ffn))
-                                .transpose()?,
-                            top_k: m.top_k,
-                            scaling: m.scaling as f32,
-                            activation: cfg.activation,
-                        };
-                        return Ok(Block {
-                            norm,
-                            body: Body::Moe(experts),
-                        });
-                    }
-                    BlockKind::Mlp => Projected {
-                        mixer: Mixer::Mlp(cfg.activation),
-                        w_in: find(&format!("blocks.{i}.mlp.fc1"))?,
-                        w_out: find(&format!("blocks.{i}.mlp.fc2"))?,
-                        in_width: in_width(cfg.activation, cfg.ffn),
-                        mid_width: cfg.ffn,
-                    },
-                };
-                Ok(Block {
-                    norm,
-                    body: Body::Projected(body),
+
+        // The main stack, then each MTP depth k = 1..=D with its own weights, or depth 0's
+        // for every k when they are shared, as `Model::loss` runs them.
+        let mut blocks = Vec::new();
+        let mut stacks = Vec::new();
+        let depths = model.pattern.mtp.len();
+        for k in 0..=depths {
+            let weights = if cfg.mtp_shared {
+                0
+            } else {
+                k.saturating_sub(1)
+            };
+            let (prefix, kinds) = match k {
+                0 => (String::new(), &model.pattern.main),
+                _ => (format!("mtp.{weights}."), &model.pattern.mtp[weights]),
+            };
+            let start = blocks.len();
+            for (i, kind) in kinds.iter().enumerate() {
+                blocks.push(block(&format!("{prefix}blocks.{i}"), *kind, cfg, &find)?);
+            }
+            let join = (k > 0)
+                .then(|| {
+                    Ok::<_, RunError>(Join {
+                        shift: k,
+                        weights,
+                        enorm: find(&format!("{prefix}enorm"))?,
+                        hnorm: find(&format!("{prefix}hnorm"))?,
+                        eh_proj: find(&format!("{prefix}eh_proj"))?,
+                        loss_scale: cfg.mtp_loss_scale / depths as f64,
+                    })
                 })
-            })
-            .collect::<Result<Vec<_>, RunError>>()?;
+                .transpose()?;
+            stacks.push(Stack {
+                blocks: start..blocks.len(),
+                first_slot: start + k,
+                final_norm: find(&format!("{prefix}final_norm"))?,
+                join,
+            });
+        }
         let embedding = find("embedding")?;
         let head = if cfg.tie_embeddings {
             embedding
@@ -299,12 +289,22 @@ impl Layout {
             eps: cfg.norm_eps as f32,
             embedding,
             blocks,
-            final_norm: find("final_norm")?,
+            stacks,
             head,
             rope: model.rope().is_some(),
             slots,
             total,
         })
+    }
+
+    /// Slots of the residual streams: one more per stack than it has blocks.
+    fn streams(&self) -> usize {
+        self.blocks.len() + self.stacks.len()
+    }
+
+    /// The MTP depths' joins.
+    fn joins(&self) -> impl Iterator<Item = &Join> {
+        self.stacks.iter().filter_map(|s| s.join.as_ref())
     }
 
     fn attention_heads(&self) -> Option<Heads> {
@@ -334,6 +334,96 @@ impl Layout {
     }
 }
 
+/// The parameters of the block `kind` whose names start with `prefix` (`blocks.3`,
+/// `mtp.0.blocks.1`).
+fn block(
+    prefix: &str,
+    kind: BlockKind,
+    cfg: &ModelConfig,
+    find: &impl Fn(&str) -> Result<Slot, RunError>,
+) -> Result<Block, RunError> {
+    let param = |name: &str| find(&format!("{prefix}.{name}"));
+    let heads = Heads::of(cfg);
+    let body = match kind {
+        BlockKind::Attention => Projected {
+            mixer: Mixer::Attention(heads),
+            w_in: param("attn.qkv")?,
+            w_out: param("attn.proj")?,
+            in_width: (heads.heads + 2 * heads.kv_heads) * heads.dim,
+            mid_width: heads.heads * heads.dim,
+        },
+        BlockKind::Mamba => {
+            let m = cfg.mamba.as_ref().ok_or_else(|| {
+                RunError::new("GPU trainer: Mamba blocks need `mamba:`".to_string())
+            })?;
+            let param = |name: &str| param(&format!("mamba.{name}"));
+            let ssm = Ssm {
+                heads: m.heads,
+                head_dim: m.head_dim,
+                groups: m.groups,
+                state: m.state,
+                conv: m.conv,
+                chunk: m.chunk,
+                eps: cfg.norm_eps as f32,
+                conv_weight: param("conv_weight")?,
+                conv_bias: param("conv_bias")?,
+                dt_bias: param("dt_bias")?,
+                a_log: param("a_log")?,
+                d: param("d")?,
+                norm: param("norm")?,
+            };
+            Projected {
+                mixer: Mixer::Mamba(ssm),
+                w_in: param("in_proj")?,
+                w_out: param("out_proj")?,
+                in_width: ssm.projected(),
+                mid_width: ssm.inner(),
+            }
+        }
+        BlockKind::Moe => {
+            let m = cfg
+                .moe
+                .as_ref()
+                .ok_or_else(|| RunError::new("GPU trainer: MoE blocks need `moe:`".to_string()))?;
+            let mlp = |name: &str, ffn: usize| {
+                Ok::<_, RunError>(moe::Mlp {
+                    fc1: param(&format!("moe.{name}.fc1"))?,
+                    fc2: param(&format!("moe.{name}.fc2"))?,
+                    in_width: in_width(cfg.activation, ffn),
+                    ffn,
+                })
+            };
+            let experts = Experts {
+                router: param("moe.router")?,
+                routed: (0..m.experts)
+                    .map(|e| mlp(&format!("experts.{e}"), m.expert_ffn))
+                    .collect::<Result<_, _>>()?,
+                shared: (m.shared_ffn > 0)
+                    .then(|| mlp("shared", m.shared_ffn))
+                    .transpose()?,
+                top_k: m.top_k,
+                scaling: m.scaling as f32,
+                activation: cfg.activation,
+            };
+            return Ok(Block {
+                norm: param("norm")?,
+                body: Body::Moe(experts),
+            });
+        }
+        BlockKind::Mlp => Projected {
+            mixer: Mixer::Mlp(cfg.activation),
+            w_in: param("mlp.fc1")?,
+            w_out: param("mlp.fc2")?,
+            in_width: in_width(cfg.activation, cfg.ffn),
+            mid_width: cfg.ffn,
+        },
+    };
+    Ok(Block {
+        norm: param("norm")?,
+        body: Body::Projected(body),
+    })
+}
+
 /// fc1's rows for an MLP of `ffn`: SwiGLU's gate and up, or squared ReLU's one.
 fn in_width(activation: Activation, ffn: usize) -> usize {
     match activation {
@@ -348,7 +438,8 @@ const MAX_HEAD_DIM: usize = 128;
 fn unsupported(what: String) -> RunError {
     RunError::new(format!(
         "the GPU trainer does not train {what} yet: it trains models of MLP, attention, \
-         Mamba-2 and MoE blocks (patterns of `-`, `*`, `M` and `E`) without MTP depths so far"
+         Mamba-2 and MoE blocks (patterns of `-`, `*`, `M` and `E`, with MTP depths after `/`) \
+         whose attention heads have at most {MAX_HEAD_DIM} dimensions"
     ))
     .with_help("run this stage with `device: cpu`, or `auto` to use a GPU where it can")
 }
@@ -374,21 +465,24 @@ struct Activations<B> {
     /// The micro-batch rows, and Mamba-2's (row, chunk) pairs, the buffers are sized for.
     batch: usize,
     chunk_rows: usize,
-    ids: B,
-    labels: B,
-    /// Per token: its loss mask divided by the global batch's loss tokens.
-    dloss: B,
+    /// Per stack: the ids it embeds, its labels and loss weights.
+    inputs: Vec<Inputs<B>>,
     /// Per token: its packed segment's id, and RoPE's cos and sin at its position
     /// (`rows × head_dim`); allocated when the model has attention blocks (and RoPE).
     segments: Option<B>,
     cos: Option<B>,
     sin: Option<B>,
-    /// The residual stream entering each block, and after the last one: `(L + 1) × rows × D`.
+    /// The residual stream entering each block, and after each stack's last one:
+    /// `(L + S) × rows × D` for `L` blocks in `S` stacks ([`Stack::slot`]).
     xs: B,
-    /// Each block's normed input, `L × rows × D`, and each norm's 1/rms, `(L + 1) × rows`.
+    /// Each block's normed input, `L × rows × D`, and the 1/rms of each norm of a slot of
+    /// `xs` (a block's, or a stack's final norm), `(L + S) × rows`.
     normed: B,
     rstd: B,
     blocks: Vec<BlockActs<B>>,
+    /// Per MTP depth: what its join keeps; and the joins' scratch.
+    joins: Vec<JoinActs<B>>,
+    join: Option<JoinScratch<B>>,
     final_normed: B,
     logits: B,
     ce: B,
@@ -412,6 +506,17 @@ struct Activations<B> {
     dtable: B,
 }
 
+/// What a stack's head and loss read for one micro-batch: the ids the stack embeds, its labels
+/// and, for an MTP depth, each token's loss weight (its loss mask times the depth's loss scale,
+/// divided by the global batch's loss tokens; the main head's weights are the objective's,
+/// uploaded once its log-probabilities are known). The main stack's ids and labels are the
+/// batch's; MTP depth k's are shifted left by k ([`model::net::shift_left`]).
+struct Inputs<B> {
+    ids: B,
+    labels: B,
+    dloss: Option<B>,
+}
+
 /// A [`Trainer`]'s weights and AdamW state on a device, and the step that updates them.
 pub struct DeviceStep<'l, L: Launcher> {
     launcher: &'l L,
@@ -423,6 +528,9 @@ pub struct DeviceStep<'l, L: Launcher> {
     norm_partial: L::Buffer,
     norm: L::Buffer,
     acts: Option<Activations<L::Buffer>>,
+    /// The frozen reference model's weights, when the objective reads one (uploaded on first
+    /// use).
+    reference: Option<L::Buffer>,
 }
 
 impl<'l, L: Launcher> DeviceStep<'l, L> {
@@ -450,33 +558,37 @@ impl<'l, L: Launcher> DeviceStep<'l, L> {
             m,
             v,
             acts: None,
+            reference: None,
         })
     }
 
     /// Copies the weights and AdamW moments back into `trainer` (for a checkpoint, or to go on
     /// on the CPU).
     pub fn download(&self, trainer: &mut Trainer) -> Result<(), RunError> {
+        self.download_weights(trainer)?;
         let read = |buffer: &L::Buffer, slot: &Slot| {
             self.launcher
                 .read_f32(buffer, slot.offset, slot.len)
                 .map_err(device)
         };
-        for (i, ((_, var), slot)) in trainer
-            .model
-            .params
-            .iter()
-            .zip(&self.layout.slots)
-            .enumerate()
-        {
-            let t = candle_core::Tensor::from_vec(
-                read(&self.weights, slot)?,
-                var.shape(),
-                var.device(),
-            )
-            .map_err(crate::err)?;
-            var.set(&t).map_err(crate::err)?;
+        for (i, slot) in self.layout.slots.iter().enumerate() {
             trainer.opt.m[i] = read(&self.m, slot)?;
             trainer.opt.v[i] = read(&self.v, slot)?;
+        }
+        Ok(())
+    }
+
+    /// Copies the weights (not the optimizer state) back into `trainer`'s model: what an
+    /// objective that generates with the current weights reads.
+    fn download_weights(&self, trainer: &mut Trainer) -> Result<(), RunError> {
+        for ((_, var), slot) in trainer.model.params.iter().zip(&self.layout.slots) {
+            let values = self
+                .launcher
+                .read_f32(&self.weights, slot.offset, slot.len)
+                .map_err(device)?;
+            let t = candle_core::Tensor::from_vec(values, var.shape(), var.device())
+                .map_err(crate::err)?;
+            var.set(&t).map_err(crate::err)?;
         }
         Ok(())
     }
@@ -494,21 +606,43 @@ impl<'l, L: Launcher> DeviceStep<'l, L> {
             .collect()
     }
 
-    /// One optimizer step of `trainer` on global batch `trainer.step` of `source`: the device
-    /// twin of [`Trainer::step`] with [`crate::NextToken`]. Returns (mean loss, grad norm
-    /// before clipping).
+    /// One optimizer step of `trainer` on global batch `trainer.step` of `source`:
+    /// [`DeviceStep::step_on`] with [`crate::NextToken`]. Returns (mean loss, grad norm before
+    /// clipping).
     pub fn step(
         &mut self,
         trainer: &mut Trainer,
         source: &mut dyn BatchSource,
     ) -> Result<(f64, f64), RunError> {
-        let micro = source.global_batch(trainer.step)?;
-        let normaliser = crate::global_loss_tokens(&micro);
+        self.step_on(trainer, &mut crate::NextToken::new(source))
+    }
+
+    /// One optimizer step of `trainer` on `objective`, which must be [`PerToken`]: the device
+    /// twin of [`Trainer::step`]. Returns (mean loss, grad norm before clipping).
+    pub fn step_on(
+        &mut self,
+        trainer: &mut Trainer,
+        objective: &mut dyn Objective,
+    ) -> Result<(f64, f64), RunError> {
+        let cpu_only = || RunError::new("GPU trainer: the objective trains on the CPU only");
+        if objective
+            .per_token()
+            .ok_or_else(cpu_only)?
+            .prepares_with_weights()
+        {
+            self.download_weights(trainer)?;
+        }
+        let micro = objective.prepare(&trainer.model, trainer.step)?;
+        let per_token = objective.per_token().ok_or_else(cpu_only)?;
         self.zero_grads()?;
-        let (mut loss_sum, mut tokens) = (0.0, 0.0);
-        for batch in &micro {
-            loss_sum += self.forward_backward(batch, &trainer.model, normaliser)?;
-            tokens += crate::loss_tokens(batch);
+        let (mut loss_sum, mut count, mut tally) = (0.0, 0.0, Tally::new());
+        for i in 0..micro {
+            let m = self.forward_backward(per_token, i, &trainer.model)?;
+            loss_sum += m.sum;
+            count += m.count;
+            for (k, v) in m.tally {
+                *tally.entry(k).or_insert(0.0) += v;
+            }
         }
         let norm = self.clip(trainer.schedule.clip_grad)?;
         trainer.check_norm(norm)?;
@@ -516,20 +650,38 @@ impl<'l, L: Launcher> DeviceStep<'l, L> {
         self.adamw(trainer, lr)?;
         trainer.opt.t += 1;
         trainer.model.update_moe_biases();
-        trainer.finish_step(loss_sum / tokens.max(1.0), norm, lr, BTreeMap::new());
-        Ok((loss_sum / tokens.max(1.0), norm))
+        let loss = loss_sum / count.max(1.0);
+        let metrics = objective.metrics(&tally);
+        trainer.finish_step(loss, norm, lr, metrics);
+        Ok((loss, norm))
     }
 
-    /// Forward and backward of one micro-batch, its gradients added into `grads`; returns its
-    /// summed masked cross-entropy.
+    /// Forward and backward of micro-batch `i` of `objective`'s prepared step, its gradients
+    /// added into `grads`: the network, the main head's log-probabilities handed to
+    /// [`PerToken::grad`], and its gradient back through the head and the network (with the
+    /// MTP heads' losses when the objective trains them). Returns the objective's figures.
     fn forward_backward(
         &mut self,
-        batch: &Batch,
+        objective: &dyn PerToken,
+        i: usize,
         model: &Model,
-        normaliser: f64,
-    ) -> Result<f64, RunError> {
+    ) -> Result<TokenGrad, RunError> {
+        let batch = objective.batch(i)?;
+        let mtp = objective.mtp_normaliser();
+        let stacks = if mtp.is_some() {
+            self.layout.stacks.len()
+        } else {
+            1
+        };
+        self.prepare(&batch, model.rope(), mtp)?;
+        let reference = match objective.reference() {
+            Some(r) => Some(self.reference_logp(model, r, &batch)?),
+            None => None,
+        };
+        let count = objective.counts_experts();
+        let routed = self.forward((&self.weights, model), &batch, stacks, count)?;
+
         let rows = batch.ids.len();
-        self.prepare(batch, model.rope(), normaliser)?;
         let (l, acts) = (&self.layout, self.acts.as_ref().ok_or_else(no_acts)?);
         let (w, g) = (&self.weights, &self.grads);
         let (d, v) = (l.hidden, l.vocab);
@@ -546,129 +698,262 @@ impl<'l, L: Launcher> DeviceStep<'l, L> {
             acts,
         };
 
-        // Forward: x = embed(ids); per block x = x + w_out(mix(w_in(rms_norm(x)))), or
-        // x = x + moe(rms_norm(x)).
-        let mut routed = Vec::with_capacity(l.blocks.len());
-        k.embedding(l.embedding.at(w), &acts.ids, x_at(0), v, d)?;
-        for (i, (block, a)) in l.blocks.iter().zip(&acts.blocks).enumerate() {
-            let (projected, mixed) = (Arg::Ptr(&a.projected, 0), Arg::Ptr(&a.mixed, 0));
-            k.rms_norm(
-                x_at(i),
-                block.norm.at(w),
-                normed_at(i),
-                rstd_at(i),
-                d,
-                l.eps,
-            )?;
-            k.copy(x_at(i), x_at(i + 1), rows * d)?;
-            let p = match &block.body {
-                Body::Projected(p) => p,
-                Body::Moe(experts) => {
-                    let (scratch, layer) = (moe_scratch(acts)?, moe_layer(model, i)?);
-                    let valid = batch.valid.as_deref();
-                    let r = k.moe(w, experts, layer, valid, normed_at(i), a, scratch, d)?;
-                    k.add(x_at(i + 1), scratch.output(), rows * d)?;
-                    routed.push(Some(r));
-                    continue;
-                }
-            };
-            routed.push(None);
-            let (n_in, n_mid) = (p.in_width, p.mid_width);
-            k.gemm(
-                normed_at(i),
-                p.w_in.at(w),
-                projected,
-                (rows, n_in, d),
-                NT,
-                0.0,
-            )?;
-            match p.mixer {
-                Mixer::Mlp(activation) => k.activation(activation, projected, mixed, n_mid)?,
-                Mixer::Attention(heads) => k.attention(projected, mixed, a, heads, &packed)?,
-                Mixer::Mamba(ssm) => {
-                    let (scratch, scan) = mamba_inputs(&packed)?;
-                    k.mamba(w, &ssm, a, scratch, &scan)?
-                }
-            }
-            k.gemm(mixed, p.w_out.at(w), x_at(i + 1), (rows, d, n_mid), NT, 1.0)?;
-        }
-        let last = l.blocks.len();
-        let final_normed = Arg::Ptr(&acts.final_normed, 0);
-        k.rms_norm(
-            x_at(last),
-            l.final_norm.at(w),
-            final_normed,
-            rstd_at(last),
-            d,
-            l.eps,
-        )?;
-        let logits = Arg::Ptr(&acts.logits, 0);
-        k.gemm(final_normed, l.head.at(w), logits, (rows, v, d), NT, 0.0)?;
-        k.cross_entropy(logits, acts, v)?;
-        let ce = self.launcher.read_f32(&acts.ce, 0, rows).map_err(device)?;
-        let loss_sum: f64 = ce
-            .iter()
-            .zip(&batch.loss_mask)
-            .map(|(c, m)| *c as f64 * *m as f64)
-            .sum();
-
-        // Backward, in reverse: the head, the final norm, each block, the embedding.
+        // Backward, stack by stack from the last MTP depth: its head and loss, its blocks in
+        // reverse, its input (the embedding, or the join, which sends a gradient back to the
+        // previous stack's output). The main head's loss is the objective's: its gradient in
+        // each token's log-probability comes from the host, as the CE's weight (∂loss/∂CE =
+        // −∂loss/∂logp); an MTP head's weights were uploaded with the batch.
+        let (final_normed, logits) = (Arg::Ptr(&acts.final_normed, 0), Arg::Ptr(&acts.logits, 0));
         let (dlogits, dx) = (Arg::Ptr(&acts.dlogits, 0), Arg::Ptr(&acts.dx, 0));
         let (dh, dnorm_in) = (Arg::Ptr(&acts.dh, 0), Arg::Ptr(&acts.dnorm_in, 0));
-        let head = l.head.with_grad((w, g));
-        k.linear_backward(dlogits, final_normed, head, dh, (rows, v, d), 0.0)?;
-        k.rms_norm_backward(x_at(last), l.final_norm, rstd_at(last), dh, dx, acts, self)?;
-        for (i, (block, a)) in l.blocks.iter().zip(&acts.blocks).enumerate().rev() {
-            let (projected, mixed) = (Arg::Ptr(&a.projected, 0), Arg::Ptr(&a.mixed, 0));
-            let (dmixed, dprojected) = (Arg::Ptr(&acts.dmixed, 0), Arg::Ptr(&acts.dprojected, 0));
-            match (&block.body, &routed[i]) {
-                (Body::Projected(p), _) => {
-                    let (n_in, n_mid) = (p.in_width, p.mid_width);
-                    let w_out = p.w_out.with_grad((w, g));
-                    k.linear_backward(dx, mixed, w_out, dmixed, (rows, d, n_mid), 0.0)?;
-                    match p.mixer {
-                        Mixer::Mlp(activation) => {
-                            k.activation_backward(activation, projected, dmixed, dprojected, n_mid)?
+        let mut figures = None;
+        let mut main_dloss = None;
+        for (s, stack) in l.stacks.iter().enumerate().take(stacks).rev() {
+            let (out, inputs) = (stack.output(), &acts.inputs[s]);
+            let final_norm = stack.final_norm;
+            self.head(&k, w, stack, &inputs.labels)?;
+            let dloss = if s == 0 {
+                let logp = self.head_logp(rows)?;
+                let grad = objective.grad(i, &logp, reference.as_deref())?;
+                if grad.dlogp.len() != rows {
+                    return Err(RunError::new(format!(
+                        "GPU trainer: the objective gave {} gradients for {rows} tokens",
+                        grad.dlogp.len()
+                    )));
+                }
+                let dce: Vec<f32> = grad.dlogp.iter().map(|g| -g).collect();
+                figures = Some(grad);
+                let uploaded = self.launcher.upload_f32(&dce).map_err(device)?;
+                Arg::Ptr(&*main_dloss.insert(uploaded), 0)
+            } else {
+                Arg::Ptr(inputs.dloss.as_ref().ok_or_else(no_acts)?, 0)
+            };
+            k.cross_entropy_backward(logits, &inputs.labels, dloss, acts, v)?;
+            let head = l.head.with_grad((w, g));
+            k.linear_backward(dlogits, final_normed, head, dh, (rows, v, d), 0.0)?;
+            k.rms_norm_backward(x_at(out), final_norm, rstd_at(out), dh, dx, acts, self)?;
+            if s + 1 < stacks {
+                // The next depth joined this stack's output too.
+                k.add(dx, Arg::Ptr(&join_scratch(acts)?.carry, 0), rows * d)?;
+            }
+            for i in stack.blocks.clone().rev() {
+                let (block, a, x) = (&l.blocks[i], &acts.blocks[i], stack.slot(i));
+                let (projected, mixed) = (Arg::Ptr(&a.projected, 0), Arg::Ptr(&a.mixed, 0));
+                let (dmixed, dprojected) =
+                    (Arg::Ptr(&acts.dmixed, 0), Arg::Ptr(&acts.dprojected, 0));
+                match (&block.body, &routed[i]) {
+                    (Body::Projected(p), _) => {
+                        let (n_in, n_mid) = (p.in_width, p.mid_width);
+                        let w_out = p.w_out.with_grad((w, g));
+                        k.linear_backward(dx, mixed, w_out, dmixed, (rows, d, n_mid), 0.0)?;
+                        match p.mixer {
+                            Mixer::Mlp(activation) => k.activation_backward(
+                                activation, projected, dmixed, dprojected, n_mid,
+                            )?,
+                            Mixer::Attention(heads) => {
+                                k.attention_backward(a, dmixed, dprojected, heads, &packed)?
+                            }
+                            Mixer::Mamba(ssm) => {
+                                let (scratch, scan) = mamba_inputs(&packed)?;
+                                let (w, a, scan) = ((w, g), a, &scan);
+                                k.mamba_backward(w, &ssm, a, scratch, scan, dmixed, dprojected)?
+                            }
                         }
-                        Mixer::Attention(heads) => {
-                            k.attention_backward(a, dmixed, dprojected, heads, &packed)?
-                        }
-                        Mixer::Mamba(ssm) => {
-                            let (scratch, scan) = mamba_inputs(&packed)?;
-                            k.mamba_backward((w, g), &ssm, a, scratch, &scan, dmixed, dprojected)?
-                        }
+                        let (w_in, normed) = (p.w_in.with_grad((w, g)), normed_at(i));
+                        k.linear_backward(dprojected, normed, w_in, dh, (rows, n_in, d), 0.0)?;
                     }
-                    let (w_in, normed) = (p.w_in.with_grad((w, g)), normed_at(i));
-                    k.linear_backward(dprojected, normed, w_in, dh, (rows, n_in, d), 0.0)?;
+                    (Body::Moe(experts), Some(r)) => {
+                        let scratch = moe_scratch(acts)?;
+                        let io = (normed_at(i), dx, dh);
+                        let shared = (dmixed, dprojected);
+                        k.moe_backward((w, g), experts, r, io, a, scratch, shared, d)?;
+                    }
+                    (Body::Moe(_), None) => {
+                        return Err(RunError::new(
+                            "GPU trainer: an MoE block's backward without its forward's routing"
+                                .to_string(),
+                        ));
+                    }
                 }
-                (Body::Moe(experts), Some(r)) => {
-                    let scratch = moe_scratch(acts)?;
-                    let io = (normed_at(i), dx, dh);
-                    let shared = (dmixed, dprojected);
-                    k.moe_backward((w, g), experts, r, io, a, scratch, shared, d)?;
+                k.rms_norm_backward(x_at(x), block.norm, rstd_at(x), dh, dnorm_in, acts, self)?;
+                k.add(dx, dnorm_in, rows * d)?;
+            }
+            match (&stack.join, s.checked_sub(1)) {
+                (Some(join), Some(before)) => {
+                    let h = x_at(l.stacks[before].output());
+                    let (a, scratch) = (&acts.joins[before], join_scratch(acts)?);
+                    k.join_backward(self, join, a, scratch, acts, &inputs.ids, (h, dx))?;
                 }
-                (Body::Moe(_), None) => {
-                    return Err(RunError::new(
-                        "GPU trainer: an MoE block's backward without its forward's routing"
-                            .to_string(),
-                    ));
+                _ => {
+                    k.embedding_backward(dx, &inputs.ids, acts, v, d)?;
+                    k.add(l.embedding.at(g), Arg::Ptr(&acts.dtable, 0), v * d)?;
                 }
             }
-            k.rms_norm_backward(x_at(i), block.norm, rstd_at(i), dh, dnorm_in, acts, self)?;
-            k.add(dx, dnorm_in, rows * d)?;
         }
-        k.embedding_backward(dx, acts, v, d)?;
-        k.add(l.embedding.at(g), Arg::Ptr(&acts.dtable, 0), v * d)?;
-        Ok(loss_sum)
+        figures.ok_or_else(|| RunError::new("GPU trainer: the main head was not run"))
     }
 
-    /// Uploads a micro-batch's ids, labels and loss weights (and, for attention, its segment
-    /// ids and rotary tables), allocating the activations for its size on first use.
+    /// The forward of the uploaded micro-batch through the first `stacks` stacks (the main
+    /// stack, then MTP depths) on the weights `w` of `model`, which chooses the MoE blocks'
+    /// experts and, with `count`, counts their tokens for the bias update; returns each
+    /// block's routing (`None` for a block that is not MoE).
+    fn forward(
+        &self,
+        (w, model): (&L::Buffer, &Model),
+        batch: &Batch,
+        stacks: usize,
+        count: bool,
+    ) -> Result<Vec<Option<moe::Routed<L::Buffer>>>, RunError> {
+        let rows = batch.ids.len();
+        let (l, acts) = (&self.layout, self.acts.as_ref().ok_or_else(no_acts)?);
+        let (d, v) = (l.hidden, l.vocab);
+        let x_at = |i: usize| Arg::Ptr(&acts.xs, i * rows * d * 4);
+        let normed_at = |i: usize| Arg::Ptr(&acts.normed, i * rows * d * 4);
+        let rstd_at = |i: usize| Arg::Ptr(&acts.rstd, i * rows * 4);
+        let k = Kernels {
+            launcher: self.launcher,
+            rows,
+        };
+        let packed = Packed {
+            batch: batch.layout.batch,
+            len: batch.layout.len,
+            acts,
+        };
+
+        // Stack by stack: x = embed(ids), or an MTP depth's join; then per block
+        // x = x + w_out(mix(w_in(rms_norm(x)))), or x = x + moe(rms_norm(x)).
+        let mut routed = Vec::with_capacity(l.blocks.len());
+        for (s, stack) in l.stacks.iter().enumerate().take(stacks) {
+            let (input, ids) = (x_at(stack.first_slot), &acts.inputs[s].ids);
+            match (&stack.join, s.checked_sub(1)) {
+                (Some(join), Some(before)) => {
+                    let h = x_at(l.stacks[before].output());
+                    let (a, scratch) = (&acts.joins[before], join_scratch(acts)?);
+                    k.join(l, w, join, a, scratch, ids, (h, input))?
+                }
+                _ => k.embedding(l.embedding.at(w), ids, input, v, d)?,
+            }
+            for i in stack.blocks.clone() {
+                let (block, a, x) = (&l.blocks[i], &acts.blocks[i], stack.slot(i));
+                let (projected, mixed) = (Arg::Ptr(&a.projected, 0), Arg::Ptr(&a.mixed, 0));
+                k.rms_norm(
+                    x_at(x),
+                    block.norm.at(w),
+                    normed_at(i),
+                    rstd_at(x),
+                    d,
+                    l.eps,
+                )?;
+                k.copy(x_at(x), x_at(x + 1), rows * d)?;
+                let p = match &block.body {
+                    Body::Projected(p) => p,
+                    Body::Moe(experts) => {
+                        let (scratch, layer) = (moe_scratch(acts)?, moe_layer(model, stack, i)?);
+                        let counted = (count, batch.valid.as_deref());
+                        let r = k.moe(w, experts, layer, counted, normed_at(i), a, scratch, d)?;
+                        k.add(x_at(x + 1), scratch.output(), rows * d)?;
+                        routed.push(Some(r));
+                        continue;
+                    }
+                };
+                routed.push(None);
+                let (n_in, n_mid) = (p.in_width, p.mid_width);
+                k.gemm(
+                    normed_at(i),
+                    p.w_in.at(w),
+                    projected,
+                    (rows, n_in, d),
+                    NT,
+                    0.0,
+                )?;
+                match p.mixer {
+                    Mixer::Mlp(activation) => k.activation(activation, projected, mixed, n_mid)?,
+                    Mixer::Attention(heads) => k.attention(projected, mixed, a, heads, &packed)?,
+                    Mixer::Mamba(ssm) => {
+                        let (scratch, scan) = mamba_inputs(&packed)?;
+                        k.mamba(w, &ssm, a, scratch, &scan)?
+                    }
+                }
+                k.gemm(mixed, p.w_out.at(w), x_at(x + 1), (rows, d, n_mid), NT, 1.0)?;
+            }
+        }
+        Ok(routed)
+    }
+
+    /// `stack`'s output head on the weights `w`: its final norm, the logits and each token's
+    /// cross-entropy against `labels` (with the log-sum-exp the backward reads).
+    fn head(
+        &self,
+        k: &Kernels<'_, L>,
+        w: &L::Buffer,
+        stack: &Stack,
+        labels: &L::Buffer,
+    ) -> Result<(), RunError> {
+        let (l, acts) = (&self.layout, self.acts.as_ref().ok_or_else(no_acts)?);
+        let (d, v, out) = (l.hidden, l.vocab, stack.output());
+        let (final_normed, logits) = (Arg::Ptr(&acts.final_normed, 0), Arg::Ptr(&acts.logits, 0));
+        let x = Arg::Ptr(&acts.xs, out * k.rows * d * 4);
+        let rstd = Arg::Ptr(&acts.rstd, out * k.rows * 4);
+        k.rms_norm(x, stack.final_norm.at(w), final_normed, rstd, d, l.eps)?;
+        k.gemm(final_normed, l.head.at(w), logits, (k.rows, v, d), NT, 0.0)?;
+        k.cross_entropy(logits, labels, acts, v)
+    }
+
+    /// The log-probability of each of the `rows` labels under the head just run: minus its
+    /// cross-entropy.
+    fn head_logp(&self, rows: usize) -> Result<Vec<f32>, RunError> {
+        let acts = self.acts.as_ref().ok_or_else(no_acts)?;
+        let ce = self.launcher.read_f32(&acts.ce, 0, rows).map_err(device)?;
+        Ok(ce.into_iter().map(|c| -c).collect())
+    }
+
+    /// The frozen `reference`'s log-probabilities of the uploaded micro-batch's labels, from
+    /// its weights on the device (uploaded on first use; they never change).
+    fn reference_logp(
+        &mut self,
+        policy: &Model,
+        reference: &Model,
+        batch: &Batch,
+    ) -> Result<Vec<f32>, RunError> {
+        if self.reference.is_none() {
+            let names = |m: &Model| -> Vec<(String, usize)> {
+                m.params
+                    .iter()
+                    .map(|(n, v)| (n.to_string(), v.elem_count()))
+                    .collect()
+            };
+            if names(reference) != names(policy) {
+                return Err(RunError::new(
+                    "GPU trainer: the reference model's parameters are not the policy's",
+                ));
+            }
+            let weights = reference.params.values().map_err(crate::err)?;
+            let uploaded = self
+                .launcher
+                .upload_f32(&weights.concat())
+                .map_err(device)?;
+            self.reference = Some(uploaded);
+        }
+        let w = self.reference.as_ref().ok_or_else(no_acts)?;
+        self.forward((w, reference), batch, 1, false)?;
+        let k = Kernels {
+            launcher: self.launcher,
+            rows: batch.ids.len(),
+        };
+        let main = self.layout.stacks.first().ok_or_else(no_acts)?;
+        let acts = self.acts.as_ref().ok_or_else(no_acts)?;
+        self.head(&k, w, main, &acts.inputs[0].labels)?;
+        self.head_logp(batch.ids.len())
+    }
+
+    /// Uploads a micro-batch's ids and labels (and, for attention, its segment ids and rotary
+    /// tables), allocating the activations for its size on first use. With `mtp`, the MTP
+    /// heads' normaliser, the MTP depths' shifted ids, labels and loss weights too.
     fn prepare(
         &mut self,
         batch: &Batch,
         rope: Option<&Rope>,
-        normaliser: f64,
+        mtp: Option<f64>,
     ) -> Result<(), RunError> {
         let rows = batch.ids.len();
         let layout = &batch.layout;
@@ -708,18 +993,29 @@ impl<'l, L: Launcher> DeviceStep<'l, L> {
             }
         };
         let acts = self.acts.as_mut().ok_or_else(no_acts)?;
-        let dloss: Vec<f32> = batch
-            .loss_mask
-            .iter()
-            .map(|m| (*m as f64 / normaliser) as f32)
-            .collect();
         let u32_bytes = |v: &[u32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
         let f32_bytes = kernels::launch::f32_bytes;
         let l = self.launcher;
-        l.write(&mut acts.ids, 0, &u32_bytes(&batch.ids))
-            .and_then(|_| l.write(&mut acts.labels, 0, &u32_bytes(&batch.labels)))
-            .and_then(|_| l.write(&mut acts.dloss, 0, &f32_bytes(&dloss)))
+        let [main, depths @ ..] = acts.inputs.as_mut_slice() else {
+            return Err(no_acts());
+        };
+        l.write(&mut main.ids, 0, &u32_bytes(&batch.ids))
+            .and_then(|_| l.write(&mut main.labels, 0, &u32_bytes(&batch.labels)))
             .map_err(device)?;
+        if let Some(normaliser) = mtp {
+            for (join, inputs) in self.layout.joins().zip(depths) {
+                let (ids, labels, mask) = model::net::shift_left(batch, join.shift);
+                let dloss: Vec<f32> = mask
+                    .iter()
+                    .map(|m| (*m as f64 * join.loss_scale / normaliser) as f32)
+                    .collect();
+                l.write(&mut inputs.ids, 0, &u32_bytes(&ids))
+                    .and_then(|_| l.write(&mut inputs.labels, 0, &u32_bytes(&labels)))
+                    .map_err(device)?;
+                let weights = inputs.dloss.as_mut().ok_or_else(no_acts)?;
+                l.write(weights, 0, &f32_bytes(&dloss)).map_err(device)?;
+            }
+        }
         if let Some(segments) = acts.segments.as_mut() {
             l.write(segments, 0, &u32_bytes(&layout.segments))
                 .map_err(device)?;
@@ -749,6 +1045,7 @@ impl<'l, L: Launcher> DeviceStep<'l, L> {
     ) -> Result<Activations<L::Buffer>, RunError> {
         let l = &self.layout;
         let (d, v, blocks) = (l.hidden, l.vocab, l.blocks.len());
+        let depths = l.joins().count();
         let floats = |n: usize| self.launcher.alloc(n * 4).map_err(device);
         let widest = |width: fn(&Projected) -> usize| {
             let widths = l
@@ -773,9 +1070,17 @@ impl<'l, L: Launcher> DeviceStep<'l, L> {
             rows,
             batch,
             chunk_rows,
-            ids: floats(rows)?,
-            labels: floats(rows)?,
-            dloss: floats(rows)?,
+            inputs: l
+                .stacks
+                .iter()
+                .map(|stack| {
+                    Ok(Inputs {
+                        ids: floats(rows)?,
+                        labels: floats(rows)?,
+                        dloss: stack.join.as_ref().map(|_| floats(rows)).transpose()?,
+                    })
+                })
+                .collect::<Result<_, RunError>>()?,
             segments: attention(rows)?,
             cos: heads
                 .filter(|_| l.rope)
@@ -785,9 +1090,9 @@ impl<'l, L: Launcher> DeviceStep<'l, L> {
                 .filter(|_| l.rope)
                 .map(|h| floats(rows * h.dim))
                 .transpose()?,
-            xs: floats((blocks + 1) * rows * d)?,
+            xs: floats(l.streams() * rows * d)?,
             normed: floats(blocks * rows * d)?,
-            rstd: floats((blocks + 1) * rows)?,
+            rstd: floats(l.streams() * rows)?,
             blocks: l
                 .blocks
                 .iter()
@@ -813,6 +1118,10 @@ impl<'l, L: Launcher> DeviceStep<'l, L> {
                     })
                 })
                 .collect::<Result<_, RunError>>()?,
+            joins: (0..depths)
+                .map(|_| JoinActs::allocate(&floats, rows, d))
+                .collect::<Result<_, RunError>>()?,
+            join: JoinScratch::allocate(&floats, depths, rows, d)?,
             final_normed: floats(rows * d)?,
             logits: floats(rows * v)?,
             ce: floats(rows)?,
@@ -928,14 +1237,14 @@ impl<'l, L: Launcher> DeviceStep<'l, L> {
 
 /// A [`DeviceStep`] as the training loop's [`Stepper`]: next-token steps on `source`'s
 /// batches, the host's weights and moments brought back before each checkpoint.
-pub struct OnDevice<'l, 's, L: Launcher> {
+pub struct OnDevice<'l, 'o, 'a, L: Launcher> {
     pub step: DeviceStep<'l, L>,
-    pub source: &'s mut dyn BatchSource,
+    pub objective: &'o mut (dyn Objective + 'a),
 }
 
-impl<L: Launcher> Stepper for OnDevice<'_, '_, L> {
+impl<L: Launcher> Stepper for OnDevice<'_, '_, '_, L> {
     fn step(&mut self, trainer: &mut Trainer) -> Result<(f64, f64), RunError> {
-        self.step.step(trainer, self.source)
+        self.step.step_on(trainer, self.objective)
     }
 
     fn sync(&mut self, trainer: &mut Trainer) -> Result<(), RunError> {
@@ -969,14 +1278,31 @@ fn moe_scratch<B>(acts: &Activations<B>) -> Result<&MoeScratch<B>, RunError> {
         .ok_or_else(|| RunError::new("GPU trainer: an MoE block without its scratch".to_string()))
 }
 
-/// The CPU model's MoE layer of block `i`, which chooses its tokens' experts and counts them.
-fn moe_layer(model: &Model, i: usize) -> Result<&model::moe::Moe, RunError> {
-    match model.blocks.get(i).map(|b| &b.mixer) {
+/// The CPU model's MoE layer of block `i` of `stack`, which chooses its tokens' experts and
+/// counts them.
+fn moe_layer<'m>(
+    model: &'m Model,
+    stack: &Stack,
+    i: usize,
+) -> Result<&'m model::moe::Moe, RunError> {
+    let at = i - stack.blocks.start;
+    let blocks = match &stack.join {
+        None => Some(&model.blocks),
+        Some(join) => model.mtp.get(join.weights).map(|m| &m.blocks),
+    };
+    match blocks.and_then(|b| b.get(at)).map(|b| &b.mixer) {
         Some(model::net::Mixer::Moe(m)) => Ok(m),
         _ => Err(RunError::new(format!(
-            "GPU trainer: block {i} of the model is not an MoE block"
+            "GPU trainer: block {at} of the model's stack is not an MoE block"
         ))),
     }
+}
+
+/// The MTP depths' scratch.
+fn join_scratch<B>(acts: &Activations<B>) -> Result<&JoinScratch<B>, RunError> {
+    acts.join
+        .as_ref()
+        .ok_or_else(|| RunError::new("GPU trainer: an MTP depth without its scratch".to_string()))
 }
 
 fn no_acts() -> RunError {
@@ -1175,9 +1501,10 @@ mod tests {
                 checkpoint::restore(&mut t, &latest).unwrap();
             }
             let mut source = Counting(2);
+            let mut objective = NextToken::new(&mut source);
             let mut stepper = OnDevice {
                 step: DeviceStep::upload(&shim, &t).unwrap(),
-                source: &mut source,
+                objective: &mut objective,
             };
             let mut log = Vec::new();
             let r = t.run_on(
@@ -1277,10 +1604,93 @@ mod tests {
         }
     }
 
+    /// MTP depths, each in a way of its own: one depth of its own blocks after a hybrid main
+    /// stack; two depths sharing one set of weights (`mtp_shared`) with a tied head, so the
+    /// embedding's gradient comes from the input, both joins and three heads; two depths of
+    /// MoE blocks with weights of their own. All on rows packed as two sequences, whose
+    /// shifted labels must not cross from one into the other. One step gives the CPU's
+    /// gradients; steps with clipping follow the CPU trainer's curve, the expert biases to the
+    /// byte.
+    #[test]
+    fn mtp_depths_give_the_cpu_gradients_and_follow_its_curve() {
+        let cases = [
+            ("M*-/*-", false, json!({})),
+            (
+                "*-/M-/M-",
+                true,
+                json!({"mtp_shared": true, "mtp_loss_scale": 0.3}),
+            ),
+            (
+                "-E/E/E",
+                false,
+                json!({"moe": {"experts": 4, "top_k": 2, "expert_ffn": 8, "shared_ffn": 8,
+                               "bias_update_rate": 1e-2}}),
+            ),
+        ];
+        for (pattern, tied, extra) in cases {
+            let mut cfg = json!({
+                "pattern": pattern, "hidden": 32, "heads": 4, "kv_heads": 2, "head_dim": 8,
+                "ffn": 48, "max_seq": 128, "tie_embeddings": tied,
+                "mamba": {"heads": 4, "head_dim": 16, "state": 8, "chunk": 8}
+            });
+            for (key, value) in extra.as_object().unwrap() {
+                cfg[key] = value.clone();
+            }
+            let cfg: ModelConfig = serde_json::from_value(cfg).unwrap();
+            let fresh = || {
+                Trainer::new(
+                    Model::new(&cfg, 32, 3).unwrap(),
+                    trainer("swiglu", false, 0.5).schedule,
+                )
+            };
+            let shim = Shim::default();
+            let gap = check::step_gap(&shim, &mut fresh(), || Counting(2)).unwrap();
+            assert!(gap.passes(), "`{pattern}`: {gap:?}");
+
+            let (mut cpu, mut on_shim) = (fresh(), fresh());
+            let mut source = Counting(2);
+            let mut objective = NextToken::new(&mut source);
+            let mut step = DeviceStep::upload(&shim, &on_shim).unwrap();
+            for _ in 0..4 {
+                let (cpu_loss, cpu_norm) = cpu.step(&mut objective).unwrap();
+                let (loss, norm) = step.step(&mut on_shim, &mut Counting(2)).unwrap();
+                assert!(
+                    (loss - cpu_loss).abs() < 1e-4 * cpu_loss,
+                    "`{pattern}`: {loss} vs {cpu_loss}"
+                );
+                assert!(
+                    (norm - cpu_norm).abs() < 1e-4 * cpu_norm,
+                    "`{pattern}`: {norm} vs {cpu_norm}"
+                );
+                let biases = |t: &Trainer| -> Vec<Vec<f32>> {
+                    t.model.moe_layers().map(|(_, m)| m.bias()).collect()
+                };
+                assert_eq!(biases(&on_shim), biases(&cpu), "`{pattern}`");
+            }
+        }
+    }
+
+    /// DPO and GRPO on the device: the policy's and the reference's log-probabilities from
+    /// the device, the objective's derivative from the host, back through a hybrid with an
+    /// MTP depth neither objective trains; step-1 gradients and four steps' losses, norms and
+    /// figures (accuracy, margins, rewards, KL) held to the CPU trainer's.
+    #[test]
+    fn dpo_and_grpo_give_the_cpu_gradients_and_follow_its_curve() {
+        for name in check::OBJECTIVES {
+            let (gap, worst) = check::objective(&Shim::default(), name).unwrap();
+            eprintln!(
+                "{name}: {gap:?} ({:.2e}), curve {worst:.2e}",
+                gap.relative()
+            );
+            assert!(gap.passes(), "{name}: {gap:?}");
+            assert!(worst <= check::CURVE_TOLERANCE, "{name}: {worst}");
+        }
+    }
+
     #[test]
     fn a_model_the_gpu_trainer_cannot_train_yet_is_named() {
         let cfg: ModelConfig = serde_json::from_value(json!({
-            "pattern": "*-/*-", "hidden": 32, "heads": 4, "kv_heads": 2, "head_dim": 8,
+            "pattern": "*-", "hidden": 32, "heads": 2, "kv_heads": 1, "head_dim": 256,
             "ffn": 48
         }))
         .unwrap();
@@ -1293,7 +1703,7 @@ mod tests {
             .unwrap()
             .to_string();
         assert!(
-            err.contains("multi-token prediction") && err.contains("device: cpu"),
+            err.contains("attention heads of 256 dimensions") && err.contains("device: cpu"),
             "{err}"
         );
     }

@@ -196,14 +196,15 @@ const GATE_GRAD_BLOCK: u32 = 256;
 impl<L: Launcher> Kernels<'_, L> {
     /// The forward of an MoE block on `h` (its normed input, `rows × hidden`): its output,
     /// without the residual, into [`MoeScratch::output`], and the routing its backward needs
-    /// (returned). `layer` is the CPU model's layer, which chooses and counts.
+    /// (returned). `layer` is the CPU model's layer, which chooses, and with `count` counts
+    /// the tokens each expert got (those `valid` marks, or all) for the bias update.
     #[allow(clippy::too_many_arguments)]
     pub(super) fn moe(
         &self,
         w: &L::Buffer,
         e: &Experts,
         layer: &Moe,
-        valid: Option<&[bool]>,
+        (count, valid): (bool, Option<&[bool]>),
         h: Arg<'_, L::Buffer>,
         a: &BlockActs<L::Buffer>,
         s: &MoeScratch<L::Buffer>,
@@ -218,7 +219,9 @@ impl<L: Launcher> Kernels<'_, L> {
 
         let s_host = self.read(&m.scores, rows * experts)?;
         let chosen = layer.select(&s_host);
-        layer.count(&chosen, valid);
+        if count {
+            layer.count(&chosen, valid);
+        }
         let layout = Permutation::of(&chosen, experts, k)
             .map_err(|why| RunError::new(format!("GPU trainer: routing: {why}")))?;
         let up = |v: &[u32]| self.launcher.upload_u32(v).map_err(device);
