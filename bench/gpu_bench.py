@@ -8,13 +8,17 @@ same GPU, in the same run.
 Needs a CUDA GPU, PyTorch with CUDA, NVRTC (libnvrtc.so.13 on LD_LIBRARY_PATH) and the CUDA
 headers (NEMO_DAG_CUDA_HOME or /usr/local/cuda), as `nemo-dag gpu-check` does.
 
-The models are the two `nemo-dag gpu-check` times (ops/train/src/gpu/check.rs, SPEED_MODELS):
+The models are the three `nemo-dag gpu-check` times (ops/train/src/gpu/check.rs, SPEED_MODELS):
 
 - four MLP blocks (`----`, SwiGLU), hidden 1024, FFN 4096, vocabulary 32,768, untied head,
   8 rows of 512 random tokens a step;
 - GPT-2 small's size: 12 layers of attention and MLP (`*-` × 12), hidden 768, 12 heads of 64,
   FFN 3072 (squared ReLU), RoPE, tied vocabulary of 50,304, 8 rows of 1024 tokens a step
-  (124 M parameters).
+  (124 M parameters);
+- the tiny hybrid `ME*-/*E` of bench/train_bench.py (Mamba-2, MoE with 8 experts of which 2
+  and a shared expert run per token, attention, squared-ReLU MLP, one MTP depth; hidden 128,
+  vocabulary 1,024), 16 rows of 128 tokens a step. Its FLOPs count the experts a token runs
+  through, not all eight, and not the Mamba-2 scan.
 
 Each step is one micro-batch, AdamW, clipping at 0.5. nemo-dag's figures come from
 `gpu-check --json` (tokens/s over the timed steps after one warm-up step, and the CPU trainer's
@@ -61,6 +65,24 @@ MODELS = {
         8,
         1024,
     ),
+    # bench/train_bench.py's HYBRID (Mamba-2, MoE, attention, MLP, one MTP depth).
+    "ME*-/*E": (
+        dict(
+            pattern="ME*-/*E",
+            hidden=128,
+            heads=4,
+            kv_heads=2,
+            head_dim=32,
+            ffn=384,
+            vocab=1024,
+            activation="relu2",
+            position="none",
+            mamba=dict(heads=4, head_dim=32, state=32, groups=1, chunk=64),
+            moe=dict(experts=8, top_k=2, expert_ffn=192, shared_ffn=192, scaling=2.5),
+        ),
+        16,
+        128,
+    ),
 }
 
 # Dense bf16 tensor-core peaks (TFLOP/s, no sparsity) from NVIDIA's data sheets, by the name
@@ -103,6 +125,7 @@ def torch_rate(config, rows, length, steps, precision, compiled=False):
             loss.backward()
             torch.nn.utils.clip_grad_norm_(net.parameters(), 0.5)
             opt.step()
+            net.update_moe_biases()
             opt.zero_grad(set_to_none=True)
 
     for _ in range(3 if compiled else 2):
