@@ -19,13 +19,14 @@ pub fn plans(manifest: &Manifest) -> Result<BTreeMap<String, Plan>, (String, Dec
         let upstream = upstream(stage, &plans);
         // The manifest checked every stage when it built it: a failure here is not reachable,
         // and a stage without a plan is only a stage nobody estimates.
-        let plan = match stage.op.check(&stage.decl()) {
+        let decl = stage.decl();
+        let plan = match stage.op.check(&decl) {
             Ok(checked) => {
                 stage
                     .op
                     .check_upstream(&checked, &upstream)
                     .map_err(|e| (name.clone(), e))?;
-                stage.op.plan(&checked, &upstream)
+                stage.op.plan(&checked, &upstream, &decl)
             }
             Err(_) => Plan::default(),
         };

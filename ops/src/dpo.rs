@@ -150,7 +150,7 @@ impl Op for Dpo {
     /// rows) beside a frozen copy of itself. Rows are padded to the longest of their
     /// micro-batch, which the plan cannot know: it takes every row at `max_length`, an upper
     /// bound.
-    fn plan(&self, p: &Params, upstream: &Upstream) -> Plan {
+    fn plan(&self, p: &Params, upstream: &Upstream, _: &StageDecl) -> Plan {
         let Some(model) = planned_model(upstream) else {
             return Plan::default();
         };

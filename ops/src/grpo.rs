@@ -248,7 +248,7 @@ impl Op for Grpo {
     /// micro-batches of `micro_batch` of them. A rollout is a prompt and up to
     /// `max_new_tokens`; prompt lengths are not known before the data is read, so the plan
     /// takes every rollout at the model's `max_seq`, an upper bound.
-    fn plan(&self, p: &Params, upstream: &Upstream) -> Plan {
+    fn plan(&self, p: &Params, upstream: &Upstream, _: &StageDecl) -> Plan {
         let Some(model) = planned_model(upstream) else {
             return Plan::default();
         };

@@ -208,7 +208,7 @@ impl Op for Pack {
     }
 
     /// Tells the stages downstream how long a packed row is.
-    fn plan(&self, p: &Params, _: &Upstream) -> Plan {
+    fn plan(&self, p: &Params, _: &Upstream, _: &StageDecl) -> Plan {
         Plan {
             facts: Facts {
                 sequence: Some(p.pack_size),

@@ -99,7 +99,7 @@ impl Op for Pretrain {
 
     /// The model it trains, and its run's footprint: micro-batches of `micro_batch` samples
     /// of `seq_length` tokens.
-    fn plan(&self, p: &Params, upstream: &Upstream) -> Plan {
+    fn plan(&self, p: &Params, upstream: &Upstream, _: &StageDecl) -> Plan {
         let vocab = match p.model.vocab {
             0 => planned_vocab(upstream, "tokenizer"),
             v => Some(v),

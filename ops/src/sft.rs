@@ -97,7 +97,7 @@ impl Op for Sft {
 
     /// The upstream model, trained further on micro-batches of `micro_batch` packed rows of
     /// the pack stage's `pack_size` (the model's `max_seq` when that is not known).
-    fn plan(&self, p: &Params, upstream: &Upstream) -> Plan {
+    fn plan(&self, p: &Params, upstream: &Upstream, _: &StageDecl) -> Plan {
         let Some(model) = planned_model(upstream) else {
             return Plan::default();
         };

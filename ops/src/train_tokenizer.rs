@@ -139,7 +139,7 @@ impl Op for TrainTokenizer {
     }
 
     /// Tells the stages downstream the vocabulary they will have (at most `vocab_size`).
-    fn plan(&self, p: &Params, _: &Upstream) -> Plan {
+    fn plan(&self, p: &Params, _: &Upstream, _: &StageDecl) -> Plan {
         Plan {
             facts: Facts {
                 vocab: Some(p.vocab_size),

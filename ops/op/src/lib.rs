@@ -298,10 +298,11 @@ pub trait Op: Sync {
     ) -> Option<String> {
         None
     }
-    /// What the stage will hand downstream and what it will cost, from its params and its
-    /// upstream's facts; called on checked params. Ops that cost little plan nothing.
-    fn plan(&self, params: &Self::Params, upstream: &Upstream) -> Plan {
-        let _ = (params, upstream);
+    /// What the stage will hand downstream and what it will cost, from its params, its
+    /// upstream's facts and its declaration (a launched stage's ranks); called on checked
+    /// params. Ops that cost little plan nothing.
+    fn plan(&self, params: &Self::Params, upstream: &Upstream, stage: &StageDecl) -> Plan {
+        let _ = (params, upstream, stage);
         Plan::default()
     }
     /// Refuse a declaration that cannot work with what the stages above will hand it (a
@@ -331,7 +332,7 @@ pub trait AnyOp: Sync {
     /// Run with what `check` approved for this same stage.
     fn run(&self, checked: &Checked, ctx: &mut RunContext) -> Result<Metrics, RunError>;
     /// Plan with what `check` approved for this same stage ([`Op::plan`]).
-    fn plan(&self, checked: &Checked, upstream: &Upstream) -> Plan;
+    fn plan(&self, checked: &Checked, upstream: &Upstream, stage: &StageDecl) -> Plan;
     /// Check what `check` approved against the upstream's facts ([`Op::check_upstream`]).
     fn check_upstream(&self, checked: &Checked, upstream: &Upstream) -> Result<(), DeclError>;
     /// The container image the stage names through its params ([`Op::image`]).
@@ -386,9 +387,9 @@ impl<T: Op> AnyOp for T {
         Op::run(self, params, ctx)
     }
 
-    fn plan(&self, checked: &Checked, upstream: &Upstream) -> Plan {
+    fn plan(&self, checked: &Checked, upstream: &Upstream, stage: &StageDecl) -> Plan {
         match checked.0.downcast_ref::<T::Params>() {
-            Some(params) => Op::plan(self, params, upstream),
+            Some(params) => Op::plan(self, params, upstream, stage),
             None => Plan::default(),
         }
     }
