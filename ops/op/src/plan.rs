@@ -113,6 +113,48 @@ impl fmt::Display for Estimate {
     }
 }
 
+/// The device of an estimate that holds for each GPU of a launched stage's ranks (the busiest).
+pub const EACH_GPU: &str = "each GPU";
+
+impl Estimate {
+    /// Whether the figures are each GPU's ([`EACH_GPU`]) rather than one machine's memory.
+    pub fn per_gpu(&self) -> bool {
+        self.device == EACH_GPU
+    }
+}
+
+/// A size as people write it: `80GiB`, `81559 MiB` (binary units, as `nvidia-smi` prints
+/// them), `80G` (Slurm's, binary too), `80GB` (decimal), or a number of bytes.
+pub fn parse_bytes(text: &str) -> Result<u64, String> {
+    let t = text.trim();
+    let at = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
+    let (number, unit) = (&t[..at], t[at..].trim());
+    let scale: f64 = match unit {
+        "" | "B" => 1.0,
+        "K" | "KiB" => 1024.0,
+        "M" | "MiB" => 1024.0 * 1024.0,
+        "G" | "GiB" => 1024.0 * 1024.0 * 1024.0,
+        "T" | "TiB" => 1024.0f64.powi(4),
+        "KB" => 1e3,
+        "MB" => 1e6,
+        "GB" => 1e9,
+        "TB" => 1e12,
+        _ => {
+            return Err(format!(
+                "`{text}`: unknown unit `{unit}` (write 80GiB, 81559MiB, 80G or 80GB)"
+            ));
+        }
+    };
+    match number.parse::<f64>() {
+        Ok(n) if n > 0.0 && n.is_finite() => Ok((n * scale) as u64),
+        _ => Err(format!(
+            "`{text}` is not a size (write 80GiB, 81559MiB, 80G or 80GB)"
+        )),
+    }
+}
+
 /// `512 B`, `28.0 MiB`, `1.2 GiB`, `3.4 TiB`.
 pub fn bytes(n: u64) -> String {
     const UNITS: [&str; 5] = ["B", "KiB", "MiB", "GiB", "TiB"];
@@ -152,6 +194,19 @@ mod tests {
         assert_eq!(bytes(3 << 29), "1.5 GiB");
         assert_eq!(flops(3.1e12), "3.1 TFLOP");
         assert_eq!(flops(12.0), "12.0 FLOP");
+    }
+
+    #[test]
+    fn sizes_parse_in_the_units_people_write() {
+        assert_eq!(parse_bytes("80GiB"), Ok(80 << 30));
+        assert_eq!(parse_bytes("81559 MiB"), Ok(81559 << 20));
+        assert_eq!(parse_bytes("80G"), Ok(80 << 30));
+        assert_eq!(parse_bytes("80GB"), Ok(80_000_000_000));
+        assert_eq!(parse_bytes("1.5TiB"), Ok(3 << 39));
+        assert_eq!(parse_bytes("4096"), Ok(4096));
+        for bad in ["", "GiB", "80 gigs", "-1G", "0G"] {
+            assert!(parse_bytes(bad).is_err(), "{bad}");
+        }
     }
 
     #[test]

@@ -43,6 +43,7 @@
 //! ops (`eval`, `export`, `dpo`, `grpo`) do not.
 
 pub mod checkpoint;
+pub mod estimate;
 pub mod export;
 pub mod overrides;
 
@@ -51,8 +52,8 @@ use crate::training::{blend_split, carried_template, input};
 use nemo_dag_data::chat::CHAT_TEMPLATE_FILE;
 use nemo_dag_op::process::{describe_exit, readable_shell_word, run_logged};
 use nemo_dag_op::{
-    DeclError, Metrics, Op, Outputs, Port, Progress, RunContext, RunError, Spec, StageDecl,
-    Upstream,
+    DeclError, Estimate, Metrics, Op, Outputs, Plan, Port, Progress, RunContext, RunError, Spec,
+    StageDecl, Upstream,
 };
 use overrides::{Override, list, quoted};
 use serde::Deserialize;
@@ -132,6 +133,32 @@ struct Parallel {
     etp: Option<u64>,
     cp: Option<u64>,
     sp: Option<bool>,
+}
+
+impl Params {
+    /// What [`estimate::estimate`] makes of the stage on `world` ranks: none for a recipe
+    /// whose model nemo-dag does not know, or whose `overrides` change the model.
+    fn estimate(&self, world: Option<u64>) -> Option<Estimate> {
+        let recipe = estimate::recipe(&self.recipe)?;
+        if self.overrides.keys().any(|k| k.starts_with("model.")) {
+            return None;
+        }
+        let (d, par) = (&recipe.defaults, &self.parallel);
+        let run = estimate::Run {
+            world: world?,
+            tp: par.tp.unwrap_or(d.tp),
+            pp: par.pp.unwrap_or(d.pp),
+            ep: par.ep.unwrap_or(d.ep),
+            etp: par.etp.unwrap_or(d.etp),
+            cp: par.cp.unwrap_or(d.cp),
+            sp: par.sp.unwrap_or(d.sp),
+            seq: self.seq_length,
+            micro_batch: self.micro_batch,
+            global_batch: self.global_batch,
+            steps: self.steps,
+        };
+        Some(estimate::estimate(&recipe, &run))
+    }
 }
 
 fn default_mb_root() -> String {
@@ -242,6 +269,14 @@ impl Op for Megatron {
         match stage.world_size {
             Some(world) => check_parallel(p, world),
             None => Ok(()),
+        }
+    }
+    /// Each GPU's memory and the step's work ([`estimate`]), when the recipe's model is known
+    /// and the stage is launched on ranks.
+    fn plan(&self, p: &Params, _: &Upstream, stage: &StageDecl) -> Plan {
+        Plan {
+            estimate: p.estimate(stage.world_size),
+            ..Plan::default()
         }
     }
     /// SFT reads the pack artifact's rows as they are: `seq_length` is the
