@@ -699,6 +699,58 @@ fn the_default_variants_dry_run_shows_the_documented_launch_and_every_override()
     }
 }
 
+/// The default variants' Megatron stages are planned per GPU before anything is submitted:
+/// `validate` prints each GPU's memory and the step's FLOPs, and a Slurm profile whose GPUs
+/// are too small for a stage's weights and optimizer (`gpu_memory`) refuses it at the stage's
+/// resources, submitting nothing.
+#[test]
+fn megatron_stages_are_planned_per_gpu_and_refused_by_a_profile_whose_gpus_are_too_small() {
+    let p = crate::scale::recipes();
+    p.write("manifests/.git", "");
+    let shared = p.dir.display();
+    let profile = |memory: &str| {
+        format!(
+            "[gpu]\nexecutor = \"slurm\"\npartition = \"batch\"\nmpi = \"pmix\"\ngpu_memory = \"{memory}\"\nmounts = [\"{shared}:{shared}\"]\n"
+        )
+    };
+    let plan = p.ok(&["validate", "manifests/super3.yaml"]);
+    for stage in ["pretrain", "sft"] {
+        let line = plan
+            .stderr
+            .lines()
+            .find(|l| l.trim_start().starts_with(&format!("{stage}: ")))
+            .unwrap_or_else(|| panic!("no plan for {stage}\n{plan}"));
+        assert!(
+            line.contains("peak on each GPU (weights and optimizer ")
+                && line.contains("routed experts' weights and optimizer")
+                && line.contains("PFLOP/step")
+                && line.contains("123.6 B parameters (13.0 B active)"),
+            "{line}"
+        );
+    }
+    // 80 GiB GPUs hold what each stage needs for certain.
+    p.write("manifests/env.toml", &profile("80GiB"));
+    for manifest in ["nano3", "super3"] {
+        let path = format!("manifests/{manifest}.yaml");
+        p.ok(&["run", &path, "--batch", "gpu", "--dry-run"]);
+    }
+    // 40 GiB ones do not hold nano3's SFT: 45.7 GiB of weights and optimizer each.
+    p.write("manifests/env.toml", &profile("40GiB"));
+    let out = p.run(&["run", "manifests/nano3.yaml", "--batch", "gpu", "--dry-run"]);
+    assert_eq!(out.code, 2, "{out}");
+    assert!(
+        out.stderr
+            .contains("stage `sft` needs at least 45.7 GiB on each GPU")
+            && out
+                .stderr
+                .contains("profile `gpu`'s GPUs have (gpu_memory 40.0 GiB)")
+            && out.stderr.contains("spread it over more GPUs"),
+        "{out}"
+    );
+    assert!(out.stdout.is_empty(), "{out}");
+    assert!(!p.path("manifests/.nemo-dag").exists(), "nothing written");
+}
+
 /// Opt-in: the overrides a run renders, applied by Megatron-Bridge 0.6's own config loader
 /// (`process_config_with_overrides`, then the dataset config's `finalize`/`validate`), with
 /// `NEMO_DAG_MB_PYTHON` a Python 3.12 that has megatron-bridge 0.6 (docs/scale.md).

@@ -86,6 +86,32 @@ pub fn does_not_fit(
     ))
 }
 
+/// Why a launched stage's per-GPU estimate does not fit GPUs of `capacity` bytes (a Slurm
+/// profile's `gpu_memory`, named by `profile`), as a message and what to do; `None` when what
+/// it needs for certain fits, or when its estimate is not per GPU.
+pub fn does_not_fit_gpu(
+    stage: &str,
+    estimate: &Estimate,
+    capacity: u64,
+    profile: &str,
+) -> Option<(String, String)> {
+    if !estimate.per_gpu() || estimate.certain_bytes() <= capacity {
+        return None;
+    }
+    Some((
+        format!(
+            "stage `{stage}` needs at least {} on each GPU, more than profile `{profile}`'s \
+             GPUs have (gpu_memory {}): {estimate}",
+            bytes(estimate.certain_bytes()),
+            bytes(capacity)
+        ),
+        "spread it over more GPUs (resources.nodes), split the model further \
+         (params.parallel: tp, pp, ep), or lower micro_batch or seq_length; nothing was \
+         submitted (docs/scale.md)"
+            .to_string(),
+    ))
+}
+
 /// The machine's memory as this process may use it: the physical RAM, or the cgroup's limit
 /// when that is lower (a container, a Slurm job's allocation).
 pub fn machine_memory() -> Option<u64> {

@@ -66,6 +66,10 @@ pub struct Profile {
     pub mounts: Vec<String>,
     #[serde(alias = "container")]
     pub container_image: Option<String>,
+    /// The memory of each GPU of the profile's nodes (`80GiB`): a launched stage whose
+    /// weights and optimizer alone would need more per GPU is refused before it is submitted.
+    #[serde(default, deserialize_with = "size")]
+    pub gpu_memory: Option<u64>,
     /// The PMI a launched stage's `srun` step uses (`srun --mpi=`; `pmix` for Megatron-Bridge
     /// under pyxis, as its Slurm examples run it).
     pub mpi: Option<String>,
@@ -315,6 +319,13 @@ pub fn load(start: &Path, name: &str) -> Result<Profile, InputError> {
     }
     profile.name = name.to_string();
     Ok(profile)
+}
+
+/// `gpu_memory = "80GiB"`, in bytes.
+fn size<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
+    let text = Option::<String>::deserialize(d)?;
+    text.map(|t| nemo_dag_op::plan::parse_bytes(&t).map_err(serde::de::Error::custom))
+        .transpose()
 }
 
 /// A node store is an absolute path, or one that starts with a variable the job's shell

@@ -20,6 +20,7 @@
 use crate::cache::{Cache, Transfer};
 use crate::diag::{Failure, InputError, Result, io_err};
 use crate::digest::Digester;
+use crate::estimate;
 use crate::executor::local::{self, Outcome};
 use crate::executor::profile::Profile;
 use crate::manifest::Manifest;
@@ -148,6 +149,15 @@ pub fn submit(manifest: &Manifest, store: &Store, opts: &SubmitOptions) -> Resul
                 .error_at(&["stages", name, "resources", "launch"], message)
                 .help(help)
         })?;
+        if let (Some(capacity), Some(estimate)) = (opts.profile.gpu_memory, manifest.estimate(name))
+            && let Some((message, help)) =
+                estimate::does_not_fit_gpu(name, estimate, capacity, &opts.profile.name)
+        {
+            return Err(manifest
+                .error_at(&["stages", name, "resources"], message)
+                .help(help)
+                .into());
+        }
     }
     let run_dir = store.root.join("slurm").join(plan::run_id(manifest));
     let exe =
