@@ -540,7 +540,7 @@ fn the_default_variants_dry_run_shows_the_documented_launch_and_every_override()
             "nvcr.io/nvidia/nemo:25.11.nemotron_3_nano",
             [
                 ("pretrain", 4, "nemotron_3_nano_pretrain_config"),
-                ("sft", 1, "nemotron_3_nano_sft_config"),
+                ("sft", 2, "nemotron_3_nano_sft_config"),
             ],
         ),
         (
