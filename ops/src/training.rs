@@ -122,7 +122,14 @@ pub(crate) fn train_and_publish(
         None => None,
     };
     let step = match (&gpu, &cuda) {
-        (Some(g), Some(cuda)) => g.or_cpu(ctx.log, DeviceStep::upload(cuda, &trainer))?,
+        (Some(g), Some(cuda)) => {
+            let reference = objective.per_token().and_then(|p| p.reference());
+            let step = DeviceStep::upload(cuda, &trainer).and_then(|mut step| {
+                step.upload_reference(&trainer.model, reference)?;
+                Ok(step)
+            });
+            g.or_cpu(ctx.log, step)?
+        }
         _ => None,
     };
     if let (Some(cuda), Some(_)) = (&cuda, &step) {

@@ -467,6 +467,8 @@ struct Activations<B> {
     chunk_rows: usize,
     /// Per stack: the ids it embeds, its labels and loss weights.
     inputs: Vec<Inputs<B>>,
+    /// The main head's loss weights (∂loss/∂CE per token), from the objective.
+    main_dloss: Option<B>,
     /// Per token: its packed segment's id, and RoPE's cos and sin at its position
     /// (`rows × head_dim`); allocated when the model has attention blocks (and RoPE).
     segments: Option<B>,
@@ -578,6 +580,37 @@ impl<'l, L: Launcher> DeviceStep<'l, L> {
         Ok(())
     }
 
+    /// Copies a frozen reference model's weights (an objective's [`PerToken::reference`]) to
+    /// the device, once: done when the GPU is set up, so that a device without room for them
+    /// fails there, not at the first step. The reference must be the policy's architecture.
+    pub fn upload_reference(
+        &mut self,
+        policy: &Model,
+        reference: Option<&Model>,
+    ) -> Result<(), RunError> {
+        let Some(reference) = reference else {
+            return Ok(());
+        };
+        let names = |m: &Model| -> Vec<(String, usize)> {
+            m.params
+                .iter()
+                .map(|(n, v)| (n.to_string(), v.elem_count()))
+                .collect()
+        };
+        if names(reference) != names(policy) {
+            return Err(RunError::new(
+                "GPU trainer: the reference model's parameters are not the policy's",
+            ));
+        }
+        let weights = reference.params.values().map_err(crate::err)?;
+        let uploaded = self
+            .launcher
+            .upload_f32(&weights.concat())
+            .map_err(device)?;
+        self.reference = Some(uploaded);
+        Ok(())
+    }
+
     /// Copies the weights (not the optimizer state) back into `trainer`'s model: what an
     /// objective that generates with the current weights reads.
     fn download_weights(&self, trainer: &mut Trainer) -> Result<(), RunError> {
@@ -680,6 +713,12 @@ impl<'l, L: Launcher> DeviceStep<'l, L> {
         };
         let count = objective.counts_experts();
         let routed = self.forward((&self.weights, model), &batch, stacks, count)?;
+        // The main head's loss weights, written once the objective has given them (held out
+        // of the activations meanwhile, which the launches borrow).
+        let mut main_dloss = match self.acts.as_mut().and_then(|a| a.main_dloss.take()) {
+            Some(buffer) => buffer,
+            None => self.launcher.alloc(batch.ids.len() * 4).map_err(device)?,
+        };
 
         let rows = batch.ids.len();
         let (l, acts) = (&self.layout, self.acts.as_ref().ok_or_else(no_acts)?);
@@ -707,7 +746,6 @@ impl<'l, L: Launcher> DeviceStep<'l, L> {
         let (dlogits, dx) = (Arg::Ptr(&acts.dlogits, 0), Arg::Ptr(&acts.dx, 0));
         let (dh, dnorm_in) = (Arg::Ptr(&acts.dh, 0), Arg::Ptr(&acts.dnorm_in, 0));
         let mut figures = None;
-        let mut main_dloss = None;
         for (s, stack) in l.stacks.iter().enumerate().take(stacks).rev() {
             let (out, inputs) = (stack.output(), &acts.inputs[s]);
             let final_norm = stack.final_norm;
@@ -723,8 +761,11 @@ impl<'l, L: Launcher> DeviceStep<'l, L> {
                 }
                 let dce: Vec<f32> = grad.dlogp.iter().map(|g| -g).collect();
                 figures = Some(grad);
-                let uploaded = self.launcher.upload_f32(&dce).map_err(device)?;
-                Arg::Ptr(&*main_dloss.insert(uploaded), 0)
+                let bytes = kernels::launch::f32_bytes(&dce);
+                self.launcher
+                    .write(&mut main_dloss, 0, &bytes)
+                    .map_err(device)?;
+                Arg::Ptr(&main_dloss, 0)
             } else {
                 Arg::Ptr(inputs.dloss.as_ref().ok_or_else(no_acts)?, 0)
             };
@@ -789,6 +830,9 @@ impl<'l, L: Launcher> DeviceStep<'l, L> {
                     k.add(l.embedding.at(g), Arg::Ptr(&acts.dtable, 0), v * d)?;
                 }
             }
+        }
+        if let Some(acts) = self.acts.as_mut() {
+            acts.main_dloss = Some(main_dloss);
         }
         figures.ok_or_else(|| RunError::new("GPU trainer: the main head was not run"))
     }
@@ -916,23 +960,7 @@ impl<'l, L: Launcher> DeviceStep<'l, L> {
         batch: &Batch,
     ) -> Result<Vec<f32>, RunError> {
         if self.reference.is_none() {
-            let names = |m: &Model| -> Vec<(String, usize)> {
-                m.params
-                    .iter()
-                    .map(|(n, v)| (n.to_string(), v.elem_count()))
-                    .collect()
-            };
-            if names(reference) != names(policy) {
-                return Err(RunError::new(
-                    "GPU trainer: the reference model's parameters are not the policy's",
-                ));
-            }
-            let weights = reference.params.values().map_err(crate::err)?;
-            let uploaded = self
-                .launcher
-                .upload_f32(&weights.concat())
-                .map_err(device)?;
-            self.reference = Some(uploaded);
+            self.upload_reference(policy, Some(reference))?;
         }
         let w = self.reference.as_ref().ok_or_else(no_acts)?;
         self.forward((w, reference), batch, 1, false)?;
@@ -1081,6 +1109,7 @@ impl<'l, L: Launcher> DeviceStep<'l, L> {
                     })
                 })
                 .collect::<Result<_, RunError>>()?,
+            main_dloss: Some(floats(rows)?),
             segments: attention(rows)?,
             cos: heads
                 .filter(|_| l.rope)
@@ -1235,8 +1264,8 @@ impl<'l, L: Launcher> DeviceStep<'l, L> {
     }
 }
 
-/// A [`DeviceStep`] as the training loop's [`Stepper`]: next-token steps on `source`'s
-/// batches, the host's weights and moments brought back before each checkpoint.
+/// A [`DeviceStep`] as the training loop's [`Stepper`]: steps of `objective` (which must be
+/// [`PerToken`]), the host's weights and moments brought back before each checkpoint.
 pub struct OnDevice<'l, 'o, 'a, L: Launcher> {
     pub step: DeviceStep<'l, L>,
     pub objective: &'o mut (dyn Objective + 'a),
