@@ -751,6 +751,36 @@ fn megatron_stages_are_planned_per_gpu_and_refused_by_a_profile_whose_gpus_are_t
     assert!(!p.path("manifests/.nemo-dag").exists(), "nothing written");
 }
 
+/// A Megatron stage launched on this machine's GPUs (`torchrun`, one node) plans per GPU:
+/// that plan is not held to this machine's RAM (it was, and refused the run).
+#[test]
+fn a_per_gpu_plan_is_not_held_to_this_machines_ram() {
+    let p = project("mb-local-gpus");
+    let manifest = std::fs::read_to_string(p.path("m.yaml")).unwrap();
+    let manifest = manifest
+        .replace(
+            "    op: megatron_sft\n",
+            "    op: megatron_sft\n    resources: {launch: torchrun, gpus: 2}\n",
+        )
+        .replace(
+            "      save_interval: 3\n",
+            "      save_interval: 3\n      parallel: {ep: 2}\n",
+        );
+    p.write("m.yaml", &manifest);
+    let plan = p.ok(&["validate", "m.yaml"]);
+    assert!(
+        plan.stderr.contains("sft: ") && plan.stderr.contains("peak on each GPU"),
+        "{plan}"
+    );
+    let out = run(&p, &["run", "m.yaml"], &[]);
+    assert!(
+        !out.stderr.contains("more than this machine has"),
+        "a per-GPU plan held to RAM:\n{out}"
+    );
+    // The stages before it ran; the stage itself got as far as its launcher.
+    assert!(launches(&p).len() >= 1, "{out}");
+}
+
 /// Opt-in: the overrides a run renders, applied by Megatron-Bridge 0.6's own config loader
 /// (`process_config_with_overrides`, then the dataset config's `finalize`/`validate`), with
 /// `NEMO_DAG_MB_PYTHON` a Python 3.12 that has megatron-bridge 0.6 (docs/scale.md).

@@ -412,8 +412,10 @@ fn check_memory(
     let mut over = Vec::new();
     for name in manifest.order.iter().filter(|n| selected.contains(*n)) {
         let device = manifest.stages[name].resources.device.as_deref();
+        // A per-GPU plan is not this machine's memory (a Slurm profile's gpu_memory checks it).
         if let (Some(estimate), Some((capacity, what))) =
             (manifest.estimate(name), crate::estimate::capacity(device))
+            && !estimate.per_gpu()
             && estimate.peak_bytes() > capacity
         {
             over.push((name, estimate, capacity, what));

@@ -10,23 +10,26 @@
 //!
 //! **Weights and optimizer per GPU** (Megatron-LM's `megatron/training/theoretical_memory_usage.py`,
 //! `compute_weight_and_optimizer_memory`, counted per layer of the hybrid pattern, which that
-//! function does not do): the busiest rank is the first pipeline stage, holding `1/PP` of the
-//! layers, the MTP depths and the embedding (and the output layer too when `PP = 1`).
+//! function does not do), on the busier of the first and the last pipeline stage: each holds
+//! `1/PP` of the layers; the first also the embedding, the last the output layer, the final
+//! norm and the MTP depths (where Megatron-Core builds them).
 //! Attention, Mamba, dense MLP and shared-expert weights are split over TP; norms, routers and
 //! LatentMoE's projections are replicated; routed experts are split over `EP·ETP`. Each
 //! parameter costs `2` bytes (bf16 weights) plus its gradient buffer (`4` bytes when gradients
 //! are reduced in fp32, else `2`) plus the optimizer's main copy and two moments, divided over
-//! the data-parallel ranks with the distributed optimizer: `DP = world/(TP·PP·CP)` for dense
-//! weights, `EDP = world/(ETP·EP·PP)` for routed experts. With fp32 gradients and optimizer
-//! this is Megatron-LM's `6 + 12/DP`; the recipes' own dtypes are used ([`Precision`]).
+//! the data-parallel ranks with the distributed optimizer: `DP·CP` (Megatron-Core's
+//! data-and-context-parallel group; Megatron-LM's formula divides by `DP` only) with
+//! `DP = world/(TP·PP·CP)` for dense weights, `EDP = world/(ETP·EP·PP)` for routed experts.
+//! With fp32 gradients and optimizer this is Megatron-LM's `6 + 12/DP`; the recipes' own dtypes
+//! are used ([`Precision`]).
 //!
 //! **Activations per GPU** (our own model: Megatron-LM has no activation formula for Mamba or
 //! MoE layers, and refuses to estimate hybrid models): the bf16 tensors each layer keeps for
 //! its backward, per micro-batch of `micro_batch × seq_length / CP` tokens, divided over TP
 //! (the layer input only with sequence parallelism), less what the recipe recomputes; a rank's
 //! routed experts see `top_k` copies of each of its tokens (bounded by the capacity factor).
-//! The first pipeline stage keeps `min(PP, micro-batches)` micro-batches in flight (1F1B). The
-//! logits are fp32. These figures are the uncertain part: a stage is refused only when its
+//! The first pipeline stage keeps `min(PP, micro-batches)` micro-batches in flight (1F1B), the
+//! last one, with every head's fp32 logits. These figures are the uncertain part: a stage is refused only when its
 //! weights and optimizer alone exceed the GPU ([`nemo_dag_op::Estimate::least_bytes`]).
 //!
 //! **FLOPs per step**: Megatron-LM's `num_floating_point_operations` for hybrid models
@@ -470,56 +473,118 @@ impl Run {
     }
 }
 
-/// The busiest GPU's memory and the step's work for `run` of `recipe` (see the module docs).
+/// A pipeline stage's GPU: its weights and optimizer (dense, and routed experts) and what it
+/// keeps for the backward (its layers' activations, and the logits on the last stage).
+struct StageMemory {
+    dense: u64,
+    experts: u64,
+    activations: u64,
+    logits: u64,
+}
+
+impl StageMemory {
+    fn certain(&self) -> u64 {
+        self.dense + self.experts
+    }
+
+    fn peak(&self) -> u64 {
+        self.certain() + self.activations + self.logits
+    }
+}
+
+/// The GPU of pipeline stage `first` or last (or both, with one stage): `1/PP` of the decoder;
+/// the first stage also holds the embedding, and keeps `min(PP, micro-batches)` micro-batches
+/// in flight (1F1B); the last holds the output layer (a copy of the embedding when tied), the
+/// final norm, the MTP depths (Megatron-Core builds them on the last stage) and the fp32
+/// logits of every head, and keeps one micro-batch in flight.
+fn stage(recipe: &Recipe, run: &Run, first: bool, last: bool) -> StageMemory {
+    let (shape, d) = (&recipe.shape, &recipe.defaults);
+    let (dp, edp) = run.data_parallel();
+    let (decoder, mtp) = (shape.decoder(), shape.mtp());
+    let table = shape.vocab * shape.hidden;
+    let mut tp = decoder.tp / run.pp;
+    let mut replicated = decoder.replicated / run.pp;
+    let mut experts = decoder.experts / run.pp;
+    if first {
+        tp += table;
+    }
+    if last {
+        if !first || shape.untied {
+            tp += table;
+        }
+        tp += mtp.tp;
+        replicated += shape.hidden + mtp.replicated;
+        experts += mtp.experts;
+    }
+    let dense = (tp / run.tp.max(1) + replicated) as f64 * d.precision.per_parameter(dp * run.cp);
+    let experts = (experts / (run.ep * run.etp).max(1)) as f64 * d.precision.per_parameter(edp);
+    let in_flight = if first {
+        run.pp.min(run.micro_batches())
+    } else {
+        1
+    };
+    let layers = layer_activations(recipe, run, shape.pattern) / run.pp as f64
+        + if last {
+            layer_activations(recipe, run, shape.mtp) * shape.mtp_depths as f64
+        } else {
+            0.0
+        };
+    let logits = if last {
+        4 * run.micro_batch * run.seq / run.cp.max(1) * shape.vocab / run.tp.max(1)
+            * (1 + shape.mtp_depths)
+    } else {
+        0
+    };
+    StageMemory {
+        dense: dense as u64,
+        experts: experts as u64,
+        activations: (layers * in_flight as f64) as u64,
+        logits,
+    }
+}
+
+/// The busiest GPU's memory and the step's work for `run` of `recipe` (see the module docs):
+/// the pipeline stage with the larger peak, first or last; what is needed for certain is the
+/// larger weights and optimizer of the two.
 pub fn estimate(recipe: &Recipe, run: &Run) -> Estimate {
     let (shape, d) = (&recipe.shape, &recipe.defaults);
     let (dp, edp) = run.data_parallel();
-    let h = shape.hidden;
-
-    // The first pipeline stage: 1/PP of the decoder, the MTP depths and the embedding (with
-    // the output layer when it is the only stage).
-    let decoder = shape.decoder();
-    let ends = if run.pp == 1 {
-        shape.ends()
+    let stages = if run.pp == 1 {
+        vec![("", stage(recipe, run, true, true))]
     } else {
-        Split {
-            tp: shape.vocab * h,
-            ..Split::default()
-        }
+        vec![
+            ("first", stage(recipe, run, true, false)),
+            ("last", stage(recipe, run, false, true)),
+        ]
     };
-    let mtp = shape.mtp();
-    let dense = (decoder.tp / run.pp + ends.tp + mtp.tp) / run.tp.max(1)
-        + decoder.replicated / run.pp
-        + ends.replicated
-        + mtp.replicated;
-    let experts = (decoder.experts / run.pp + mtp.experts) / (run.ep * run.etp).max(1);
-    let dense_bytes = dense as f64 * d.precision.per_parameter(dp);
-    let expert_bytes = experts as f64 * d.precision.per_parameter(edp);
-
-    let activations = activations(recipe, run);
-    let logits = 4 * run.micro_batch * run.seq / run.cp.max(1) * shape.vocab / run.tp.max(1)
-        * if run.pp == 1 { 1 + shape.mtp_depths } else { 0 };
-    let weights = dense_bytes as u64 + expert_bytes as u64;
+    let certain = stages.iter().map(|(_, s)| s.certain()).max().unwrap_or(0);
+    let (which, busiest) = stages
+        .into_iter()
+        .max_by_key(|(_, s)| s.peak())
+        .unwrap_or(("", stage(recipe, run, true, true)));
     let mut memory = vec![
-        ("weights and optimizer".to_string(), dense_bytes as u64),
+        ("weights and optimizer".to_string(), busiest.dense),
         (
             "routed experts' weights and optimizer".to_string(),
-            expert_bytes as u64,
+            busiest.experts,
         ),
-        ("activations".to_string(), activations),
+        ("activations".to_string(), busiest.activations),
+        ("logits".to_string(), busiest.logits),
     ];
-    if logits > 0 {
-        memory.push(("logits".to_string(), logits));
-    }
     memory.retain(|(_, b)| *b > 0);
     let tokens = (run.global_batch * run.seq) as f64;
+    let stage_name = if which.is_empty() {
+        String::new()
+    } else {
+        format!(", the {which} pipeline stage's")
+    };
     Estimate {
         device: nemo_dag_op::plan::EACH_GPU.to_string(),
         memory,
         flops_per_step: shape.flops(tokens, run.seq as f64),
         steps: run.steps,
         basis: format!(
-            "{} GPUs: TP {} PP {} EP {} CP {}{}, data-parallel {dp} (experts {edp}); micro-batch {} × {} tokens, {} per step; {:.1} B parameters ({:.1} B active); weights and optimizer by Megatron-LM's rule ({:.1} bytes a dense parameter), activations our own model ({})",
+            "{} GPUs{stage_name}: TP {} PP {} EP {} CP {}{}, data-parallel {dp} (experts {edp}); micro-batch {} × {} tokens, {} per step; {:.1} B parameters ({:.1} B active); weights and optimizer by Megatron-LM's rule ({:.1} bytes a dense parameter), activations our own model ({})",
             run.world,
             run.tp,
             run.pp,
@@ -531,19 +596,20 @@ pub fn estimate(recipe: &Recipe, run: &Run) -> Estimate {
             run.micro_batches(),
             shape.parameters().total() as f64 / 1e9,
             shape.parameters().active() as f64 / 1e9,
-            d.precision.per_parameter(dp),
+            d.precision.per_parameter(dp * run.cp),
             if d.recompute.is_empty() {
                 "no recompute".to_string()
             } else {
                 format!("recomputing {}", d.recompute.join(", "))
             },
         ),
-        least_bytes: Some(weights),
+        least_bytes: Some(certain),
     }
 }
 
-/// The bf16 tensors the busiest rank keeps for the backward (see the module docs), in bytes.
-fn activations(recipe: &Recipe, run: &Run) -> u64 {
+/// The bf16 tensors the layers of `pattern` keep for the backward on one rank, for one
+/// micro-batch (see the module docs), in bytes.
+fn layer_activations(recipe: &Recipe, run: &Run, pattern: &str) -> f64 {
     let (shape, d) = (&recipe.shape, &recipe.defaults);
     let recomputes = |module: &str| d.recompute.contains(&module);
     let tokens = (run.micro_batch * run.seq / run.cp.max(1)) as f64;
@@ -601,10 +667,7 @@ fn activations(recipe: &Recipe, run: &Run) -> u64 {
         };
         input + kept
     };
-    let layers: f64 = shape.pattern.chars().map(per_layer).sum::<f64>() / run.pp as f64
-        + shape.mtp.chars().map(per_layer).sum::<f64>() * shape.mtp_depths as f64;
-    let in_flight = run.pp.min(run.micro_batches()) as f64;
-    (layers * in_flight) as u64
+    pattern.chars().map(per_layer).sum()
 }
 
 #[cfg(test)]
@@ -684,19 +747,22 @@ mod tests {
         let gib = (1u64 << 30) as f64;
         assert!(close(got, 76.9 * gib, 0.01), "{}", got / gib);
 
-        // Super's pretraining: PP 2 halves the decoder; its precision-aware optimizer is
-        // 2 + 2 + 6/DP bytes a parameter.
+        // Super's pretraining: PP 2 halves the decoder, and the last stage, which also holds
+        // the output layer, the final norm and the MTP depth, has the larger weights; its
+        // precision-aware optimizer is 2 + 2 + 6/DP bytes a parameter.
         let pre = recipe("nemotron_3_super_pretrain_config").unwrap();
         let r = run(&pre, 64, 4096, 1280);
         assert_eq!(r.data_parallel(), (32, 1));
         assert_eq!(r.micro_batches(), 40);
         let e = estimate(&pre, &r);
         let (d, m) = (SUPER.decoder(), SUPER.mtp());
-        let dense = d.tp / 2 + SUPER.vocab * 4096 + m.tp + d.replicated / 2 + m.replicated;
+        let dense = d.tp / 2 + SUPER.vocab * 4096 + m.tp + d.replicated / 2 + 4096 + m.replicated;
         let experts = (d.experts / 2 + m.experts) / 32;
         let want = dense as f64 * (4.0 + 6.0 / 32.0) + experts as f64 * (4.0 + 6.0);
         assert!(close(e.least_bytes.unwrap() as f64, want, 1e-6));
         assert!(e.peak_bytes() > e.least_bytes.unwrap(), "{e}");
+        // The first stage, with two micro-batches in flight, has the larger peak.
+        assert!(e.basis.contains("the first pipeline stage's"), "{e}");
     }
 
     /// FLOPs per step by Megatron-LM's hybrid formula: Nano at GBS 1024 × 8192 is 174.3 PFLOP
@@ -725,8 +791,8 @@ mod tests {
         let large = estimate(&pre, &run(&pre, 32, 8192, 1024));
         assert!(large.least_bytes < small.least_bytes, "{small}\n{large}");
         let sft = recipe("nemotron_3_nano_sft_config").unwrap();
-        let kept = activations(&sft, &run(&sft, 8, 8192, 64));
-        let recomputed = activations(&pre, &run(&pre, 8, 8192, 64));
+        let kept = layer_activations(&sft, &run(&sft, 8, 8192, 64), NANO.pattern);
+        let recomputed = layer_activations(&pre, &run(&pre, 8, 8192, 64), NANO.pattern);
         assert!(recomputed < kept, "{recomputed} vs {kept}");
         assert!(recipe("llama3_8b_pretrain_config").is_none());
     }

@@ -137,10 +137,16 @@ struct Parallel {
 
 impl Params {
     /// What [`estimate::estimate`] makes of the stage on `world` ranks: none for a recipe
-    /// whose model nemo-dag does not know, or whose `overrides` change the model.
+    /// whose model nemo-dag does not know, or whose `overrides` change what the table says of
+    /// it (the model, its parallelism, recompute, precision or optimizer).
     fn estimate(&self, world: Option<u64>) -> Option<Estimate> {
         let recipe = estimate::recipe(&self.recipe)?;
-        if self.overrides.keys().any(|k| k.starts_with("model.")) {
+        let changes = ["model.", "optimizer.", "ddp.", "mixed_precision"];
+        if self
+            .overrides
+            .keys()
+            .any(|k| changes.iter().any(|c| k.starts_with(c)))
+        {
             return None;
         }
         let (d, par) = (&recipe.defaults, &self.parallel);
@@ -1082,6 +1088,45 @@ mod tests {
             "micro_batch": 1, "save_interval": 1, "parallel": parallel
         }))
         .unwrap()
+    }
+
+    /// A stage is estimated only when the table describes what it runs: a known recipe, on
+    /// ranks, with no override of the model, the optimizer, DDP or mixed precision (which
+    /// change the bytes a parameter costs); the stage's own parallelism wins over the
+    /// recipe's.
+    #[test]
+    fn a_stage_is_estimated_only_as_the_recipe_table_describes_it() {
+        let stage = |extra: serde_json::Value| -> Params {
+            let mut p = serde_json::json!({
+                "recipe": "nemotron_3_nano_sft_config", "seq_length": 2048, "steps": 1,
+                "global_batch": 64, "micro_batch": 1, "save_interval": 1
+            });
+            for (k, v) in extra.as_object().unwrap() {
+                p[k] = v.clone();
+            }
+            serde_json::from_value(p).unwrap()
+        };
+        let none = serde_json::json!({});
+        let on_8 = stage(none.clone()).estimate(Some(8)).unwrap();
+        assert!(on_8.basis.contains("TP 1 PP 1 EP 8"), "{on_8}");
+        assert!(stage(none.clone()).estimate(None).is_none(), "not launched");
+        let tp4 = stage(serde_json::json!({"parallel": {"tp": 4, "sp": true}}));
+        let tp4 = tp4.estimate(Some(16)).unwrap();
+        assert!(tp4.basis.contains("TP 4 PP 1 EP 8"), "{tp4}");
+        assert!(tp4.least_bytes < on_8.least_bytes);
+        for key in [
+            "model.num_layers",
+            "optimizer.use_precision_aware_optimizer",
+            "ddp.use_distributed_optimizer",
+            "mixed_precision.grad_reduce_in_fp32",
+        ] {
+            let p = stage(serde_json::json!({"overrides": {key: true}}));
+            assert!(p.estimate(Some(8)).is_none(), "{key}");
+        }
+        let p = stage(serde_json::json!({"overrides": {"train.manual_gc": true}}));
+        assert!(p.estimate(Some(8)).is_some());
+        let p = stage(serde_json::json!({"recipe": "llama3_8b_pretrain_config"}));
+        assert!(p.estimate(Some(8)).is_none());
     }
 
     /// Layouts Megatron-Core would refuse after the queue wait are refused at plan time, at the
