@@ -508,6 +508,14 @@ struct Activations<B> {
     dtable: B,
 }
 
+/// What [`DeviceStep::launching`] gives: a micro-batch's launches, its activations as the
+/// attention and Mamba kernels read them, and its per-slot activations.
+struct Launching<'s, 'l, L: Launcher> {
+    k: Kernels<'l, L>,
+    packed: Packed<'s, L::Buffer>,
+    at: Slots<'s, L::Buffer>,
+}
+
 /// A micro-batch's per-slot activations as kernel arguments, for `rows` tokens of width
 /// `hidden`: the residual stream of slot `i` ([`Stack::slot`]), block `i`'s normed input, and
 /// the 1/rms of the norm of slot `i`.
@@ -743,7 +751,7 @@ impl<'l, L: Launcher> DeviceStep<'l, L> {
             None => self.launcher.alloc(batch.ids.len() * 4).map_err(device)?,
         };
 
-        let (k, packed, at) = self.launching(&batch)?;
+        let Launching { k, packed, at } = self.launching(&batch)?;
         let (l, acts, rows) = (&self.layout, packed.acts, k.rows);
         let (w, g) = (&self.weights, &self.grads);
         let (d, v) = (l.hidden, l.vocab);
@@ -859,7 +867,7 @@ impl<'l, L: Launcher> DeviceStep<'l, L> {
         stacks: usize,
         count: bool,
     ) -> Result<Vec<Option<moe::Routed<L::Buffer>>>, RunError> {
-        let (k, packed, at) = self.launching(batch)?;
+        let Launching { k, packed, at } = self.launching(batch)?;
         let (l, acts, rows) = (&self.layout, packed.acts, k.rows);
         let (d, v) = (l.hidden, l.vocab);
 
@@ -925,10 +933,7 @@ impl<'l, L: Launcher> DeviceStep<'l, L> {
 
     /// The launches of a micro-batch the size of `batch` (uploaded by [`DeviceStep::prepare`]),
     /// its activations as the attention and Mamba kernels read them, and its slots.
-    fn launching(
-        &self,
-        batch: &Batch,
-    ) -> Result<(Kernels<'l, L>, Packed<'_, L::Buffer>, Slots<'_, L::Buffer>), RunError> {
+    fn launching(&self, batch: &Batch) -> Result<Launching<'_, 'l, L>, RunError> {
         let acts = self.acts.as_ref().ok_or_else(no_acts)?;
         let rows = batch.ids.len();
         let k = Kernels {
@@ -945,7 +950,11 @@ impl<'l, L: Launcher> DeviceStep<'l, L> {
             rows,
             hidden: self.layout.hidden,
         };
-        Ok((k, packed, slots))
+        Ok(Launching {
+            k,
+            packed,
+            at: slots,
+        })
     }
 
     /// `stack`'s output head on the weights `w`: its final norm, the logits and each token's
@@ -998,7 +1007,7 @@ impl<'l, L: Launcher> DeviceStep<'l, L> {
         }
         let w = self.reference.as_ref().ok_or_else(no_acts)?;
         self.forward((w, reference), batch, 1, false)?;
-        let (k, packed, _) = self.launching(batch)?;
+        let Launching { k, packed, .. } = self.launching(batch)?;
         let main = self.layout.stacks.first().ok_or_else(no_acts)?;
         self.head(&k, w, main, &packed.acts.inputs[0].labels)?;
         self.head_logp(batch.ids.len())
