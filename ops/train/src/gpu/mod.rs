@@ -11,9 +11,9 @@
 //! blocks (`*`: grouped-query causal attention over packed segments, RoPE or none), Mamba-2
 //! blocks (`M`: [`mamba`]) and MoE blocks (`E`: [`moe`]), MTP depths after `/` ([`mtp`]), tied
 //! or untied output head, f32 throughout, GEMMs through linear.cu. [`DeviceStep::upload`]
-//! names anything else. Three block kinds are the same three steps around a different middle — an input
-//! projection, the mixer, an output projection added onto the residual — and an MoE block
-//! runs such an MLP per expert on its own tokens, so one loop runs them all:
+//! names anything else. Three block kinds are the same three steps around a different middle
+//! — an input projection, the mixer, an output projection added onto the residual — and an
+//! MoE block runs such an MLP per expert on its own tokens, so one loop runs them all:
 //!
 //! ```text
 //! block:   h = rms_norm(x);  a = h · w_inᵀ;  m = mix(a);  x = x + m · w_outᵀ
