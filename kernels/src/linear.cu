@@ -21,30 +21,49 @@
 // depend on the launch geometry, and the SIMT shim (whose fmaf rounds once, as the GPU's
 // does) computes the same bytes as the GPU.
 //
+// gemm_bf16_f32 is the same GEMM with each operand rounded to bf16 (to nearest, ties to even)
+// as it is loaded, the products still accumulated in f32: the arithmetic of a tensor-core GEMM
+// of bf16 operands with f32 accumulation and output (cuBLASLt's CUBLAS_COMPUTE_32F over
+// CUDA_R_16BF inputs), which is how Megatron-LM trains in bf16. It is what the trainer's bf16
+// matmuls compute on the shim and wherever cuBLASLt is missing, and what cuBLASLt's results
+// are held to (they differ only in the order of the f32 sums). cast_bf16 writes the bf16
+// operands cuBLASLt reads.
+//
 // Launch: block 256, grid (ceil(n/128), ceil(m/128), batches).
+
+#include <cuda_bf16.h>
 
 #define GEMM_BM 128
 #define GEMM_BN 128
 #define GEMM_BK 8
 
+// An operand as the GEMM multiplies it: itself, or rounded to bf16.
+template <bool BF16>
+static __device__ __forceinline__ float gemm_operand(float v) {
+    return BF16 ? __bfloat162float(__float2bfloat16_rn(v)) : v;
+}
+
 // op(A)[row][kk], or 0 outside m×k.
+template <bool BF16>
 static __device__ __forceinline__ float gemm_a_at(const float* a, int m, int k, int trans_a,
                                                   int row, int kk) {
     if (row >= m || kk >= k) return 0.0f;
-    return trans_a ? a[size_t(kk) * m + row] : a[size_t(row) * k + kk];
+    return gemm_operand<BF16>(trans_a ? a[size_t(kk) * m + row] : a[size_t(row) * k + kk]);
 }
 
 // op(B)[kk][col], or 0 outside k×n.
+template <bool BF16>
 static __device__ __forceinline__ float gemm_b_at(const float* b, int n, int k, int trans_b,
                                                   int kk, int col) {
     if (kk >= k || col >= n) return 0.0f;
-    return trans_b ? b[size_t(col) * k + kk] : b[size_t(kk) * n + col];
+    return gemm_operand<BF16>(trans_b ? b[size_t(col) * k + kk] : b[size_t(kk) * n + col]);
 }
 
-extern "C" __global__ void __launch_bounds__(256)
-    gemm_f32(const float* a, const float* b, float* c, int m, int n, int k, int trans_a,
-             int trans_b, float alpha, float beta, long long stride_a, long long stride_b,
-             long long stride_c) {
+template <bool BF16>
+static __device__ __forceinline__ void gemm_tiles(const float* a, const float* b, float* c,
+                                                  int m, int n, int k, int trans_a, int trans_b,
+                                                  float alpha, float beta, long long stride_a,
+                                                  long long stride_b, long long stride_c) {
     __shared__ float a_tile[GEMM_BK][GEMM_BM];  // op(A) tile, k-major: a_tile[kk][row]
     __shared__ float b_tile[GEMM_BK][GEMM_BN];  // op(B) tile: b_tile[kk][col]
     a += blockIdx.z * stride_a;
@@ -63,8 +82,8 @@ extern "C" __global__ void __launch_bounds__(256)
 
     float a_next[4], b_next[4];
     for (int j = 0; j < 4; ++j) {
-        a_next[j] = gemm_a_at(a, m, k, trans_a, row0 + a_row + j * a_dr, a_k + j * a_dk);
-        b_next[j] = gemm_b_at(b, n, k, trans_b, b_k + j * b_dk, col0 + b_col + j * b_dc);
+        a_next[j] = gemm_a_at<BF16>(a, m, k, trans_a, row0 + a_row + j * a_dr, a_k + j * a_dk);
+        b_next[j] = gemm_b_at<BF16>(b, n, k, trans_b, b_k + j * b_dk, col0 + b_col + j * b_dc);
     }
 
     const int tx = tid % 16, ty = tid / 16;
@@ -81,9 +100,9 @@ extern "C" __global__ void __launch_bounds__(256)
         if (t + GEMM_BK < k) {  // the next slice's loads are in flight during the FMAs
             const int next = t + GEMM_BK;
             for (int j = 0; j < 4; ++j) {
-                a_next[j] = gemm_a_at(a, m, k, trans_a, row0 + a_row + j * a_dr,
+                a_next[j] = gemm_a_at<BF16>(a, m, k, trans_a, row0 + a_row + j * a_dr,
                                       next + a_k + j * a_dk);
-                b_next[j] = gemm_b_at(b, n, k, trans_b, next + b_k + j * b_dk,
+                b_next[j] = gemm_b_at<BF16>(b, n, k, trans_b, next + b_k + j * b_dk,
                                       col0 + b_col + j * b_dc);
             }
         }
@@ -113,5 +132,29 @@ extern "C" __global__ void __launch_bounds__(256)
             const float scaled = __fmul_rn(alpha, acc[i][j]);
             c[at] = beta == 0.0f ? scaled : __fadd_rn(scaled, __fmul_rn(beta, c[at]));
         }
+    }
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+    gemm_f32(const float* a, const float* b, float* c, int m, int n, int k, int trans_a,
+             int trans_b, float alpha, float beta, long long stride_a, long long stride_b,
+             long long stride_c) {
+    gemm_tiles<false>(a, b, c, m, n, k, trans_a, trans_b, alpha, beta, stride_a, stride_b,
+                      stride_c);
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+    gemm_bf16_f32(const float* a, const float* b, float* c, int m, int n, int k, int trans_a,
+                  int trans_b, float alpha, float beta, long long stride_a, long long stride_b,
+                  long long stride_c) {
+    gemm_tiles<true>(a, b, c, m, n, k, trans_a, trans_b, alpha, beta, stride_a, stride_b,
+                     stride_c);
+}
+
+// y[i] = x[i] rounded to bf16 (to nearest, ties to even), for i < n. Grid-stride, block 256.
+extern "C" __global__ void cast_bf16(const float* x, __nv_bfloat16* y, size_t n) {
+    const size_t stride = size_t(gridDim.x) * blockDim.x;
+    for (size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
+        y[i] = __float2bfloat16_rn(x[i]);
     }
 }

@@ -6,7 +6,7 @@
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp2, Layout, Result, Shape, Tensor, bail};
 
-use crate::launch::Geometry;
+use crate::launch::{Arg, Geometry};
 
 // 1. Reference ----------------------------------------------------------------------------
 
@@ -88,6 +88,73 @@ pub fn linear(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     x.contiguous()?.apply_op2(&w.contiguous()?, Linear)
 }
 
+/// The arithmetic of a matrix product's operands. Every product accumulates in f32 and writes
+/// f32.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Precision {
+    /// f32 operands: linear.cu's `gemm_f32`, each output one fmaf chain over k in order, so
+    /// the GPU and the SIMT shim write the same bytes.
+    #[default]
+    F32,
+    /// Operands rounded to bf16, products summed in f32, as Megatron-LM's bf16 training
+    /// multiplies: cuBLASLt on a GPU that has it, `gemm_bf16_f32` elsewhere (the same
+    /// arithmetic, summed in another order).
+    Bf16,
+}
+
+impl Precision {
+    pub fn name(self) -> &'static str {
+        match self {
+            Precision::F32 => "f32",
+            Precision::Bf16 => "bf16",
+        }
+    }
+}
+
+/// One product `c = alpha · op(a) · op(b) + beta · c` of row-major f32 matrices: op(a) is
+/// m × k (`a` stored k × m when `trans_a`), op(b) is k × n (`b` stored n × k when `trans_b`),
+/// c is m × n. [`crate::launch::Launcher::gemm`] runs it.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Gemm {
+    pub m: usize,
+    pub n: usize,
+    pub k: usize,
+    pub trans_a: bool,
+    pub trans_b: bool,
+    pub alpha: f32,
+    pub beta: f32,
+    pub precision: Precision,
+}
+
+impl Gemm {
+    /// The linear.cu kernel that computes it.
+    pub fn kernel(&self) -> &'static str {
+        match self.precision {
+            Precision::F32 => "gemm_f32",
+            Precision::Bf16 => "gemm_bf16_f32",
+        }
+    }
+
+    /// The kernel's arguments, in its parameters' order.
+    pub fn args<'a, B>(&self, a: Arg<'a, B>, b: Arg<'a, B>, c: Arg<'a, B>) -> [Arg<'a, B>; 13] {
+        [
+            a,
+            b,
+            c,
+            Arg::I32(self.m as i32),
+            Arg::I32(self.n as i32),
+            Arg::I32(self.k as i32),
+            Arg::I32(i32::from(self.trans_a)),
+            Arg::I32(i32::from(self.trans_b)),
+            Arg::F32(self.alpha),
+            Arg::F32(self.beta),
+            Arg::I64(0),
+            Arg::I64(0),
+            Arg::I64(0),
+        ]
+    }
+}
+
 /// The launch of linear.cu's `gemm_f32` for `batches` products of `m × n` outputs: a block of
 /// 256 threads for each 128 × 128 tile of C.
 pub fn gemm_geometry(m: usize, n: usize, batches: usize) -> Geometry {
@@ -136,10 +203,10 @@ mod tests {
         assert!(linear(&x, &bad).is_err(), "a weight of the wrong width");
     }
 
-    /// linear.cu's GEMM through the SIMT shim: `alpha · op(a) · op(b) + beta · c` over
-    /// `batches`, op(a) m×k and op(b) k×n.
-    #[allow(clippy::too_many_arguments)]
+    /// linear.cu's GEMM `kernel` through the SIMT shim: `alpha · op(a) · op(b) + beta · c`
+    /// over `batches`, op(a) m×k and op(b) k×n.
     fn cuda_gemm(
+        kernel: &str,
         (a, b, c): (&[f32], &[f32], &[f32]),
         (m, n, k, batches): (usize, usize, usize, usize),
         (trans_a, trans_b): (bool, bool),
@@ -169,7 +236,7 @@ mod tests {
         ];
         let g = gemm_geometry(m, n, batches);
         // SAFETY: a, b and c hold `batches` matrices of m×k, k×n and m×n values.
-        unsafe { launch("gemm_f32", g.grid, g.block, schedule, &params) }.unwrap();
+        unsafe { launch(kernel, g.grid, g.block, schedule, &params) }.unwrap();
         c
     }
 
@@ -214,6 +281,7 @@ mod tests {
                     format!("m {m}, n {n}, k {k}, batches {batches}, trans {trans_a}/{trans_b}");
                 let got = in_both_schedules(&at, |s| {
                     vec![cuda_gemm(
+                        "gemm_f32",
                         (&a, &b, &c),
                         (m, n, k, batches),
                         (trans_a, trans_b),
@@ -236,6 +304,7 @@ mod tests {
         let (xv, wv, gv) = (values(x.as_tensor()), values(w.as_tensor()), values(&g));
         let gemm = |a: &[f32], b: &[f32], dims: (usize, usize, usize), trans| {
             cuda_gemm(
+                "gemm_f32",
                 (a, b, &vec![0.0; dims.0 * dims.1]),
                 (dims.0, dims.1, dims.2, 1),
                 trans,
@@ -249,5 +318,116 @@ mod tests {
         assert!(largest_gap(&y_cuda, &values(&y)) < 1e-5);
         assert!(largest_gap(&dx, &values(grads.get(x.as_tensor()).unwrap())) < 1e-5);
         assert!(largest_gap(&dw, &values(grads.get(w.as_tensor()).unwrap())) < 1e-5);
+    }
+
+    /// `alpha · op(a) · op(b) + beta · c` on the host in f64, each operand first passed
+    /// through `operand`.
+    fn host_gemm(
+        (a, b, c): (&[f32], &[f32], &[f32]),
+        (m, n, k): (usize, usize, usize),
+        (trans_a, trans_b): (bool, bool),
+        (alpha, beta): (f32, f32),
+        operand: impl Fn(f32) -> f32,
+    ) -> Vec<f32> {
+        let at = |row: usize, kk: usize| {
+            operand(if trans_a {
+                a[kk * m + row]
+            } else {
+                a[row * k + kk]
+            })
+        };
+        let bt = |kk: usize, col: usize| {
+            operand(if trans_b {
+                b[col * k + kk]
+            } else {
+                b[kk * n + col]
+            })
+        };
+        let mut out = vec![0.0; m * n];
+        for row in 0..m {
+            for col in 0..n {
+                let dot: f64 = (0..k)
+                    .map(|kk| f64::from(at(row, kk)) * f64::from(bt(kk, col)))
+                    .sum();
+                out[row * n + col] =
+                    (f64::from(alpha) * dot + f64::from(beta) * f64::from(c[row * n + col])) as f32;
+            }
+        }
+        out
+    }
+
+    /// `gemm_bf16_f32`, through the SIMT shim: the product of the operands rounded to bf16
+    /// (as `half` rounds: to nearest, ties to even), summed in f32 — within f32's error of the
+    /// same product summed in f64 on the host, in every transpose, at sizes that are not
+    /// multiples of the tile, in both schedules. And not the f32 product: the operands were
+    /// rounded (the f32 GEMM's result is further from it than bf16's rounding allows).
+    #[test]
+    fn the_bf16_gemm_multiplies_the_operands_rounded_to_bf16() {
+        let bf16 = |v: f32| half::bf16::from_f32(v).to_f32();
+        for (m, n, k) in [(1, 1, 1), (5, 3, 7), (17, 33, 29), (131, 260, 21)] {
+            let mut rng = Rng::new((m * n * k) as u64 + 7);
+            for trans in [(false, false), (true, false), (false, true), (true, true)] {
+                let a = values(&randn(&mut rng, &[m * k], 1.0));
+                let b = values(&randn(&mut rng, &[k * n], 1.0));
+                let c = values(&randn(&mut rng, &[m * n], 1.0));
+                let scalars = (0.5f32, 2.0f32);
+                let at = format!("m {m}, n {n}, k {k}, trans {trans:?}");
+                let got = in_both_schedules(&at, |s| {
+                    vec![cuda_gemm(
+                        "gemm_bf16_f32",
+                        (&a, &b, &c),
+                        (m, n, k, 1),
+                        trans,
+                        scalars,
+                        s,
+                    )]
+                });
+                let want = host_gemm((&a, &b, &c), (m, n, k), trans, scalars, bf16);
+                let f32_sum_error = 1e-5 * (k as f32).sqrt().max(1.0) * 4.0;
+                let gap = largest_gap(&got[0], &want);
+                assert!(gap < f32_sum_error, "{at}: {gap}");
+                if k >= 7 {
+                    let unrounded = host_gemm((&a, &b, &c), (m, n, k), trans, scalars, |v| v);
+                    let apart = largest_gap(&unrounded, &want);
+                    assert!(
+                        apart > 20.0 * f32_sum_error,
+                        "{at}: rounding moved it only {apart}"
+                    );
+                }
+            }
+        }
+    }
+
+    /// `cast_bf16` rounds as `half` does: to nearest, ties to even, signs, zeros, values past
+    /// bf16's largest finite and subnormals included, over a length no grid divides evenly.
+    #[test]
+    fn cast_bf16_rounds_to_nearest_even() {
+        use crate::simt::{arg, launch};
+        let mut rng = Rng::new(11);
+        let mut x = values(&randn(&mut rng, &[1000], 3.0));
+        // 1 + 2⁻⁸ is halfway between two bf16 values: ties go to the even one (1.0); 1 + 3·2⁻⁸
+        // goes up. Then -0, the largest f32 (rounds to infinity) and a subnormal.
+        x.extend([1.0 + 1.0 / 256.0, 1.0 + 3.0 / 256.0, -0.0, f32::MAX, 1e-40]);
+        let want: Vec<u16> = x
+            .iter()
+            .map(|v| half::bf16::from_f32(*v).to_bits())
+            .collect();
+        for grid in [1u32, 3] {
+            let mut y = vec![0u16; x.len()];
+            let (xp, yp, n) = (x.as_ptr(), y.as_mut_ptr(), x.len());
+            let params = [arg(&xp), arg(&yp), arg(&n)];
+            // SAFETY: x holds n floats and y room for n bf16 values.
+            unsafe {
+                launch(
+                    "cast_bf16",
+                    [grid, 1, 1],
+                    [256, 1, 1],
+                    Schedule::Reverse,
+                    &params,
+                )
+            }
+            .unwrap();
+            assert_eq!(y, want, "grid {grid}");
+        }
     }
 }

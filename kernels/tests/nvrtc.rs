@@ -33,6 +33,7 @@ const REGISTER_CEILINGS: &[(&str, u32)] = &[
     ("attention_bwd_dkv_f32", 168),           // 154 on NVRTC 13.0
     ("attention_bwd_dq_f32", 104),            // 95 on NVRTC 13.0
     ("attention_fwd_f32", 104),               // 94 on NVRTC 13.0
+    ("cast_bf16", 16),                        // 10 on NVRTC 13.0
     ("causal_conv_silu_dpre_f32", 40),        // 32 on NVRTC 13.0
     ("causal_conv_silu_dw_partials_f32", 48), // 40 on NVRTC 13.0
     ("causal_conv_silu_dw_reduce", 40),       // 32 on NVRTC 13.0
@@ -47,7 +48,8 @@ const REGISTER_CEILINGS: &[(&str, u32)] = &[
     ("gated_rms_norm_bwd_f32", 40),           // 30 on NVRTC 13.0
     ("gated_rms_norm_dw_reduce", 40),         // 32 on NVRTC 13.0
     ("gated_rms_norm_fwd_f32", 40),           // 32 on NVRTC 13.0
-    ("gemm_f32", 128),                        // 120 on NVRTC 13.0
+    ("gemm_bf16_f32", 128),                   // 116 on NVRTC 13.0
+    ("gemm_f32", 128),                        // 116 on NVRTC 13.0
     ("grad_clip_f32", 32),                    // 26 on NVRTC 13.0
     ("grad_norm_finish", 24),                 // 18 on NVRTC 13.0
     ("grad_norm_partials", 24),               // 20 on NVRTC 13.0

@@ -14,6 +14,9 @@ pub enum CudaLibrary {
     /// The run-time compiler, `libnvrtc.so.13`: the CUDA toolkit, or the `nvidia-cuda-nvrtc`
     /// wheel.
     Nvrtc,
+    /// cuBLASLt, `libcublasLt.so.13`: the CUDA toolkit, or the `nvidia-cublas` wheel. Only
+    /// bf16 GEMMs need it; without it they run on linear.cu's kernel, slower.
+    CublasLt,
 }
 
 impl CudaLibrary {
@@ -22,6 +25,7 @@ impl CudaLibrary {
         match self {
             CudaLibrary::Driver => "cuda",
             CudaLibrary::Nvrtc => "nvrtc",
+            CudaLibrary::CublasLt => "cublasLt",
         }
     }
 
@@ -32,6 +36,7 @@ impl CudaLibrary {
             CudaLibrary::Nvrtc => {
                 "the NVRTC library (CUDA toolkit, or the nvidia-cuda-nvrtc wheel)"
             }
+            CudaLibrary::CublasLt => "cuBLASLt (CUDA toolkit, or the nvidia-cublas wheel)",
         }
     }
 
@@ -43,6 +48,7 @@ impl CudaLibrary {
             match self {
                 CudaLibrary::Driver => cudarc::driver::sys::is_culib_present(),
                 CudaLibrary::Nvrtc => cudarc::nvrtc::sys::is_culib_present(),
+                CudaLibrary::CublasLt => cudarc::cublaslt::sys::is_culib_present(),
             }
         }
     }
@@ -96,6 +102,11 @@ mod tests {
         );
         assert!(
             searched.names.iter().all(|n| n.starts_with("libnvrtc.so")),
+            "{searched:?}"
+        );
+        let searched = CudaLibrary::CublasLt.searched();
+        assert!(
+            searched.names.iter().any(|n| n == "libcublasLt.so.13"),
             "{searched:?}"
         );
         let searched = CudaLibrary::Driver.searched();

@@ -9,9 +9,11 @@ use cudarc::driver::{
 };
 use cudarc::nvrtc::Ptx;
 
+use super::cublaslt::CublasLt;
 use super::{Arg, Geometry, LaunchError, Launcher, Result, in_bounds};
 use crate::cuda::kernel_names::kernel_names;
-use crate::cuda::{Gpu, KernelCache, Nvrtc, SOURCES};
+use crate::cuda::{CudaLibrary, Gpu, KernelCache, Nvrtc, SOURCES};
+use crate::linear::{Gemm, Precision};
 
 /// One GPU, its compiled kernels and a stream.
 pub struct Cuda {
@@ -20,6 +22,8 @@ pub struct Cuda {
     /// Every kernel of every source, by name, looked up in the module that defines it (asking
     /// each module in turn would make a failed driver call per miss).
     functions: HashMap<String, CudaFunction>,
+    /// bf16 products' tensor cores, or why they run on linear.cu's kernel instead.
+    cublaslt: std::result::Result<CublasLt, String>,
 }
 
 fn driver(call: &str) -> impl Fn(cudarc::driver::DriverError) -> LaunchError + '_ {
@@ -53,11 +57,43 @@ impl Cuda {
                 functions.insert(name, function);
             }
         }
-        Ok(Cuda {
+        let mut cuda = Cuda {
             gpu,
             stream: context.default_stream(),
             functions,
-        })
+            cublaslt: Err(String::new()),
+        };
+        cuda.cublaslt = if CudaLibrary::CublasLt.is_present() {
+            context
+                .bind_to_thread()
+                .map_err(driver("cuCtxSetCurrent"))?;
+            Ok(CublasLt::new(&cuda)?)
+        } else {
+            Err(format!(
+                "{} is missing: {}",
+                CudaLibrary::CublasLt.describe(),
+                CudaLibrary::CublasLt.searched()
+            ))
+        };
+        Ok(cuda)
+    }
+
+    /// Why bf16 products run on linear.cu's kernel rather than cuBLASLt, if they do.
+    pub fn without_cublaslt(&self) -> Option<&str> {
+        self.cublaslt.as_ref().err().map(String::as_str)
+    }
+
+    /// Makes this GPU's context the calling thread's current one.
+    pub(super) fn bind(&self) -> Result<()> {
+        self.stream
+            .context()
+            .bind_to_thread()
+            .map_err(driver("cuCtxSetCurrent"))
+    }
+
+    /// The stream every launch and product is issued on.
+    pub(super) fn cu_stream(&self) -> cudarc::driver::sys::CUstream {
+        self.stream.cu_stream()
     }
 
     /// The device this launcher runs on.
@@ -112,7 +148,10 @@ impl Launcher for Cuda {
     type Buffer = CudaSlice<u8>;
 
     fn describe(&self) -> String {
-        self.gpu.to_string()
+        match self.without_cublaslt() {
+            None => self.gpu.to_string(),
+            Some(why) => format!("{}; bf16 GEMMs on linear.cu ({why})", self.gpu),
+        }
     }
 
     fn alloc(&self, bytes: usize) -> Result<CudaSlice<u8>> {
@@ -166,5 +205,41 @@ impl Launcher for Cuda {
 
     fn len(&self, buffer: &CudaSlice<u8>) -> usize {
         buffer.len()
+    }
+
+    fn lacks(&self) -> Option<&str> {
+        self.without_cublaslt()
+    }
+
+    fn gemm_backend(&self, precision: Precision) -> String {
+        match (&self.cublaslt, precision) {
+            (Ok(_), Precision::Bf16) => "cuBLASLt".to_string(),
+            (Err(why), Precision::Bf16) => format!("linear.cu's gemm_bf16_f32 ({why})"),
+            (_, Precision::F32) => "linear.cu's gemm_f32".to_string(),
+        }
+    }
+
+    unsafe fn gemm(
+        &self,
+        gemm: &Gemm,
+        a: Arg<'_, CudaSlice<u8>>,
+        b: Arg<'_, CudaSlice<u8>>,
+        c: Arg<'_, CudaSlice<u8>>,
+    ) -> Result<()> {
+        let geometry = crate::linear::gemm_geometry(gemm.m, gemm.n, 1);
+        match &self.cublaslt {
+            // An empty product is beta · c, or nothing: the kernel's business.
+            Ok(blas) if gemm.precision == Precision::Bf16 && gemm.m * gemm.n * gemm.k > 0 => {
+                let pointer = |buffer: &CudaSlice<u8>, offset: usize| {
+                    in_bounds("gemm", offset, 0, buffer.len())?;
+                    Ok(self.address(buffer) + offset as u64)
+                };
+                let [a, b, c] = [a, b, c].map(|arg| arg.slot(pointer));
+                // SAFETY: passed on from the caller.
+                unsafe { blas.matmul(self, gemm, (a?, b?, c?)) }
+            }
+            // SAFETY: passed on from the caller; the arguments are the kernel's, in order.
+            _ => unsafe { self.launch(gemm.kernel(), geometry, &gemm.args(a, b, c)) },
+        }
     }
 }

@@ -9,11 +9,13 @@
 //! Buffers are untyped bytes: a kernel's parameter says what they hold. [`Arg`] carries each
 //! argument with its exact C type, because neither executor converts one.
 
+mod cublaslt;
 mod cuda;
 mod shim;
 
 use std::fmt;
 
+use crate::linear::{Gemm, Precision, gemm_geometry};
 pub use cuda::Cuda;
 pub use shim::Shim;
 
@@ -121,6 +123,45 @@ pub trait Launcher {
 
     /// The size of `buffer` in bytes.
     fn len(&self, buffer: &Self::Buffer) -> usize;
+
+    /// What this executor lacks that training on it should have (a library it runs slower
+    /// without), or `None`.
+    fn lacks(&self) -> Option<&str> {
+        None
+    }
+
+    /// What runs a product at `precision`, for reports: a linear.cu kernel, or a library.
+    fn gemm_backend(&self, precision: Precision) -> String {
+        let gemm = Gemm {
+            m: 0,
+            n: 0,
+            k: 0,
+            trans_a: false,
+            trans_b: false,
+            alpha: 1.0,
+            beta: 0.0,
+            precision,
+        };
+        format!("linear.cu's {}", gemm.kernel())
+    }
+
+    /// Runs `gemm` on the f32 matrices `a`, `b` and `c`: linear.cu's kernel for its precision,
+    /// unless the executor has a faster way to the same arithmetic ([`Cuda`]: cuBLASLt for
+    /// bf16).
+    ///
+    /// # Safety
+    /// `a`, `b` and `c` must point at `m·k`, `k·n` and `m·n` floats.
+    unsafe fn gemm(
+        &self,
+        gemm: &Gemm,
+        a: Arg<'_, Self::Buffer>,
+        b: Arg<'_, Self::Buffer>,
+        c: Arg<'_, Self::Buffer>,
+    ) -> Result<()> {
+        let geometry = gemm_geometry(gemm.m, gemm.n, 1);
+        // SAFETY: passed on from the caller; the arguments are the kernel's, in order.
+        unsafe { self.launch(gemm.kernel(), geometry, &gemm.args(a, b, c)) }
+    }
 
     /// A device buffer holding `values`.
     fn upload_f32(&self, values: &[f32]) -> Result<Self::Buffer> {
