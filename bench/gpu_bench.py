@@ -5,8 +5,9 @@ same GPU, in the same run.
     cargo build --profile dist -p nemo-dag        # on any x86-64 machine; carry the binary
     python3 bench/gpu_bench.py --bin target/dist/nemo-dag [--steps 20] [--no-compile]
 
-Needs a CUDA GPU, PyTorch with CUDA, NVRTC (libnvrtc.so.13 on LD_LIBRARY_PATH) and the CUDA
-headers (NEMO_DAG_CUDA_HOME or /usr/local/cuda), as `nemo-dag gpu-check` does.
+Needs a CUDA GPU, PyTorch with CUDA, NVRTC and cuBLASLt (libnvrtc.so.13 and libcublasLt.so.13
+on LD_LIBRARY_PATH) and the CUDA headers (NEMO_DAG_CUDA_HOME or /usr/local/cuda), as
+`nemo-dag gpu-check` does.
 
 The models are the three `nemo-dag gpu-check` times (ops/train/src/gpu/check.rs, SPEED_MODELS):
 
@@ -20,7 +21,9 @@ The models are the three `nemo-dag gpu-check` times (ops/train/src/gpu/check.rs,
   vocabulary 1,024), 16 rows of 128 tokens a step. Its FLOPs count the experts a token runs
   through, not all eight, and not the Mamba-2 scan.
 
-Each step is one micro-batch, AdamW, clipping at 0.5. nemo-dag's figures come from
+Each step is one micro-batch, AdamW, clipping at 0.5. nemo-dag's GPU trainer multiplies as
+the training ops do on a GPU (bf16 operands on cuBLASLt, f32 sums; everything else f32), so
+`torch bf16` is its like-for-like twin. nemo-dag's figures come from
 `gpu-check --json` (tokens/s over the timed steps after one warm-up step, and the CPU trainer's
 rate on this machine). PyTorch's are the twins of bench/torch_models.py on CUDA, timed the same
 way with a synchronize at both ends:
@@ -162,7 +165,8 @@ def main():
         print(f"\n{mine['model']}: {mine['parameters']:,} parameters, {rows * length} tokens a step")
         mfu = lambda r: f"{100 * r * flops / 1e12 / peak:5.1f}%" if peak else "    -"
         print(f"{'':24}{'tokens/s':>12}{'TFLOP/s':>9}{'MFU':>7}  nemo-dag GPU / this")
-        print(f"{'nemo-dag GPU (f32)':24}{rate:12.0f}{rate * flops / 1e12:9.1f}{mfu(rate):>7}")
+        ours_name = f"nemo-dag GPU ({mine.get('precision', 'f32')})"
+        print(f"{ours_name:24}{rate:12.0f}{rate * flops / 1e12:9.1f}{mfu(rate):>7}")
         for name, r in runs:
             print(f"{name:24}{r:12.0f}{r * flops / 1e12:9.1f}{mfu(r):>7}  {rate / r:.2f}x")
 

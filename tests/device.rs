@@ -108,7 +108,9 @@ fn gpu_check_on_the_shim_holds_the_gpu_trainer_to_the_cpu_trainer() {
     assert_eq!(passing("gradients    `M*M-`"), 1, "{out}");
     assert_eq!(passing("gradients    `M*E-E`"), 1, "{out}");
     assert_eq!(passing("gradients    `ME*-/*E`"), 1, "{out}");
-    assert_eq!(passing("curve        `M*-`"), 1, "{out}");
+    assert_eq!(passing("matmul       bf16 operands"), 1, "{out}");
+    assert_eq!(passing("curve        `M*-`, f32 matmuls"), 1, "{out}");
+    assert_eq!(passing("curve        `M*-`, bf16 matmuls"), 1, "{out}");
     assert_eq!(passing("objective    dpo on `M*E-/*`"), 1, "{out}");
     assert_eq!(passing("objective    grpo on `M*E-/*`"), 1, "{out}");
     assert_eq!(passing("determinism"), 1, "{out}");
@@ -133,11 +135,31 @@ fn gpu_check_on_the_shim_holds_the_gpu_trainer_to_the_cpu_trainer() {
         );
         assert_eq!(part["ok"], true, "{part}");
     }
-    assert_eq!(
-        report["curve"]["losses"].as_array().unwrap().len(),
-        4,
+    // On the shim the bf16 products are linear.cu's; the host's are held to 1e-4 of Σ|a·b|.
+    let matmul = &report["matmul"];
+    assert!(
+        matmul["backend"]
+            .as_str()
+            .unwrap()
+            .contains("gemm_bf16_f32"),
         "{text}"
     );
+    assert!(matmul["difference"].as_f64().unwrap() <= 1e-4, "{text}");
+    // The f32 curve is held to 1e-4 of the CPU's, the bf16 one (bf16 operands against the
+    // CPU's f32) to 1e-2.
+    let curves = report["curves"].as_array().unwrap();
+    let precisions: Vec<&str> = curves
+        .iter()
+        .filter_map(|c| c["precision"].as_str())
+        .collect();
+    assert_eq!(precisions, ["f32", "bf16"], "{text}");
+    for (curve, tolerance) in curves.iter().zip([1e-4, 1e-2]) {
+        assert_eq!(curve["losses"].as_array().unwrap().len(), 4, "{curve}");
+        assert!(
+            curve["difference"].as_f64().unwrap() <= tolerance,
+            "{curve}"
+        );
+    }
     let objectives = report["objectives"].as_array().unwrap();
     let names: Vec<&str> = objectives
         .iter()

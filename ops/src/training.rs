@@ -124,7 +124,8 @@ pub(crate) fn train_and_publish(
     let step = match (&gpu, &cuda) {
         (Some(g), Some(cuda)) => {
             let reference = objective.per_token().and_then(|p| p.reference());
-            let step = DeviceStep::upload(cuda, &trainer).and_then(|mut step| {
+            let step = DeviceStep::upload(cuda, &trainer).and_then(|step| {
+                let mut step = step.with_precision(train::gpu::TRAINING_PRECISION);
                 step.upload_reference(&trainer.model, reference)?;
                 Ok(step)
             });

@@ -3,22 +3,27 @@
 //!
 //! 1. **Gradients.** One step of small models ([`MODELS`]: MLP blocks with SwiGLU, MLP
 //!    blocks with squared ReLU and a tied head, attention and MLP blocks, Mamba-2, attention
-//!    and MLP blocks, and a hybrid with MoE blocks, all on packed rows): every gradient of the device's step against the CPU
-//!    trainer's (candle's autograd), within [`GRADIENT_TOLERANCE`] of the largest gradient of
-//!    the same parameter.
-//! 2. **Curve.** Steps of a hybrid model (Mamba-2, attention and MLP blocks) with clipping and
+//!    and MLP blocks, and a hybrid with MoE blocks, all on packed rows): every gradient of the
+//!    device's step, its matmuls in f32, against the CPU trainer's (candle's autograd), within
+//!    [`GRADIENT_TOLERANCE`] of the largest gradient of the same parameter.
+//! 2. **Matmul.** The bf16 products the training ops use on a GPU ([`TRAINING_PRECISION`]:
+//!    cuBLASLt where it is present), each transpose the trainer uses, against the host's
+//!    product of the same rounded operands, within [`MATMUL_TOLERANCE`].
+//! 3. **Curves.** Steps of a hybrid model (Mamba-2, attention and MLP blocks) with clipping and
 //!    the lr schedule: the device's losses and gradient norms against the CPU trainer's, within
-//!    [`CURVE_TOLERANCE`].
-//! 3. **Determinism.** The same steps again on the device: the same weight bytes.
-//! 4. **Speed** (`speed_steps` > 0): tokens per second of the device and of the CPU trainer on
-//!    two larger models (four MLP blocks; a dense transformer of GPT-2 small's size), side by
-//!    side, with the ratio and the device's model TFLOP/s.
+//!    [`CURVE_TOLERANCE`] with f32 matmuls and [`BF16_CURVE_TOLERANCE`] with bf16 ones.
+//! 4. **Objectives.** DPO's and GRPO's gradients and curves, as 1 and 3 (f32 matmuls).
+//! 5. **Determinism.** The same steps twice on the device, bf16 matmuls: the same weight bytes.
+//! 6. **Speed** (`speed_steps` > 0): tokens per second of the device (bf16 matmuls) and of the
+//!    CPU trainer on three models (four MLP blocks; a dense transformer of GPT-2 small's size;
+//!    a tiny hybrid), side by side, with the ratio and the device's model TFLOP/s.
 //!
 //! [`run`] also returns every figure as JSON, which `gpu-check --json` writes.
 
-use super::DeviceStep;
+use super::{DeviceStep, TRAINING_PRECISION};
 use crate::{BatchSource, NextToken, Objective, Schedule, Trainer, dpo, grpo};
-use kernels::launch::Launcher;
+use kernels::launch::{Arg, Launcher};
+use kernels::linear::{Gemm, Precision};
 use model::config::ModelConfig;
 use model::layers::Layout;
 use model::net::{Batch, Model};
@@ -34,6 +39,15 @@ use std::time::Instant;
 pub const GRADIENT_TOLERANCE: f32 = 1e-5;
 /// Largest relative difference of a step's loss or gradient norm.
 pub const CURVE_TOLERANCE: f64 = 1e-4;
+/// Largest relative difference of a step's loss or gradient norm when the device multiplies
+/// in bf16 and the CPU in f32: bf16 keeps 8 bits of each operand, so a product is off by about
+/// 2⁻⁹ of its size, and the gaps grow as the weights part over the steps (8e-4 on the shim
+/// after 4 steps).
+pub const BF16_CURVE_TOLERANCE: f64 = 1e-2;
+/// Largest difference of a bf16 product from the host's, relative to `Σ|a·b|` of the same
+/// output (the size the f32 sums' rounding scales with): several hundred times f32's rounding,
+/// and far below what a wrong transpose, a lost operand rounding or a stale `c` give (order 1).
+pub const MATMUL_TOLERANCE: f64 = 1e-4;
 
 /// A model of `pattern` at `size`, with `overrides`' top-level keys (an object, or null) put
 /// over the config made here.
@@ -160,25 +174,49 @@ pub fn run<L: Launcher>(
             "relative": gap.relative(), "tolerance": GRADIENT_TOLERANCE, "ok": pass
         }));
     }
-    let (worst, device_curve) = curve(launcher)?;
-    let pass = worst <= CURVE_TOLERANCE;
+    let worst = matmul(launcher)?;
+    // A GPU without cuBLASLt trains, slowly: the check says what is missing and fails.
+    let pass = worst <= MATMUL_TOLERANCE && launcher.lacks().is_none();
     ok &= pass;
+    let backend = launcher.gemm_backend(Precision::Bf16);
     writeln!(
         out,
-        "curve        `{CURVE_MODEL}`, {} steps, losses {}: largest relative difference from \
-         the CPU {worst:.2e} (tolerance {CURVE_TOLERANCE:.0e}): {}",
-        device_curve.len(),
-        device_curve
-            .iter()
-            .map(|l| format!("{l:.4}"))
-            .collect::<Vec<_>>()
-            .join(" "),
+        "matmul       bf16 operands, f32 sums, on {backend}: {} products (every transpose the \
+         trainer uses, added onto c, c unaligned) within {worst:.1e} of the host's, relative \
+         to Σ|a·b| (tolerance {MATMUL_TOLERANCE:.0e}): {}",
+        MATMULS.len(),
         verdict(pass)
     )?;
-    let curve = json!({
-        "pattern": CURVE_MODEL, "losses": device_curve, "difference": worst,
-        "tolerance": CURVE_TOLERANCE, "ok": pass
+    let matmuls = json!({
+        "precision": "bf16", "backend": backend, "difference": worst,
+        "tolerance": MATMUL_TOLERANCE, "ok": pass
     });
+    let mut curves = Vec::new();
+    for (precision, tolerance) in [
+        (Precision::F32, CURVE_TOLERANCE),
+        (Precision::Bf16, BF16_CURVE_TOLERANCE),
+    ] {
+        let (worst, device_curve) = curve(launcher, precision)?;
+        let pass = worst <= tolerance;
+        ok &= pass;
+        writeln!(
+            out,
+            "curve        `{CURVE_MODEL}`, {} matmuls, {} steps, losses {}: largest relative \
+             difference from the CPU {worst:.2e} (tolerance {tolerance:.0e}): {}",
+            precision.name(),
+            device_curve.len(),
+            device_curve
+                .iter()
+                .map(|l| format!("{l:.4}"))
+                .collect::<Vec<_>>()
+                .join(" "),
+            verdict(pass)
+        )?;
+        curves.push(json!({
+            "pattern": CURVE_MODEL, "precision": precision.name(), "losses": device_curve,
+            "difference": worst, "tolerance": tolerance, "ok": pass
+        }));
+    }
     let mut objectives = Vec::new();
     for name in OBJECTIVES {
         let (gap, worst) = objective(launcher, name)?;
@@ -200,11 +238,12 @@ pub fn run<L: Launcher>(
             "curve_difference": worst, "ok": pass
         }));
     }
-    let same = deterministic(launcher)?;
+    let same = deterministic(launcher, TRAINING_PRECISION)?;
     ok &= same;
     writeln!(
         out,
-        "determinism  the same steps twice: {}",
+        "determinism  the same steps twice, {} matmuls: {}",
+        TRAINING_PRECISION.name(),
         if same {
             "the same weight bytes: ok"
         } else {
@@ -214,16 +253,22 @@ pub fn run<L: Launcher>(
     let mut speeds = Vec::new();
     if speed_steps > 0 {
         for model in &SPEED_MODELS {
-            speeds.push(speed(launcher, model, speed_steps, out)?);
+            speeds.push(speed(
+                launcher,
+                model,
+                (speed_steps, TRAINING_PRECISION),
+                out,
+            )?);
         }
     }
     writeln!(out, "result       {}", if ok { "ok" } else { "FAILED" })?;
     let json = json!({
         "device": launcher.describe(),
         "gradients": parts,
-        "curve": curve,
+        "matmul": matmuls,
+        "curves": curves,
         "objectives": objectives,
-        "determinism": {"same_bytes": same, "ok": same},
+        "determinism": {"precision": TRAINING_PRECISION.name(), "same_bytes": same, "ok": same},
         "speed": speeds,
         "ok": ok,
     });
@@ -434,8 +479,97 @@ pub(crate) fn objective<L: Launcher>(launcher: &L, name: &str) -> Result<(Gap, f
         (&mut cpu, cpu_objective.as_mut()),
         (&mut on_device, device_objective.as_mut()),
         SMALL.steps,
+        Precision::F32,
     )?;
     Ok((gap, worst))
+}
+
+/// The products the matmul part checks, each with c's offset in floats: a linear layer's
+/// forward (`NT`), its input gradient added onto a residual gradient (`NN`, beta 1) and its
+/// weight gradient into a parameter's slot one float past an aligned start (`TN`), at sizes no
+/// tile divides; then one of a size the trainer's small layers have.
+const MATMULS: [(Gemm, usize); 4] = [
+    (bf16_product((67, 129, 45), (false, true), 0.0), 0),
+    (bf16_product((67, 45, 129), (false, false), 1.0), 0),
+    (bf16_product((129, 45, 67), (true, false), 1.0), 1),
+    (bf16_product((256, 384, 128), (false, true), 0.0), 0),
+];
+
+const fn bf16_product(
+    (m, n, k): (usize, usize, usize),
+    (trans_a, trans_b): (bool, bool),
+    beta: f32,
+) -> Gemm {
+    Gemm {
+        m,
+        n,
+        k,
+        trans_a,
+        trans_b,
+        alpha: 1.0,
+        beta,
+        precision: Precision::Bf16,
+    }
+}
+
+/// `v` rounded to bf16 (to nearest, ties to even) for a finite `v`, as linear.cu's
+/// `cast_bf16` and `__float2bfloat16_rn` round.
+fn bf16(v: f32) -> f32 {
+    let bits = v.to_bits();
+    let rounded = bits.wrapping_add(0x7fff + ((bits >> 16) & 1)) & 0xffff_0000;
+    f32::from_bits(rounded)
+}
+
+/// The largest difference of the device's bf16 products ([`MATMULS`], through
+/// [`Launcher::gemm`]) from the host's of the same rounded operands in f64, relative to
+/// `Σ|a·b|` of the output.
+fn matmul<L: Launcher>(launcher: &L) -> Result<f64, RunError> {
+    let device = super::device;
+    let mut rng = kernels::rng::Rng::new(5);
+    let mut worst = 0f64;
+    for (gemm, offset) in MATMULS {
+        let (m, n, k, beta) = (gemm.m, gemm.n, gemm.k, gemm.beta);
+        let mut random =
+            |len: usize| -> Vec<f32> { (0..len).map(|_| rng.normal() as f32).collect::<Vec<_>>() };
+        let (a, b, c) = (random(m * k), random(k * n), random(offset + m * n));
+        let (da, db) = (launcher.upload_f32(&a), launcher.upload_f32(&b));
+        let (da, db) = (da.map_err(device)?, db.map_err(device)?);
+        let dc = launcher.upload_f32(&c).map_err(device)?;
+        let (pa, pb, pc) = (
+            Arg::Ptr(&da, 0),
+            Arg::Ptr(&db, 0),
+            Arg::Ptr(&dc, offset * 4),
+        );
+        // SAFETY: the buffers hold m·k, k·n and, from c's offset, m·n floats.
+        unsafe { launcher.gemm(&gemm, pa, pb, pc) }.map_err(device)?;
+        let got = launcher.read_f32(&dc, offset, m * n).map_err(device)?;
+        let at = |row: usize, kk: usize| {
+            bf16(if gemm.trans_a {
+                a[kk * m + row]
+            } else {
+                a[row * k + kk]
+            })
+        };
+        let bt = |kk: usize, col: usize| {
+            bf16(if gemm.trans_b {
+                b[col * k + kk]
+            } else {
+                b[kk * n + col]
+            })
+        };
+        for row in 0..m {
+            for col in 0..n {
+                let terms = (0..k).map(|kk| f64::from(at(row, kk)) * f64::from(bt(kk, col)));
+                let (sum, size) = terms.fold((0f64, 0f64), |(s, z), t| (s + t, z + t.abs()));
+                let before = f64::from(c[offset + row * n + col]);
+                let want = sum + f64::from(beta) * before;
+                let size = size + (f64::from(beta) * before).abs();
+                let gap = (f64::from(got[row * n + col]) - want).abs() / size.max(1e-30);
+                worst = worst.max(if gap.is_nan() { f64::INFINITY } else { gap });
+            }
+        }
+    }
+    Ok(worst)
 }
 
 /// The largest relative difference, over `steps` steps, of the device's losses, gradient norms
@@ -447,8 +581,9 @@ pub(crate) fn curve_gap<L: Launcher>(
     cpu: (&mut Trainer, &mut dyn Objective),
     device: (&mut Trainer, &mut dyn Objective),
     steps: u64,
+    precision: Precision,
 ) -> Result<f64, RunError> {
-    let mut step = DeviceStep::upload(launcher, device.0)?;
+    let mut step = DeviceStep::upload(launcher, device.0)?.with_precision(precision);
     let relative = |a: f64, b: f64| {
         let r = (a - b).abs() / b.abs().max(1e-6);
         if r.is_nan() { f64::INFINITY } else { r }
@@ -471,9 +606,9 @@ pub(crate) fn curve_gap<L: Launcher>(
     Ok(worst)
 }
 
-/// The largest relative difference of the device's losses and norms from the CPU trainer's
-/// over [`SMALL`]'s steps, and the device's losses.
-fn curve<L: Launcher>(launcher: &L) -> Result<(f64, Vec<f64>), RunError> {
+/// The largest relative difference of the device's losses and norms, its matmuls at
+/// `precision`, from the CPU trainer's over [`SMALL`]'s steps, and the device's losses.
+fn curve<L: Launcher>(launcher: &L, precision: Precision) -> Result<(f64, Vec<f64>), RunError> {
     let fresh = || trainer(CURVE_MODEL, "swiglu", false, SMALL, &Value::Null);
     let (mut cpu, mut on_device) = (fresh()?, fresh()?);
     let (mut cpu_source, mut device_source) = (PackedCounting(2), PackedCounting(2));
@@ -482,17 +617,19 @@ fn curve<L: Launcher>(launcher: &L) -> Result<(f64, Vec<f64>), RunError> {
         (&mut cpu, &mut NextToken::new(&mut cpu_source)),
         (&mut on_device, &mut NextToken::new(&mut device_source)),
         SMALL.steps,
+        precision,
     )?;
     // SMALL's schedule logs every step: the curve is each step's loss.
     let losses = on_device.curve.iter().map(|p| p.loss).collect();
     Ok((worst, losses))
 }
 
-/// Whether two runs of the same steps on the device end with the same weight bytes.
-fn deterministic<L: Launcher>(launcher: &L) -> Result<bool, RunError> {
+/// Whether two runs of the same steps on the device, its matmuls at `precision`, end with the
+/// same weight bytes.
+fn deterministic<L: Launcher>(launcher: &L, precision: Precision) -> Result<bool, RunError> {
     let run = || -> Result<Vec<u8>, RunError> {
         let mut t = trainer(CURVE_MODEL, "swiglu", false, SMALL, &Value::Null)?;
-        let mut step = DeviceStep::upload(launcher, &t)?;
+        let mut step = DeviceStep::upload(launcher, &t)?.with_precision(precision);
         for _ in 0..SMALL.steps {
             step.step(&mut t, &mut PackedCounting(2))?;
         }
@@ -699,12 +836,12 @@ fn flops_per_token(t: &Trainer, len: usize) -> f64 {
     6.0 * params + 12.0 * layers * (cfg.heads * cfg.head_dim * len) as f64
 }
 
-/// Tokens per second of the device and of the CPU trainer, `steps` steps each after a
-/// warm-up step on the device, with the device's model TFLOP/s.
+/// Tokens per second of the device (its matmuls at `precision`) and of the CPU trainer,
+/// `steps` steps each after a warm-up step on the device, with the device's model TFLOP/s.
 fn speed<L: Launcher>(
     launcher: &L,
     m: &SpeedModel,
-    steps: u64,
+    (steps, precision): (u64, Precision),
     out: &mut dyn Write,
 ) -> Result<Value, RunError> {
     let size = Size { steps, ..m.size };
@@ -719,7 +856,7 @@ fn speed<L: Launcher>(
     let mut on_device = trainer(m.pattern, m.activation, m.tied, size, &(m.overrides)())?;
     let flops = flops_per_token(&on_device, m.len);
     let parameters = on_device.model.params.count();
-    let mut step = DeviceStep::upload(launcher, &on_device)?;
+    let mut step = DeviceStep::upload(launcher, &on_device)?.with_precision(precision);
     let mut data = source();
     step.step(&mut on_device, &mut data)?; // warm-up: allocations, first launches
     on_device.step = 0;
@@ -740,15 +877,16 @@ fn speed<L: Launcher>(
     writeln!(
         out,
         "speed        {}, vocab {}, {tokens_per_step} tokens a step, {steps} steps: device \
-         {device_rate:.0} tokens/s ({tflops:.1} model TFLOP/s), CPU trainer {cpu_rate:.0} \
+         ({} matmuls) {device_rate:.0} tokens/s ({tflops:.1} model TFLOP/s), CPU trainer {cpu_rate:.0} \
          tokens/s ({:.2}x)",
         m.name,
         size.vocab,
+        precision.name(),
         device_rate / cpu_rate
     )?;
     Ok(json!({
         "model": m.name, "pattern": m.pattern, "parameters": parameters,
-        "tokens_per_step": tokens_per_step, "steps": steps,
+        "tokens_per_step": tokens_per_step, "steps": steps, "precision": precision.name(),
         "device_tokens_per_s": device_rate, "cpu_tokens_per_s": cpu_rate,
         "flops_per_token": flops, "device_model_tflops": tflops
     }))

@@ -2,6 +2,7 @@
 
 use super::{Activations, BlockActs, DeviceStep, Heads, Slot, device};
 use kernels::launch::{Arg, Geometry, Launcher};
+use kernels::linear::{Gemm, Precision};
 use model::config::Activation;
 use nemo_dag_op::RunError;
 
@@ -12,9 +13,9 @@ const MAX_GRID: u32 = 1024;
 
 /// Operand transposes of [`Kernels::gemm`]: `NT` is `a · bᵀ` (a linear layer's forward),
 /// `NN` is `a · b` (its input gradient), `TN` is `aᵀ · b` (its weight gradient).
-pub(super) const NT: (i32, i32) = (0, 1);
-const NN: (i32, i32) = (0, 0);
-const TN: (i32, i32) = (1, 0);
+pub(super) const NT: (bool, bool) = (false, true);
+const NN: (bool, bool) = (false, false);
+const TN: (bool, bool) = (true, false);
 
 /// Threads per block of attention.cu's kernels (its `ATTN_MAX_THREADS`): four warps, each
 /// owning 2 query rows (forward, dq) or 4 keys (dk/dv).
@@ -81,7 +82,18 @@ pub(super) fn elementwise_grid(n: usize) -> u32 {
 pub(super) struct Kernels<'l, L: Launcher> {
     pub launcher: &'l L,
     pub rows: usize,
+    /// The matmuls' operands: f32, or bf16 with f32 sums ([`DeviceStep::precision`]).
+    pub precision: Precision,
 }
+
+// By hand: a derive would ask `L: Copy`, and the launches only borrow their launcher.
+impl<L: Launcher> Clone for Kernels<'_, L> {
+    fn clone(&self) -> Self {
+        *self
+    }
+}
+
+impl<L: Launcher> Copy for Kernels<'_, L> {}
 
 impl<L: Launcher> Kernels<'_, L> {
     /// # Safety (for every launch below)
@@ -338,33 +350,28 @@ impl<L: Launcher> Kernels<'_, L> {
         self.run("attention_bwd_dkv_f32", attention_grid(key_tiles), &args)
     }
 
-    /// `c = op(a) · op(b) + beta · c` for `(m, n, k)`.
+    /// `c = op(a) · op(b) + beta · c` for `(m, n, k)`, at the step's precision.
     pub(super) fn gemm(
         &self,
         a: Arg<'_, L::Buffer>,
         b: Arg<'_, L::Buffer>,
         c: Arg<'_, L::Buffer>,
         (m, n, k): (usize, usize, usize),
-        (trans_a, trans_b): (i32, i32),
+        (trans_a, trans_b): (bool, bool),
         beta: f32,
     ) -> Result<(), RunError> {
-        let geometry = kernels::linear::gemm_geometry(m, n, 1);
-        let args = [
-            a,
-            b,
-            c,
-            Arg::I32(m as i32),
-            Arg::I32(n as i32),
-            Arg::I32(k as i32),
-            Arg::I32(trans_a),
-            Arg::I32(trans_b),
-            Arg::F32(1.0),
-            Arg::F32(beta),
-            Arg::I64(0),
-            Arg::I64(0),
-            Arg::I64(0),
-        ];
-        self.run("gemm_f32", geometry, &args)
+        let gemm = Gemm {
+            m,
+            n,
+            k,
+            trans_a,
+            trans_b,
+            alpha: 1.0,
+            beta,
+            precision: self.precision,
+        };
+        // SAFETY: as `run`: the shapes passed are the ones the buffers were sized with.
+        unsafe { self.launcher.gemm(&gemm, a, b, c) }.map_err(device)
     }
 
     /// The backward of a linear layer `y = x · wᵀ` over `rows` rows of `inputs` → `outputs`:

@@ -42,6 +42,7 @@ mod mtp;
 
 use crate::{BatchSource, Objective, PerToken, Stepper, Tally, TokenGrad, Trainer};
 use kernels::launch::{Arg, Geometry, Launcher};
+use kernels::linear::Precision;
 use launches::{Kernels, NT, Packed, elementwise_grid, row_grid};
 use mamba::{MambaActs, MambaScratch, Scan, Ssm};
 use model::config::{Activation, BlockKind, ModelConfig};
@@ -52,6 +53,12 @@ use mtp::{Join, JoinActs, JoinScratch};
 use nemo_dag_op::RunError;
 use std::collections::BTreeMap;
 use std::ops::Range;
+
+/// The matmuls' operands when a training op runs on a GPU: bf16 with f32 sums, as
+/// Megatron-LM trains (weights, gradients, AdamW's moments, the loss and the norms stay f32).
+/// The CPU trainer multiplies in f32, so the two devices' losses agree to about 1e-2, not
+/// 1e-4 (docs/gpu.md, "Precision").
+pub const TRAINING_PRECISION: Precision = Precision::Bf16;
 
 /// Blocks of the gradient-norm's partial sums (summed in block order by one block), for `n`
 /// gradients: one for every 4,096, at most 1,024. A GPU needs about a thousand blocks to read
@@ -564,6 +571,8 @@ pub struct DeviceStep<'l, L: Launcher> {
     /// The frozen reference model's weights, when the objective reads one (uploaded on first
     /// use).
     reference: Option<L::Buffer>,
+    /// The matmuls' operands: f32 (the CPU trainer's arithmetic) unless set otherwise.
+    precision: Precision,
 }
 
 impl<'l, L: Launcher> DeviceStep<'l, L> {
@@ -592,7 +601,16 @@ impl<'l, L: Launcher> DeviceStep<'l, L> {
             v,
             acts: None,
             reference: None,
+            precision: Precision::F32,
         })
+    }
+
+    /// The same step with its matmuls' operands at `precision` ([`Precision::Bf16`]: as
+    /// Megatron-LM trains; the weights, their gradients, AdamW's moments, the loss and the
+    /// norms stay f32).
+    pub fn with_precision(mut self, precision: Precision) -> Self {
+        self.precision = precision;
+        self
     }
 
     /// Copies the weights and AdamW moments back into `trainer` (for a checkpoint, or to go on
@@ -939,6 +957,7 @@ impl<'l, L: Launcher> DeviceStep<'l, L> {
         let k = Kernels {
             launcher: self.launcher,
             rows,
+            precision: self.precision,
         };
         let packed = Packed {
             batch: batch.layout.batch,
@@ -1722,6 +1741,7 @@ mod tests {
                 (&mut cpu, &mut NextToken::new(&mut cpu_source)),
                 (&mut on_shim, &mut NextToken::new(&mut shim_source)),
                 4,
+                Precision::F32,
             )
             .unwrap();
             assert!(worst <= check::CURVE_TOLERANCE, "`{pattern}`: {worst}");

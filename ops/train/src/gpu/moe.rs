@@ -273,10 +273,7 @@ impl<L: Launcher> Kernels<'_, L> {
             let (xp, hp) = (rows.of(&m.xp, hidden), rows.of(&m.hp, in_width));
             self.gemm(xp, x.fc1.at(w), hp, (rows.len, in_width, hidden), NT, 0.0)
         })?;
-        let permuted = Kernels {
-            launcher: self.launcher,
-            rows: n,
-        };
+        let permuted = Kernels { rows: n, ..*self };
         let (hp, ap) = (Arg::Ptr(&m.hp, 0), Arg::Ptr(&m.ap, 0));
         permuted.activation(e.activation, hp, ap, ffn)?;
         r.each_expert(e, |x, rows| {
@@ -337,10 +334,7 @@ impl<L: Launcher> Kernels<'_, L> {
             let fc2 = x.fc2.with_grad((w, g));
             self.linear_backward(dyp, ap, fc2, dap, (rows.len, hidden, ffn), 0.0)
         })?;
-        let permuted = Kernels {
-            launcher: self.launcher,
-            rows: n,
-        };
+        let permuted = Kernels { rows: n, ..*self };
         let (hp, dap, dhp) = (Arg::Ptr(&m.hp, 0), Arg::Ptr(&s.dap, 0), Arg::Ptr(&s.dhp, 0));
         permuted.activation_backward(e.activation, hp, dap, dhp, ffn)?;
         r.each_expert(e, |x, rows| {
