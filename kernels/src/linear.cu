@@ -26,7 +26,8 @@
 // of bf16 operands with f32 accumulation and output (cuBLASLt's CUBLAS_COMPUTE_32F over
 // CUDA_R_16BF inputs), which is how Megatron-LM trains in bf16. It is what the trainer's bf16
 // matmuls compute on the shim and wherever cuBLASLt is missing, and what cuBLASLt's results
-// are held to (they differ only in the order of the f32 sums). cast_bf16 writes the bf16
+// are held to (they differ in the order of the f32 sums, and in how alpha·sum + beta·c is
+// rounded). cast_bf16 writes the bf16
 // operands cuBLASLt reads.
 //
 // Launch: block 256, grid (ceil(n/128), ceil(m/128), batches).

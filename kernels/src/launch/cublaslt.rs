@@ -92,22 +92,6 @@ impl CublasLt {
         // cuBLASLt runs on the calling thread's current context.
         cuda.bind()?;
         let b_at = (2 * m * k).next_multiple_of(OPERAND_ALIGN);
-        let mut operands = self
-            .operands
-            .lock()
-            .map_err(|_| LaunchError("cuBLASLt's operand buffer: a panic held its lock".into()))?;
-        if cuda.len(&operands) < b_at + 2 * k * n {
-            *operands = cuda.alloc(b_at + 2 * k * n)?;
-        }
-        let a16 = cuda.address(&operands);
-        let b16 = a16 + b_at as u64;
-        // SAFETY: `a` and `b` hold m·k and k·n floats (the caller), and the operand buffer
-        // 2·m·k bytes from `a16` and 2·k·n from `b16`.
-        unsafe {
-            cast_bf16(cuda, a, a16, m * k)?;
-            cast_bf16(cuda, b, b16, k * n)?;
-        }
-
         // cᵀ (n × m, column-major, leading dimension n) = op(b)ᵀ · op(a)ᵀ.
         let bf16 = sys::cudaDataType_t::CUDA_R_16BF;
         let f32 = sys::cudaDataType_t::CUDA_R_32F;
@@ -185,14 +169,32 @@ impl CublasLt {
         };
         let heuristic = match heuristic {
             Ok(heuristic) => heuristic,
-            // No cuBLASLt kernel for this shape and alignment: the same arithmetic on
-            // linear.cu's kernel, from the f32 operands.
-            Err(result::CublasError(sys::cublasStatus_t::CUBLAS_STATUS_NOT_SUPPORTED)) => {
+            // No cuBLASLt kernel for this shape and alignment, or for this GPU: the same
+            // arithmetic on linear.cu's kernel, from the f32 operands.
+            Err(result::CublasError(
+                sys::cublasStatus_t::CUBLAS_STATUS_NOT_SUPPORTED
+                | sys::cublasStatus_t::CUBLAS_STATUS_ARCH_MISMATCH,
+            )) => {
                 // SAFETY: passed on from the caller.
                 return unsafe { kernel(cuda, g, (a, b, c)) };
             }
             Err(e) => return Err(blas("cublasLtMatmulAlgoGetHeuristic")(e)),
         };
+        let mut operands = self
+            .operands
+            .lock()
+            .map_err(|_| LaunchError("cuBLASLt's operand buffer: a panic held its lock".into()))?;
+        if cuda.len(&operands) < b_at + 2 * k * n {
+            *operands = cuda.alloc(b_at + 2 * k * n)?;
+        }
+        let a16 = cuda.address(&operands);
+        let b16 = a16 + b_at as u64;
+        // SAFETY: `a` and `b` hold m·k and k·n floats (the caller), and the operand buffer
+        // 2·m·k bytes from `a16` and 2·k·n from `b16`.
+        unsafe {
+            cast_bf16(cuda, a, a16, m * k)?;
+            cast_bf16(cuda, b, b16, k * n)?;
+        }
         let workspace = cuda.address(&self.workspace);
         // SAFETY: the operands were cast above, on this stream; c holds m·n floats (the
         // caller); alpha and beta are host f32s, cuBLASLt's default pointer mode.

@@ -67,7 +67,8 @@ impl Cuda {
             context
                 .bind_to_thread()
                 .map_err(driver("cuCtxSetCurrent"))?;
-            Ok(CublasLt::new(&cuda)?)
+            // Present but unusable (a driver too old for it): the kernels still run.
+            CublasLt::new(&cuda).map_err(|e| format!("cuBLASLt cannot be used: {e}"))
         } else {
             Err(format!(
                 "{} is missing: {}",
