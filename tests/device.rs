@@ -109,6 +109,10 @@ fn gpu_check_on_the_shim_holds_the_gpu_trainer_to_the_cpu_trainer() {
     assert_eq!(passing("gradients    `M*E-E`"), 1, "{out}");
     assert_eq!(passing("gradients    `ME*-/*E`"), 1, "{out}");
     assert_eq!(passing("matmul       bf16 operands"), 1, "{out}");
+    assert!(
+        lines.contains(&"nccl         skipped: the SIMT shim has one rank and no NCCL"),
+        "{out}"
+    );
     assert_eq!(passing("curve        `M*-`, f32 matmuls"), 1, "{out}");
     assert_eq!(passing("curve        `M*-`, bf16 matmuls"), 1, "{out}");
     assert_eq!(passing("objective    dpo on `M*E-/*`"), 1, "{out}");
@@ -145,6 +149,7 @@ fn gpu_check_on_the_shim_holds_the_gpu_trainer_to_the_cpu_trainer() {
         "{text}"
     );
     assert!(matmul["difference"].as_f64().unwrap() <= 1e-4, "{text}");
+    assert_eq!(report["nccl"]["ran"], false, "{text}");
     // The f32 curve is held to 1e-4 of the CPU's, the bf16 one (bf16 operands against the
     // CPU's f32) to 1e-2.
     let curves = report["curves"].as_array().unwrap();

@@ -208,6 +208,21 @@ impl Launcher for Cuda {
         buffer.len()
     }
 
+    fn all_reduce_sum(
+        &self,
+        buffer: &mut CudaSlice<u8>,
+        offset: usize,
+        count: usize,
+    ) -> Result<Option<String>> {
+        in_bounds("all_reduce_sum", offset, count * 4, buffer.len())?;
+        let nccl = super::nccl::Nccl::open()?;
+        let version = nccl.version()?;
+        let at = self.address(buffer) + offset as u64;
+        // SAFETY: `count` floats from `offset` are inside the buffer (checked above).
+        unsafe { nccl.all_reduce_one_rank(self, at, count)? };
+        Ok(Some(format!("NCCL {version}")))
+    }
+
     fn lacks(&self) -> Option<&str> {
         self.without_cublaslt()
     }

@@ -11,12 +11,14 @@
 
 mod cublaslt;
 mod cuda;
+mod nccl;
 mod shim;
 
 use std::fmt;
 
 use crate::linear::{Gemm, Precision, gemm_geometry};
 pub use cuda::Cuda;
+pub use nccl::NAMES as NCCL_NAMES;
 pub use shim::Shim;
 
 /// A kernel launch or memory operation that failed: what was asked, and why.
@@ -123,6 +125,19 @@ pub trait Launcher {
 
     /// The size of `buffer` in bytes.
     fn len(&self, buffer: &Self::Buffer) -> usize;
+
+    /// Sums `count` floats of `buffer` from `offset` bytes in place across this process's ranks
+    /// through NCCL, and says which NCCL did it; `None` where there is no NCCL (the shim). The
+    /// world is one rank, so the values come back unchanged: what this checks is that NCCL
+    /// loads, makes a communicator on the device and runs a collective on its stream.
+    fn all_reduce_sum(
+        &self,
+        _buffer: &mut Self::Buffer,
+        _offset: usize,
+        _count: usize,
+    ) -> Result<Option<String>> {
+        Ok(None)
+    }
 
     /// What this executor lacks that training on it should have (a library it runs slower
     /// without), or `None`.

@@ -9,6 +9,7 @@
 //! 2. **Matmul.** The bf16 products the training ops use on a GPU ([`TRAINING_PRECISION`]:
 //!    cuBLASLt where it is present), each transpose the trainer uses, against the host's
 //!    product of the same rounded operands, within [`MATMUL_TOLERANCE`].
+//!    Then **NCCL**: an all-reduce over a world of one rank (skipped on the shim).
 //! 3. **Curves.** Steps of a hybrid model (Mamba-2, attention and MLP blocks) with clipping and
 //!    the lr schedule: the device's losses and gradient norms against the CPU trainer's, within
 //!    [`CURVE_TOLERANCE`] with f32 matmuls and [`BF16_CURVE_TOLERANCE`] with bf16 ones.
@@ -191,6 +192,34 @@ pub fn run<L: Launcher>(
         "precision": "bf16", "backend": backend, "difference": worst,
         "tolerance": MATMUL_TOLERANCE, "ok": pass
     });
+    let nccl = match all_reduce(launcher) {
+        Ok(None) => {
+            writeln!(
+                out,
+                "nccl         skipped: the SIMT shim has one rank and no NCCL"
+            )?;
+            json!({"ran": false})
+        }
+        Ok(Some((version, same))) => {
+            ok &= same;
+            writeln!(
+                out,
+                "nccl         {version}, all-reduce (sum) of {ALL_REDUCED} floats over a world of \
+                 one rank: {}",
+                if same {
+                    "the same bytes back: ok"
+                } else {
+                    "different bytes back: FAILED"
+                }
+            )?;
+            json!({"ran": true, "version": version, "same_bytes": same, "ok": same})
+        }
+        Err(e) => {
+            ok = false;
+            writeln!(out, "nccl         {e}: FAILED")?;
+            json!({"ran": false, "error": e.to_string(), "ok": false})
+        }
+    };
     let mut curves = Vec::new();
     for (precision, tolerance) in [
         (Precision::F32, CURVE_TOLERANCE),
@@ -266,6 +295,7 @@ pub fn run<L: Launcher>(
         "device": launcher.describe(),
         "gradients": parts,
         "matmul": matmuls,
+        "nccl": nccl,
         "curves": curves,
         "objectives": objectives,
         "determinism": {"precision": TRAINING_PRECISION.name(), "same_bytes": same, "ok": same},
@@ -510,6 +540,30 @@ const fn bf16_product(
         beta,
         precision: Precision::Bf16,
     }
+}
+
+/// Floats the NCCL part all-reduces: not a multiple of any chunk NCCL splits into.
+const ALL_REDUCED: usize = 100_003;
+
+/// NCCL's all-reduce over a world of one rank ([`Launcher::all_reduce_sum`]): NCCL's version
+/// and whether the values came back the same bytes; `None` where there is no NCCL.
+fn all_reduce<L: Launcher>(launcher: &L) -> Result<Option<(String, bool)>, RunError> {
+    let device = super::device;
+    let mut rng = kernels::rng::Rng::new(9);
+    let values: Vec<f32> = (0..ALL_REDUCED).map(|_| rng.normal() as f32).collect();
+    let mut buffer = launcher.upload_f32(&values).map_err(device)?;
+    let Some(version) = launcher
+        .all_reduce_sum(&mut buffer, 0, ALL_REDUCED)
+        .map_err(device)?
+    else {
+        return Ok(None);
+    };
+    let back = launcher.read_f32(&buffer, 0, ALL_REDUCED).map_err(device)?;
+    let same = back
+        .iter()
+        .map(|v| v.to_bits())
+        .eq(values.iter().map(|v| v.to_bits()));
+    Ok(Some((version, same)))
 }
 
 /// `v` rounded to bf16 (to nearest, ties to even) for a finite `v`, as linear.cu's
