@@ -229,9 +229,9 @@ fn the_ops_that_train_on_a_gpu_are_listed() {
     for line in out.stdout.lines() {
         if !line.starts_with(' ') {
             op = line.split_whitespace().next().unwrap_or("");
-        } else if line.trim() == "device: trains on a GPU under `device: cuda` or `auto`" {
+        } else if line.trim() == "device: runs on a GPU under `device: cuda` or `auto`" {
             on_gpu.push(op);
         }
     }
-    assert_eq!(on_gpu, ["pretrain", "sft", "dpo", "grpo"], "{out}");
+    assert_eq!(on_gpu, ["pretrain", "sft", "dpo", "grpo", "eval"], "{out}");
 }

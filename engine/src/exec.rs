@@ -79,7 +79,7 @@ pub struct JobResult {
 
 /// Checks `resources.device` on this machine and resolves it for the op
 /// ([`RunContext::device`]). `cuda`/`cuda:N` with no usable GPU is an error carrying the
-/// probe's reason; so is `cuda` for an op that does not train on it (a `cmd` stage runs, its
+/// probe's reason; so is `cuda` for an op that does not run on it (a `cmd` stage runs, its
 /// command may use the GPU). `auto` says on stderr what it found, and hands a found GPU to an
 /// op that trains on one.
 fn check_device(spec: &JobSpec, op: &dyn AnyOp, ops: Registry) -> Result<Device> {
@@ -98,7 +98,7 @@ fn check_device(spec: &JobSpec, op: &dyn AnyOp, ops: Registry) -> Result<Device>
             let (found, resolved) = match probe(0) {
                 Ok(gpu) if trains_on_gpu => (
                     format!(
-                        "found {gpu}; op `{}` trains on it where it can (the stage's log says \
+                        "found {gpu}; op `{}` runs on it where it can (the stage's log says \
                          which)",
                         spec.op
                     ),
@@ -106,7 +106,7 @@ fn check_device(spec: &JobSpec, op: &dyn AnyOp, ops: Registry) -> Result<Device>
                 ),
                 Ok(gpu) => (
                     format!(
-                        "found {gpu}, but op `{}` does not train on a GPU through \
+                        "found {gpu}, but op `{}` does not run on a GPU through \
                          `resources.device`; running on the CPU",
                         spec.op
                     ),
@@ -129,7 +129,7 @@ fn check_device(spec: &JobSpec, op: &dyn AnyOp, ops: Registry) -> Result<Device>
             Ok(gpu) if spec.cmd.is_none() && !trains_on_gpu => Err(stage_error(
                 spec,
                 &format!(
-                    "asks for device cuda:{ordinal} ({gpu}), but op `{}` does not train on a \
+                    "asks for device cuda:{ordinal} ({gpu}), but op `{}` does not run on a \
                      GPU through `resources.device`",
                     spec.op
                 ),
@@ -803,7 +803,7 @@ mod tests {
             Ok(Device::Cpu)
         );
         let cpu_only = resolve(with_gpu, "resumable", "cuda", None).unwrap_err();
-        assert!(cpu_only.contains("does not train on a GPU"), "{cpu_only}");
+        assert!(cpu_only.contains("does not run on a GPU"), "{cpu_only}");
         assert_eq!(resolve(without, "trains", "auto", None), Ok(Device::Cpu));
         let missing = resolve(without, "trains", "cuda", None).unwrap_err();
         assert!(missing.contains("not usable here: no driver"), "{missing}");

@@ -32,10 +32,15 @@
 //! attention, conv/SSM states for Mamba: [`model::decode`]), batched `batch` prompts at a
 //! time with left padding that no row can see.
 //!
+//! **On a GPU** (the stage's `resources.device`): perplexity and multiple choice are scored by
+//! the GPU trainer's forward ([`train::gpu::Scoring`], bf16 matmuls as training's); generation
+//! decodes on the CPU.
+//!
 //! Output `results/results.json`; the same numbers are the artifact's metrics, and the log ends
 //! with a small table.
 
-use crate::training::{blend_split, input, model_tokenizer};
+use crate::training::{Gpu, blend_split, input, model_tokenizer};
+use kernels::launch::{Cuda, Launcher};
 use model::net::Model;
 use model::sampling::Sampling;
 use nemo_dag_data::chat::{ChatTemplate, Message, RenderFlags, Role, STOP_TOKENS, TemplateSource};
@@ -44,6 +49,8 @@ use nemo_dag_op::{DeclError, Metrics, Op, Outputs, Port, RunContext, RunError, S
 use serde::Deserialize;
 use serde_json::{Value, json};
 use std::path::Path;
+use train::eval::Scorer;
+use train::gpu::{DeviceStep, Scoring};
 use train::{self, checkpoint};
 
 pub struct Eval;
@@ -203,7 +210,7 @@ static SPEC: Spec = Spec {
     outputs: Outputs::Fixed(&[("results", "results")]),
     resumable: false,
     launched: false,
-    gpu: false,
+    gpu: true,
 };
 
 impl Op for Eval {
@@ -296,10 +303,46 @@ impl Op for Eval {
         let model_dir = input(ctx, "model")?;
         let model = checkpoint::load_model(&model_dir)
             .map_err(|e| RunError::new(format!("cannot load the model: {e}")))?;
+        let scores = p.perplexity.is_some() || p.multiple_choice.is_some();
+        let cuda = match Gpu::of(ctx.device).filter(|_| scores) {
+            Some(gpu) => {
+                let started = Cuda::new(gpu.ordinal)
+                    .map_err(|e| RunError::new(format!("cannot start cuda:{}: {e}", gpu.ordinal)));
+                gpu.or_cpu_for("scoring", ctx.log, started)?
+                    .map(|c| (gpu, c))
+            }
+            None => None,
+        };
+        let on_device = match &cuda {
+            Some((gpu, cuda)) => {
+                let uploaded = DeviceStep::upload_for_scoring(cuda, &model)
+                    .map(|step| step.with_precision(train::gpu::TRAINING_PRECISION));
+                match gpu.or_cpu_for("scoring", ctx.log, uploaded)? {
+                    Some(step) => {
+                        writeln!(
+                            ctx.log,
+                            "device: {} (perplexity and multiple choice; generation runs on \
+                             the CPU)",
+                            cuda.describe()
+                        )?;
+                        Some(step)
+                    }
+                    None => None,
+                }
+            }
+            None => None,
+        };
+        let mut scorer: Box<dyn Scorer + '_> = match on_device {
+            Some(step) => Box::new(Scoring {
+                step,
+                model: &model,
+            }),
+            None => Box::new(train::eval::Cpu(&model)),
+        };
         let mut results = serde_json::Map::new();
         let mut table = Vec::new();
         if let Some(ppl) = &p.perplexity {
-            let r = perplexity(&model, &input(ctx, "data")?, ppl)?;
+            let r = perplexity(scorer.as_mut(), &input(ctx, "data")?, ppl)?;
             table.push(format!(
                 "perplexity   {:<10} {:>10.3}   ({} tokens; uniform guessing: {})",
                 ppl.split,
@@ -313,7 +356,7 @@ impl Op for Eval {
         if let Some(mc) = &p.multiple_choice {
             let questions = train::choice::read(&input(ctx, "choices")?, mc.limit)?;
             let r = train::choice::evaluate(
-                &model,
+                scorer.as_mut(),
                 &tokenizer()?,
                 &questions,
                 &mc.target_delimiter,
@@ -365,7 +408,7 @@ impl Op for Eval {
 }
 
 /// Perplexity on the start of a split of a `tokenize` artifact ([`train::eval::perplexity`]).
-fn perplexity(model: &Model, data: &Path, p: &Perplexity) -> Result<Value, RunError> {
+fn perplexity(scorer: &mut dyn Scorer, data: &Path, p: &Perplexity) -> Result<Value, RunError> {
     let mut stream: Vec<u32> = Vec::new();
     let want = p.max_windows * p.seq_length + 1;
     for (_, prefix) in blend_split(data, &p.split, "tokenize", false)? {
@@ -382,7 +425,7 @@ fn perplexity(model: &Model, data: &Path, p: &Perplexity) -> Result<Value, RunEr
             );
         }
     }
-    let (mean, tokens) = train::eval::perplexity(model, &stream, p.seq_length, p.max_windows)
+    let (mean, tokens) = train::eval::perplexity(scorer, &stream, p.seq_length, p.max_windows)
         .map_err(|e| {
             RunError::new(format!(
                 "split `{}` of {}: {}",
@@ -397,7 +440,7 @@ fn perplexity(model: &Model, data: &Path, p: &Perplexity) -> Result<Value, RunEr
         "tokens": tokens,
         "loss": mean,
         "perplexity": mean.exp(),
-        "uniform_perplexity": model.vocab,
+        "uniform_perplexity": scorer.model().vocab,
     }))
 }
 

@@ -183,18 +183,43 @@ pub(crate) fn train_and_publish(
     }
 }
 
-/// The GPU a stage was given, and whether it must train there (`cuda:N`) or may fall back
-/// to the CPU (`auto`).
-struct Gpu {
-    ordinal: usize,
+/// The GPU a stage was given, and whether it must run there (`cuda:N`) or may fall back to
+/// the CPU (`auto`).
+pub(crate) struct Gpu {
+    pub ordinal: usize,
     required: bool,
 }
 
 impl Gpu {
-    /// `what` when it worked; else, under `cuda:N`, its error, and under `auto`, `None`: the
-    /// CPU trains, and the log says why.
+    /// The GPU the engine resolved a stage's device to ([`RunContext::device`]): `cuda:N`
+    /// must be used, `auto` means GPU 0 where it can be; `None` for the CPU.
+    pub(crate) fn of(device: Device) -> Option<Gpu> {
+        match device {
+            Device::Cuda(ordinal) => Some(Gpu {
+                ordinal,
+                required: true,
+            }),
+            Device::Auto => Some(Gpu {
+                ordinal: 0,
+                required: false,
+            }),
+            Device::Cpu => None,
+        }
+    }
+
     fn or_cpu<T>(
         &self,
+        log: &mut dyn std::io::Write,
+        what: Result<T, RunError>,
+    ) -> Result<Option<T>, RunError> {
+        self.or_cpu_for("training", log, what)
+    }
+
+    /// `what` when it worked; else, under `cuda:N`, its error, and under `auto`, `None`: the
+    /// CPU does the `work`, and the log says why.
+    pub(crate) fn or_cpu_for<T>(
+        &self,
+        work: &str,
         log: &mut dyn std::io::Write,
         what: Result<T, RunError>,
     ) -> Result<Option<T>, RunError> {
@@ -202,7 +227,7 @@ impl Gpu {
             Ok(t) => Ok(Some(t)),
             Err(e) if self.required => Err(e),
             Err(e) => {
-                writeln!(log, "device auto: training on the CPU: {}", e.message)?;
+                writeln!(log, "device auto: {work} on the CPU: {}", e.message)?;
                 Ok(None)
             }
         }
@@ -219,16 +244,8 @@ fn gpu_for(
     objective: &mut dyn Objective,
     trainer: &Trainer,
 ) -> Result<Option<Gpu>, RunError> {
-    let gpu = match ctx.device {
-        Device::Cuda(ordinal) => Gpu {
-            ordinal,
-            required: true,
-        },
-        Device::Auto => Gpu {
-            ordinal: 0,
-            required: false,
-        },
-        Device::Cpu => return Ok(None),
+    let Some(gpu) = Gpu::of(ctx.device) else {
+        return Ok(None);
     };
     if trainer.step >= trainer.schedule.steps {
         return Ok(None);

@@ -235,7 +235,7 @@ pub struct Spec {
     /// at the head of a script it writes). Any other op refuses `launch` when the manifest
     /// loads, instead of quietly running once.
     pub launched: bool,
-    /// Whether the op trains on a GPU when its stage's `resources.device` asks for one
+    /// Whether the op runs on a GPU when its stage's `resources.device` asks for one
     /// (`cuda`, or `auto` where one is found; [`RunContext::device`]). The engine refuses
     /// `cuda` for any other op, since it would run on the CPU.
     pub gpu: bool,

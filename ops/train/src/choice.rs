@@ -17,9 +17,9 @@
 //! `"Q: 2+2? A:" + " 4"` is tokenised the way the model saw such text. When a row is longer
 //! than the model's `max_seq`, the context loses tokens from the left.
 
-use crate::{err, token_logprobs};
+use crate::eval::Scorer;
 use model::layers::Layout;
-use model::net::Model;
+
 use nemo_dag_op::RunError;
 use serde_json::{Value, json};
 use std::path::Path;
@@ -117,10 +117,11 @@ pub fn encode_pair(
 
 /// Σ log p(continuation | context) for each (context, continuation) pair, `batch` at a time.
 pub fn loglikelihoods(
-    model: &Model,
+    scorer: &mut dyn Scorer,
     pairs: &[(Vec<u32>, Vec<u32>)],
     batch: usize,
 ) -> Result<Vec<f64>, RunError> {
+    let max_seq = scorer.model().cfg.max_seq;
     let mut out = Vec::with_capacity(pairs.len());
     for chunk in pairs.chunks(batch.max(1)) {
         // Each row: (context + continuation)[..-1] predicting [1..]; the context keeps at most
@@ -128,9 +129,7 @@ pub fn loglikelihoods(
         let rows: Vec<(Vec<u32>, usize)> = chunk
             .iter()
             .map(|(ctx, cont)| {
-                let keep = (model.cfg.max_seq + 1)
-                    .saturating_sub(cont.len())
-                    .min(ctx.len());
+                let keep = (max_seq + 1).saturating_sub(cont.len()).min(ctx.len());
                 let mut seq = ctx[ctx.len() - keep..].to_vec();
                 seq.extend_from_slice(cont);
                 (seq, cont.len())
@@ -149,12 +148,10 @@ pub fn loglikelihoods(
             ids[r * t..r * t + seq.len() - 1].copy_from_slice(&seq[..seq.len() - 1]);
             labels[r * t..r * t + seq.len() - 1].copy_from_slice(&seq[1..]);
         }
-        let logp = token_logprobs(model, &ids, &labels, &Layout::plain(b, t))
-            .and_then(|l| l.to_vec2::<f32>())
-            .map_err(err)?;
+        let logp = scorer.logp(&ids, &labels, &Layout::plain(b, t))?;
         for (r, (seq, cont)) in rows.iter().enumerate() {
-            let end = seq.len() - 1;
-            out.push(logp[r][end - cont..end].iter().map(|x| *x as f64).sum());
+            let end = r * t + seq.len() - 1;
+            out.push(logp[end - cont..end].iter().map(|x| *x as f64).sum());
         }
     }
     Ok(out)
@@ -162,7 +159,7 @@ pub fn loglikelihoods(
 
 /// Score every question: `acc`, `acc_norm`, and the first few rows' log-likelihoods.
 pub fn evaluate(
-    model: &Model,
+    scorer: &mut dyn Scorer,
     tokenizer: &tokenizers::Tokenizer,
     questions: &[Question],
     delimiter: &str,
@@ -178,7 +175,7 @@ pub fn evaluate(
             )?);
         }
     }
-    let ll = loglikelihoods(model, &pairs, batch)?;
+    let ll = loglikelihoods(scorer, &pairs, batch)?;
     let (mut acc, mut acc_norm) = (0.0, 0.0);
     let mut examples = Vec::new();
     let mut at = 0;
@@ -227,7 +224,9 @@ fn argmax(v: &[f64]) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::eval::Cpu;
     use model::config::ModelConfig;
+    use model::net::Model;
 
     fn write(name: &str, text: &str) -> std::path::PathBuf {
         let p = std::env::temp_dir().join(format!(
@@ -297,7 +296,12 @@ mod tests {
     fn the_loglikelihood_is_the_sum_over_continuation_tokens_only() {
         let m = model();
         let (ctx, cont) = (vec![3, 4, 5], vec![6, 7]);
-        let ll = loglikelihoods(&m, &[(ctx.clone(), cont.clone()), (vec![1], vec![2])], 2).unwrap();
+        let ll = loglikelihoods(
+            &mut Cpu(&m),
+            &[(ctx.clone(), cont.clone()), (vec![1], vec![2])],
+            2,
+        )
+        .unwrap();
         // By hand from the full logits of the unpadded row.
         let seq = [3u32, 4, 5, 6, 7];
         let logits = m
@@ -314,11 +318,15 @@ mod tests {
         let want = logp[2][6] as f64 + logp[3][7] as f64;
         assert!((ll[0] - want).abs() < 1e-4, "{} vs {want}", ll[0]);
         // Batched with a shorter row (right padding) changes nothing.
-        let alone = loglikelihoods(&m, &[(ctx, cont)], 1).unwrap();
+        let alone = loglikelihoods(&mut Cpu(&m), &[(ctx, cont)], 1).unwrap();
         assert!((alone[0] - ll[0]).abs() < 1e-5);
         // A context longer than max_seq loses tokens from the left, and still scores.
-        let long =
-            loglikelihoods(&m, &[((0..40).map(|i| i % 20).collect(), vec![1, 2])], 1).unwrap();
+        let long = loglikelihoods(
+            &mut Cpu(&m),
+            &[((0..40).map(|i| i % 20).collect(), vec![1, 2])],
+            1,
+        )
+        .unwrap();
         assert!(long[0].is_finite() && long[0] < 0.0);
     }
 

@@ -9,15 +9,40 @@
 
 use crate::err;
 use model::layers::Layout;
-use model::net::{Batch, Model};
+use model::net::Model;
 use model::params::Rng;
 use model::sampling::{Sampling, StopStrings, generate, generate_until};
 use nemo_dag_op::RunError;
 
+/// What scores tokens under a model: each label's log-probability. [`Cpu`] runs the model's
+/// own forward; `gpu::Scoring` runs the GPU trainer's on a device.
+pub trait Scorer {
+    /// The model scored (its vocabulary and context length).
+    fn model(&self) -> &Model;
+
+    /// The log-probability of each of `labels` after `ids`, rows of `layout`, row-major.
+    fn logp(&mut self, ids: &[u32], labels: &[u32], layout: &Layout) -> Result<Vec<f32>, RunError>;
+}
+
+/// Scoring on the CPU: the model's inference forward ([`crate::token_logprobs`]).
+pub struct Cpu<'m>(pub &'m Model);
+
+impl Scorer for Cpu<'_> {
+    fn model(&self) -> &Model {
+        self.0
+    }
+
+    fn logp(&mut self, ids: &[u32], labels: &[u32], layout: &Layout) -> Result<Vec<f32>, RunError> {
+        crate::token_logprobs(self.0, ids, labels, layout)
+            .and_then(|l| l.flatten_all()?.to_vec1::<f32>())
+            .map_err(err)
+    }
+}
+
 /// Mean loss per token and the tokens scored: the stream cut into at most `max_windows`
 /// consecutive windows of `seq_length` inputs (each label the next token), 8 windows a batch.
 pub fn perplexity(
-    model: &Model,
+    scorer: &mut dyn Scorer,
     stream: &[u32],
     seq_length: usize,
     max_windows: usize,
@@ -29,34 +54,26 @@ pub fn perplexity(
             seq_length + 1
         )));
     }
-    if let Some(t) = stream.iter().find(|t| **t as usize >= model.vocab) {
+    let vocab = scorer.model().vocab;
+    if let Some(t) = stream.iter().find(|t| **t as usize >= vocab) {
         return Err(RunError::new(format!(
-            "token id {t} is outside the model's vocabulary ({})",
-            model.vocab
+            "token id {t} is outside the model's vocabulary ({vocab})"
         )));
     }
     let windows = ((stream.len() - 1) / seq_length).min(max_windows);
-    let (mut sum, mut tokens) = (0.0, 0.0);
+    let (mut sum, mut tokens) = (0.0, 0u64);
     for chunk in (0..windows).collect::<Vec<_>>().chunks(8) {
         let t = seq_length;
-        let mut batch = Batch {
-            ids: Vec::new(),
-            labels: Vec::new(),
-            loss_mask: vec![1.0; chunk.len() * t],
-            layout: Layout::plain(chunk.len(), t),
-            valid: None,
-        };
+        let (mut ids, mut labels) = (Vec::new(), Vec::new());
         for w in chunk {
-            batch.ids.extend_from_slice(&stream[w * t..w * t + t]);
-            batch
-                .labels
-                .extend_from_slice(&stream[w * t + 1..w * t + t + 1]);
+            ids.extend_from_slice(&stream[w * t..w * t + t]);
+            labels.extend_from_slice(&stream[w * t + 1..w * t + t + 1]);
         }
-        let loss = model.loss(&batch, 1.0, false).map_err(err)?;
-        sum += loss.main_sum;
-        tokens += loss.tokens;
+        let logp = scorer.logp(&ids, &labels, &Layout::plain(chunk.len(), t))?;
+        sum -= logp.iter().map(|l| f64::from(*l)).sum::<f64>();
+        tokens += logp.len() as u64;
     }
-    Ok((sum / tokens.max(1.0), tokens as u64))
+    Ok((sum / tokens.max(1) as f64, tokens))
 }
 
 /// How [`respond`] generates.

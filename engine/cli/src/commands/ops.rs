@@ -34,7 +34,7 @@ pub fn exec(ops: Registry) -> Result<()> {
         let resumable = if spec.resumable { " (resumable)" } else { "" };
         println!("{indent}    outputs: {outputs}{resumable}");
         if spec.gpu {
-            println!("{indent}    device: trains on a GPU under `device: cuda` or `auto`");
+            println!("{indent}    device: runs on a GPU under `device: cuda` or `auto`");
         }
     }
     Ok(())

@@ -216,8 +216,8 @@ struct Layout {
 }
 
 impl Layout {
-    fn of(trainer: &Trainer) -> Result<Layout, RunError> {
-        let model = &trainer.model;
+    /// `model`'s parameters in order, each decayed by AdamW where `decay` says.
+    fn of(model: &Model, decay: &[bool]) -> Result<Layout, RunError> {
         let cfg = &model.cfg;
         let heads = Heads::of(cfg);
         if model.pattern.count(BlockKind::Attention) > 0 && heads.dim > MAX_HEAD_DIM {
@@ -229,7 +229,7 @@ impl Layout {
         let mut slots = Vec::new();
         let mut by_name = BTreeMap::new();
         let mut total = 0;
-        for ((name, var), decay) in model.params.iter().zip(&trainer.decay) {
+        for ((name, var), decay) in model.params.iter().zip(decay) {
             let slot = Slot {
                 offset: total,
                 len: var.elem_count(),
@@ -579,7 +579,7 @@ impl<'l, L: Launcher> DeviceStep<'l, L> {
     /// Copies `trainer`'s weights and AdamW moments to the device; an error names what the
     /// GPU trainer cannot train yet.
     pub fn upload(launcher: &'l L, trainer: &Trainer) -> Result<Self, RunError> {
-        let layout = Layout::of(trainer)?;
+        let layout = Layout::of(&trainer.model, &trainer.decay)?;
         let weights = trainer.model.params.values().map_err(crate::err)?;
         let weights = launcher.upload_f32(&weights.concat()).map_err(device)?;
         let m = launcher
@@ -603,6 +603,37 @@ impl<'l, L: Launcher> DeviceStep<'l, L> {
             reference: None,
             precision: Precision::F32,
         })
+    }
+
+    /// `model`'s weights on the device for forwards only ([`DeviceStep::logp`]: eval's
+    /// scoring): no gradients or AdamW moments.
+    pub fn upload_for_scoring(launcher: &'l L, model: &Model) -> Result<Self, RunError> {
+        let layout = Layout::of(model, &vec![false; model.params.iter().count()])?;
+        // (`decay` only matters to AdamW, which scoring never runs.)
+        let weights = model.params.values().map_err(crate::err)?;
+        let weights = launcher.upload_f32(&weights.concat()).map_err(device)?;
+        let none = || launcher.alloc(0).map_err(device);
+        Ok(DeviceStep {
+            launcher,
+            grads: none()?,
+            norm_partial: none()?,
+            norm: none()?,
+            layout,
+            weights,
+            m: none()?,
+            v: none()?,
+            acts: None,
+            reference: None,
+            precision: Precision::F32,
+        })
+    }
+
+    /// Each label's log-probability of `batch` under the device's weights of `model`'s
+    /// architecture, row-major: the main stack's forward and head, no backward. MoE blocks
+    /// count no tokens, as the CPU's inference forward does not.
+    pub fn logp(&mut self, model: &Model, batch: &Batch) -> Result<Vec<f32>, RunError> {
+        self.prepare(batch, model.rope(), None)?;
+        self.main_logp((&self.weights, model), batch)
     }
 
     /// The same step with its matmuls' operands at `precision` ([`Precision::Bf16`]: as
@@ -1025,7 +1056,17 @@ impl<'l, L: Launcher> DeviceStep<'l, L> {
             self.upload_reference(policy, Some(reference))?;
         }
         let w = self.reference.as_ref().ok_or_else(no_acts)?;
-        self.forward((w, reference), batch, 1, false)?;
+        self.main_logp((w, reference), batch)
+    }
+
+    /// The uploaded micro-batch's labels' log-probabilities under the weights `w` of `model`:
+    /// the main stack's forward (no MoE tokens counted) and its head.
+    fn main_logp(
+        &self,
+        (w, model): (&L::Buffer, &Model),
+        batch: &Batch,
+    ) -> Result<Vec<f32>, RunError> {
+        self.forward((w, model), batch, 1, false)?;
         let Launching { k, packed, .. } = self.launching(batch)?;
         let main = self.layout.stacks.first().ok_or_else(no_acts)?;
         self.head(&k, w, main, &packed.acts.inputs[0].labels)?;
@@ -1322,6 +1363,34 @@ impl<'l, L: Launcher> DeviceStep<'l, L> {
     }
 }
 
+/// Scoring on a device: eval's perplexity and multiple choice from [`DeviceStep::logp`].
+pub struct Scoring<'l, 'm, L: Launcher> {
+    pub step: DeviceStep<'l, L>,
+    pub model: &'m Model,
+}
+
+impl<L: Launcher> crate::eval::Scorer for Scoring<'_, '_, L> {
+    fn model(&self) -> &Model {
+        self.model
+    }
+
+    fn logp(
+        &mut self,
+        ids: &[u32],
+        labels: &[u32],
+        layout: &model::layers::Layout,
+    ) -> Result<Vec<f32>, RunError> {
+        let batch = Batch {
+            ids: ids.to_vec(),
+            labels: labels.to_vec(),
+            loss_mask: vec![1.0; ids.len()],
+            layout: layout.clone(),
+            valid: None,
+        };
+        self.step.logp(self.model, &batch)
+    }
+}
+
 /// A [`DeviceStep`] as the training loop's [`Stepper`]: steps of `objective` (which must be
 /// [`PerToken`]), the host's weights and moments brought back before each checkpoint.
 pub struct OnDevice<'l, 'o, 'a, L: Launcher> {
@@ -1342,7 +1411,7 @@ impl<L: Launcher> Stepper for OnDevice<'_, '_, '_, L> {
 /// Whether the GPU trainer can train `trainer`'s model: `Err` names what it cannot, before
 /// anything touches a device.
 pub fn supports(trainer: &Trainer) -> Result<(), RunError> {
-    Layout::of(trainer).map(|_| ())
+    Layout::of(&trainer.model, &trainer.decay).map(|_| ())
 }
 
 /// The Mamba-2 blocks' scratch and the micro-batch's scan shape.
@@ -1629,6 +1698,58 @@ mod tests {
             weights(&saved) != initial,
             "the checkpoint holds the initial weights"
         );
+    }
+
+    /// eval's scoring on the device: the perplexity of a token stream and the log-likelihoods
+    /// of multiple-choice continuations under a hybrid (Mamba-2, RoPE attention, MoE with a
+    /// shared expert, MLP), from [`DeviceStep::logp`] on the shim, against the CPU's: within
+    /// f32's error with f32 matmuls, within bf16's with bf16 ones.
+    #[test]
+    fn scoring_on_the_shim_gives_the_cpus_perplexity_and_loglikelihoods() {
+        use crate::eval::{Cpu, Scorer, perplexity};
+        let cfg: ModelConfig = serde_json::from_value(json!({
+            "pattern": "M*E-", "hidden": 32, "heads": 4, "kv_heads": 2, "head_dim": 8,
+            "ffn": 48, "activation": "relu2", "max_seq": 24,
+            "mamba": {"heads": 8, "head_dim": 8, "state": 8, "groups": 2, "conv": 4, "chunk": 4},
+            "moe": {"experts": 4, "top_k": 2, "expert_ffn": 16, "shared_ffn": 24,
+                    "scaling": 2.5}
+        }))
+        .unwrap();
+        let model = Model::new(&cfg, 32, 5).unwrap();
+        let stream: Vec<u32> = (0..200u32).map(|i| (i * 7 + i / 5) % 32).collect();
+        let pairs: Vec<(Vec<u32>, Vec<u32>)> = (0..5u32)
+            .map(|i| {
+                (
+                    (0..3 + 2 * i).map(|j| (i + j) % 32).collect(),
+                    vec![i, i + 1, 9],
+                )
+            })
+            .collect();
+        let (want_ppl, want_tokens) = perplexity(&mut Cpu(&model), &stream, 16, 10).unwrap();
+        let want_ll = crate::choice::loglikelihoods(&mut Cpu(&model), &pairs, 3).unwrap();
+        let shim = Shim::default();
+        for (precision, tolerance) in [(Precision::F32, 1e-5), (Precision::Bf16, 1e-2)] {
+            let step = DeviceStep::upload_for_scoring(&shim, &model)
+                .unwrap()
+                .with_precision(precision);
+            let mut scoring = Scoring {
+                step,
+                model: &model,
+            };
+            assert_eq!(scoring.model().vocab, 32);
+            let (ppl, tokens) = perplexity(&mut scoring, &stream, 16, 10).unwrap();
+            assert_eq!(tokens, want_tokens);
+            let gap = (ppl - want_ppl).abs() / want_ppl;
+            eprintln!("{precision:?}: loss {ppl} vs {want_ppl} ({gap:.1e})");
+            assert!(gap < tolerance, "{precision:?}: {ppl} vs {want_ppl}");
+            let ll = crate::choice::loglikelihoods(&mut scoring, &pairs, 3).unwrap();
+            for (got, want) in ll.iter().zip(&want_ll) {
+                assert!(
+                    (got - want).abs() < tolerance * want.abs(),
+                    "{precision:?}: {got} vs {want}"
+                );
+            }
+        }
     }
 
     /// MoE blocks, each in a way of its own: one expert a token (k = 1: the gates are the
