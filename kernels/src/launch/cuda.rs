@@ -210,16 +210,17 @@ impl Launcher for Cuda {
 
     fn all_reduce_sum(
         &self,
-        buffer: &mut CudaSlice<u8>,
-        offset: usize,
+        from: &CudaSlice<u8>,
+        into: &mut CudaSlice<u8>,
         count: usize,
     ) -> Result<Option<String>> {
-        in_bounds("all_reduce_sum", offset, count * 4, buffer.len())?;
-        let nccl = super::nccl::Nccl::open()?;
+        in_bounds("all_reduce_sum", 0, count * 4, from.len())?;
+        in_bounds("all_reduce_sum", 0, count * 4, into.len())?;
+        let nccl = super::nccl::Nccl::get()?;
         let version = nccl.version()?;
-        let at = self.address(buffer) + offset as u64;
-        // SAFETY: `count` floats from `offset` are inside the buffer (checked above).
-        unsafe { nccl.all_reduce_one_rank(self, at, count)? };
+        let (from, into) = (self.address(from), self.address(into));
+        // SAFETY: both buffers hold `count` floats (checked above).
+        unsafe { nccl.all_reduce_one_rank(self, (from, into), count)? };
         Ok(Some(format!("NCCL {version}")))
     }
 

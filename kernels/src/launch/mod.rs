@@ -126,14 +126,15 @@ pub trait Launcher {
     /// The size of `buffer` in bytes.
     fn len(&self, buffer: &Self::Buffer) -> usize;
 
-    /// Sums `count` floats of `buffer` from `offset` bytes in place across this process's ranks
+    /// Sums the first `count` floats of `from` across this process's ranks into `into`
     /// through NCCL, and says which NCCL did it; `None` where there is no NCCL (the shim). The
-    /// world is one rank, so the values come back unchanged: what this checks is that NCCL
-    /// loads, makes a communicator on the device and runs a collective on its stream.
+    /// world is one rank, so `into` gets `from`'s values: what this checks is that NCCL loads,
+    /// makes a communicator on the device and runs a collective on its stream (out of place,
+    /// so that it has something to do: NCCL skips an in-place reduction over one rank).
     fn all_reduce_sum(
         &self,
-        _buffer: &mut Self::Buffer,
-        _offset: usize,
+        _from: &Self::Buffer,
+        _into: &mut Self::Buffer,
         _count: usize,
     ) -> Result<Option<String>> {
         Ok(None)

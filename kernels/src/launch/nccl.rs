@@ -9,6 +9,7 @@
 //! [`Launcher::all_reduce_sum`]: super::Launcher::all_reduce_sum
 
 use std::ffi::{CStr, c_char, c_int, c_void};
+use std::sync::OnceLock;
 
 use libloading::Library;
 
@@ -50,8 +51,17 @@ pub(super) struct Nccl {
 }
 
 impl Nccl {
+    /// NCCL, opened on first use and kept loaded for the life of the process (its bootstrap
+    /// threads may outlive a communicator; unloading it under them would crash).
+    pub(super) fn get() -> Result<&'static Nccl> {
+        static NCCL: OnceLock<std::result::Result<Nccl, String>> = OnceLock::new();
+        NCCL.get_or_init(|| Nccl::open().map_err(|e| e.0))
+            .as_ref()
+            .map_err(|e| LaunchError(e.clone()))
+    }
+
     /// NCCL under one of [`NAMES`], or an error naming them and the search path.
-    pub(super) fn open() -> Result<Nccl> {
+    fn open() -> Result<Nccl> {
         for name in NAMES {
             // SAFETY: loading NCCL runs only its own initialisers.
             if let Ok(lib) = unsafe { Library::new(name) } {
@@ -108,15 +118,15 @@ impl Nccl {
         ))
     }
 
-    /// Sums `count` floats at device address `at` in place over a communicator of this one
-    /// rank, on `cuda`'s stream, and waits for it.
+    /// Sums `count` floats at device address `from` into `into` over a communicator of this
+    /// one rank, on `cuda`'s stream, and waits for it.
     ///
     /// # Safety
-    /// `at` must hold `count` floats on `cuda`.
+    /// `from` and `into` must each hold `count` floats on `cuda`.
     pub(super) unsafe fn all_reduce_one_rank(
         &self,
         cuda: &Cuda,
-        at: u64,
+        (from, into): (u64, u64),
         count: usize,
     ) -> Result<()> {
         // SAFETY (each `function`): the signatures are nccl.h's.
@@ -137,9 +147,9 @@ impl Nccl {
         // SAFETY: one rank of one, with the id just made; writes `comm`.
         self.check("ncclCommInitRank", unsafe { init(&mut comm, 1, id, 0) })?;
         let stream = cuda.cu_stream() as *mut c_void;
-        let buffer = at as *mut c_void;
-        // SAFETY: in place over `count` floats at `at` (the caller), on our stream.
-        let reduced = unsafe { all_reduce(buffer, buffer, count, FLOAT32, SUM, comm, stream) };
+        let (send, receive) = (from as *const c_void, into as *mut c_void);
+        // SAFETY: `count` floats at each (the caller), on our stream.
+        let reduced = unsafe { all_reduce(send, receive, count, FLOAT32, SUM, comm, stream) };
         let waited = cuda.synchronize();
         // SAFETY: `comm` was initialised above and is destroyed once, after its work is done.
         let destroyed = unsafe { destroy(comm) };
@@ -158,7 +168,7 @@ mod tests {
     /// panics.
     #[test]
     fn nccl_opens_by_its_shipped_names_or_says_where_it_looked() {
-        match Nccl::open() {
+        match Nccl::get() {
             Ok(nccl) => {
                 let version = nccl.version().unwrap();
                 eprintln!("NCCL {version} found");

@@ -545,20 +545,22 @@ const fn bf16_product(
 /// Floats the NCCL part all-reduces: not a multiple of any chunk NCCL splits into.
 const ALL_REDUCED: usize = 100_003;
 
-/// NCCL's all-reduce over a world of one rank ([`Launcher::all_reduce_sum`]): NCCL's version
-/// and whether the values came back the same bytes; `None` where there is no NCCL.
+/// NCCL's all-reduce over a world of one rank ([`Launcher::all_reduce_sum`]), out of place
+/// into a zeroed buffer: NCCL's version and whether the sum (the one rank's values) arrived,
+/// the same bytes; `None` where there is no NCCL.
 fn all_reduce<L: Launcher>(launcher: &L) -> Result<Option<(String, bool)>, RunError> {
     let device = super::device;
     let mut rng = kernels::rng::Rng::new(9);
     let values: Vec<f32> = (0..ALL_REDUCED).map(|_| rng.normal() as f32).collect();
-    let mut buffer = launcher.upload_f32(&values).map_err(device)?;
+    let from = launcher.upload_f32(&values).map_err(device)?;
+    let mut into = launcher.alloc(ALL_REDUCED * 4).map_err(device)?;
     let Some(version) = launcher
-        .all_reduce_sum(&mut buffer, 0, ALL_REDUCED)
+        .all_reduce_sum(&from, &mut into, ALL_REDUCED)
         .map_err(device)?
     else {
         return Ok(None);
     };
-    let back = launcher.read_f32(&buffer, 0, ALL_REDUCED).map_err(device)?;
+    let back = launcher.read_f32(&into, 0, ALL_REDUCED).map_err(device)?;
     let same = back
         .iter()
         .map(|v| v.to_bits())
