@@ -304,10 +304,17 @@ impl Op for Eval {
         let model = checkpoint::load_model(&model_dir)
             .map_err(|e| RunError::new(format!("cannot load the model: {e}")))?;
         let scores = p.perplexity.is_some() || p.multiple_choice.is_some();
-        let cuda = match Gpu::of(ctx.device).filter(|_| scores) {
+        let gpu = Gpu::of(ctx.device);
+        if gpu.is_some() && !scores {
+            writeln!(ctx.log, "device: the CPU (generation decodes on the CPU)")?;
+        }
+        let cuda = match gpu.filter(|_| scores) {
             Some(gpu) => {
-                let started = Cuda::new(gpu.ordinal)
-                    .map_err(|e| RunError::new(format!("cannot start cuda:{}: {e}", gpu.ordinal)));
+                let started = train::gpu::can_score(&model).and_then(|()| {
+                    Cuda::new(gpu.ordinal).map_err(|e| {
+                        RunError::new(format!("cannot start cuda:{}: {e}", gpu.ordinal))
+                    })
+                });
                 gpu.or_cpu_for("scoring", ctx.log, started)?
                     .map(|c| (gpu, c))
             }

@@ -141,6 +141,14 @@ pub fn loglikelihoods(
                 seq.len()
             )));
         }
+        // Every continuation token is scored after the one before it, so at least one context
+        // token must stand before the first.
+        if let Some((_, cont)) = rows.iter().find(|(s, c)| *c >= s.len()) {
+            return Err(RunError::new(format!(
+                "a choice of {cont} tokens has nothing before it to follow: its context is \
+                 empty, or the choice is longer than the model's context ({max_seq} tokens)"
+            )));
+        }
         let t = rows.iter().map(|(s, _)| s.len() - 1).max().unwrap_or(1);
         let b = rows.len();
         let (mut ids, mut labels) = (vec![0u32; b * t], vec![0u32; b * t]);
@@ -328,6 +336,20 @@ mod tests {
         )
         .unwrap();
         assert!(long[0].is_finite() && long[0] < 0.0);
+    }
+
+    /// A continuation with nothing before it to follow (an empty context, or a choice longer
+    /// than the model's context) is an error naming it, in any row of a batch: never a score
+    /// read partly from the row before.
+    #[test]
+    fn a_choice_with_nothing_before_it_is_an_error() {
+        let m = model(); // max_seq 16
+        let fine = (vec![3, 4], vec![5]);
+        let long: Vec<u32> = (0..20).map(|i| i % 20).collect();
+        for bad in [(vec![], vec![6, 7]), (vec![1, 2], long)] {
+            let err = loglikelihoods(&mut Cpu(&m), &[fine.clone(), bad], 2).unwrap_err();
+            assert!(err.message.contains("nothing before it"), "{}", err.message);
+        }
     }
 
     #[test]

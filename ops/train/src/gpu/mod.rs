@@ -1380,6 +1380,13 @@ impl<L: Launcher> crate::eval::Scorer for Scoring<'_, '_, L> {
         labels: &[u32],
         layout: &model::layers::Layout,
     ) -> Result<Vec<f32>, RunError> {
+        // The kernels read an id past the vocabulary as NaN, where the CPU's forward refuses it.
+        let vocab = self.model.vocab;
+        if let Some(id) = ids.iter().chain(labels).find(|id| **id as usize >= vocab) {
+            return Err(RunError::new(format!(
+                "token id {id} is outside the model's vocabulary ({vocab})"
+            )));
+        }
         let batch = Batch {
             ids: ids.to_vec(),
             labels: labels.to_vec(),
@@ -1406,6 +1413,12 @@ impl<L: Launcher> Stepper for OnDevice<'_, '_, '_, L> {
     fn sync(&mut self, trainer: &mut Trainer) -> Result<(), RunError> {
         self.step.download(trainer)
     }
+}
+
+/// Whether the GPU trainer's forward can score `model` (eval): `Err` names what it cannot,
+/// before anything touches a device.
+pub fn can_score(model: &Model) -> Result<(), RunError> {
+    Layout::of(model, &vec![false; model.params.iter().count()]).map(|_| ())
 }
 
 /// Whether the GPU trainer can train `trainer`'s model: `Err` names what it cannot, before
@@ -1749,6 +1762,14 @@ mod tests {
                     "{precision:?}: {got} vs {want}"
                 );
             }
+            // An id past the vocabulary is refused, as the CPU's forward refuses it.
+            let outside = [(vec![3, 4], vec![32])];
+            let err = crate::choice::loglikelihoods(&mut scoring, &outside, 1).unwrap_err();
+            assert!(
+                err.message.contains("outside the model's vocabulary"),
+                "{}",
+                err.message
+            );
         }
     }
 
