@@ -235,3 +235,113 @@ fn the_ops_that_train_on_a_gpu_are_listed() {
     }
     assert_eq!(on_gpu, ["pretrain", "sft", "dpo", "grpo", "eval"], "{out}");
 }
+
+/// A tiny hybrid's pretrain and its eval, on the device named.
+fn pipeline(device: &str) -> String {
+    format!(
+        r#"
+stages:
+  problems:
+    op: generate
+    params: {{kind: arithmetic, count: 200, seed: 7, max_operand: 20}}
+  tokenizer:
+    op: train_tokenizer
+    inputs: {{corpus: "problems:pretrain"}}
+    params: {{vocab_size: 300, special_tokens: ["<|endoftext|>"]}}
+  data:
+    op: tokenize
+    inputs: {{tokenizer: "tokenizer:tokenizer", arithmetic: "problems:pretrain"}}
+    params: {{num_shards: 1, add_eos: true}}
+  pretrain:
+    op: pretrain
+    inputs: {{data: "data:data", tokenizer: "tokenizer:tokenizer"}}
+    params:
+      model:
+        pattern: "M*E-"
+        hidden: 32
+        heads: 2
+        kv_heads: 1
+        head_dim: 16
+        ffn: 64
+        activation: relu2
+        mamba: {{heads: 4, head_dim: 16, state: 8, groups: 2, chunk: 16}}
+        moe: {{experts: 4, top_k: 2, expert_ffn: 32, shared_ffn: 32, scaling: 2.5}}
+      seq_length: 32
+      steps: 4
+      global_batch: 4
+      micro_batch: 2
+      lr: 1e-2
+      log_interval: 1
+      save_interval: 2
+    resources: {{device: "{device}"}}
+  eval:
+    op: eval
+    inputs: {{model: "pretrain:model", data: "data:data"}}
+    params:
+      perplexity: {{split: train, seq_length: 32, max_windows: 4}}
+    resources: {{device: "{device}"}}
+"#
+    )
+}
+
+/// The training and scoring ops' GPU branch end to end, with the SIMT shim standing in for a
+/// GPU (`NEMO_DAG_CUDA_SHIM=1`): a `device: cuda` pretrain of a Mamba-2/attention/MoE model
+/// trains on the device (its log says so), checkpoints and publishes its model, and its losses
+/// follow the same stage's on the CPU within bf16's tolerance (the device multiplies in bf16);
+/// the `device: cuda` eval of that model scores its perplexity on the device, within the same
+/// tolerance of the CPU's.
+#[test]
+fn the_ops_gpu_branch_trains_and_scores_on_the_shim_as_the_cpu_does() {
+    let on_cpu = Project::new("gpu-branch-cpu");
+    on_cpu.write("m.yaml", &pipeline("cpu"));
+    on_cpu.ok(&["run", "m.yaml"]);
+    let on_shim = Project::new("gpu-branch-shim");
+    on_shim.write("m.yaml", &pipeline("cuda"));
+    let mut shimmed = on_shim.command(&["run", "m.yaml"]);
+    shimmed.env("NEMO_DAG_CUDA_SHIM", "1");
+    let out = output(shimmed);
+    assert_eq!(out.code, 0, "{out}");
+    let show = |p: &Project, stage: &str| p.json(&["show", stage, "--json"]);
+    // The device is not part of a key; the models differ in their low bits, so the evals,
+    // which read them, are keyed apart.
+    let key = |p: &Project, stage: &str| show(p, stage)["key"].clone();
+    assert_eq!(key(&on_cpu, "pretrain"), key(&on_shim, "pretrain"));
+    assert_ne!(key(&on_cpu, "eval"), key(&on_shim, "eval"));
+    let logs: Vec<String> = on_shim
+        .artifact_dirs()
+        .iter()
+        .filter_map(|dir| std::fs::read_to_string(dir.join("log.txt")).ok())
+        .filter(|log| log.contains("device: the SIMT shim"))
+        .collect();
+    assert_eq!(logs.len(), 2, "the pretrain's and the eval's logs\n{out}");
+    assert!(
+        logs.iter()
+            .any(|l| l.contains("perplexity and multiple choice")),
+        "{logs:?}"
+    );
+
+    let losses = |p: &Project| -> Vec<f64> {
+        show(p, "pretrain")["metrics"]["curve"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|point| point["loss"].as_f64().unwrap())
+            .collect()
+    };
+    let (cpu, shim) = (losses(&on_cpu), losses(&on_shim));
+    eprintln!("losses on the shim {shim:?}, on the CPU {cpu:?}");
+    assert_eq!(cpu.len(), 4, "{cpu:?}");
+    assert_eq!(shim.len(), cpu.len(), "{shim:?}");
+    for (got, want) in shim.iter().zip(&cpu) {
+        assert!((got - want).abs() <= 1e-2 * want, "{shim:?} vs {cpu:?}");
+    }
+    assert_ne!(shim, cpu, "bf16 matmuls are not the CPU's f32 to the bit");
+    let ppl = |p: &Project| {
+        show(p, "eval")["metrics"]["perplexity"]["loss"]
+            .as_f64()
+            .unwrap()
+    };
+    let (got, want) = (ppl(&on_shim), ppl(&on_cpu));
+    eprintln!("eval loss on the shim {got}, on the CPU {want}");
+    assert!((got - want).abs() <= 1e-2 * want, "{got} vs {want}");
+}

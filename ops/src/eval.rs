@@ -39,8 +39,8 @@
 //! Output `results/results.json`; the same numbers are the artifact's metrics, and the log ends
 //! with a small table.
 
-use crate::training::{Gpu, blend_split, input, model_tokenizer};
-use kernels::launch::{Cuda, Launcher};
+use crate::training::{Executor, Gpu, blend_split, input, model_tokenizer};
+use kernels::launch::Launcher;
 use model::net::Model;
 use model::sampling::Sampling;
 use nemo_dag_data::chat::{ChatTemplate, Message, RenderFlags, Role, STOP_TOKENS, TemplateSource};
@@ -308,43 +308,18 @@ impl Op for Eval {
         if gpu.is_some() && !scores {
             writeln!(ctx.log, "device: the CPU (generation decodes on the CPU)")?;
         }
-        let cuda = match gpu.filter(|_| scores) {
-            Some(gpu) => {
-                let started = train::gpu::can_score(&model).and_then(|()| {
-                    Cuda::new(gpu.ordinal).map_err(|e| {
-                        RunError::new(format!("cannot start cuda:{}: {e}", gpu.ordinal))
-                    })
-                });
+        let executor = match &gpu {
+            Some(gpu) if scores => {
+                let started =
+                    train::gpu::can_score(&model).and_then(|()| Executor::start(gpu.ordinal));
                 gpu.or_cpu_for("scoring", ctx.log, started)?
-                    .map(|c| (gpu, c))
             }
-            None => None,
+            _ => None,
         };
-        let on_device = match &cuda {
-            Some((gpu, cuda)) => {
-                let uploaded = DeviceStep::upload_for_scoring(cuda, &model)
-                    .map(|step| step.with_precision(train::gpu::TRAINING_PRECISION));
-                match gpu.or_cpu_for("scoring", ctx.log, uploaded)? {
-                    Some(step) => {
-                        writeln!(
-                            ctx.log,
-                            "device: {} (perplexity and multiple choice; generation runs on \
-                             the CPU)",
-                            cuda.describe()
-                        )?;
-                        Some(step)
-                    }
-                    None => None,
-                }
-            }
-            None => None,
-        };
-        let mut scorer: Box<dyn Scorer + '_> = match on_device {
-            Some(step) => Box::new(Scoring {
-                step,
-                model: &model,
-            }),
-            None => Box::new(train::eval::Cpu(&model)),
+        let mut scorer: Box<dyn Scorer + '_> = match (&gpu, &executor) {
+            (Some(g), Some(Executor::Cuda(cuda))) => scorer(ctx, g, &**cuda, &model)?,
+            (Some(g), Some(Executor::Shim(shim))) => scorer(ctx, g, shim, &model)?,
+            _ => Box::new(train::eval::Cpu(&model)),
         };
         let mut results = serde_json::Map::new();
         let mut table = Vec::new();
@@ -412,6 +387,29 @@ impl Op for Eval {
         }
         Ok(results)
     }
+}
+
+/// What scores `model` on `launcher`, the stage's GPU: the GPU trainer's forward, its weights
+/// uploaded once; or, when they cannot be and the device is `auto`, the CPU (the log says why).
+fn scorer<'a, L: Launcher>(
+    ctx: &mut RunContext,
+    gpu: &Gpu,
+    launcher: &'a L,
+    model: &'a Model,
+) -> Result<Box<dyn Scorer + 'a>, RunError> {
+    let uploaded = DeviceStep::upload_for_scoring(launcher, model)
+        .map(|step| step.with_precision(train::gpu::TRAINING_PRECISION));
+    Ok(match gpu.or_cpu_for("scoring", ctx.log, uploaded)? {
+        Some(step) => {
+            writeln!(
+                ctx.log,
+                "device: {} (perplexity and multiple choice; generation runs on the CPU)",
+                launcher.describe()
+            )?;
+            Box::new(Scoring { step, model })
+        }
+        None => Box::new(train::eval::Cpu(model)),
+    })
 }
 
 /// Perplexity on the start of a split of a `tokenize` artifact ([`train::eval::perplexity`]).

@@ -82,7 +82,14 @@ pub fn registry() -> Registry {
 }
 
 /// CUDA device `ordinal` as the kernels crate finds it: its description, or what is missing.
+/// Where the SIMT shim stands in for a GPU ([`training::SHIM_VAR`]), any ordinal is it.
 fn probe_gpu(ordinal: usize) -> Result<String, String> {
+    if training::shim_stands_in() {
+        return Ok(format!(
+            "the SIMT shim as cuda:{ordinal} ({}=1: the GPU path's kernels on the CPU)",
+            training::SHIM_VAR
+        ));
+    }
     kernels::cuda::Gpu::probe(ordinal)
         .map(|gpu| gpu.to_string())
         .map_err(|why| why.to_string())

@@ -3,7 +3,7 @@
 //! model's tokenizer, reading a `blend.json` split, and training to the end with a checkpoint
 //! to resume from, then publishing the model.
 
-use kernels::launch::{Cuda, Launcher};
+use kernels::launch::{Cuda, Launcher, Shim};
 use model::checkpoint::{self, ModelFile};
 use model::config::ModelConfig;
 use nemo_dag_data::chat::CHAT_TEMPLATE_FILE;
@@ -113,28 +113,70 @@ pub(crate) fn train_and_publish(
     }
     // The GPU is started here, so that one `auto` cannot start leaves the CPU to train.
     let gpu = gpu_for(ctx, objective, &trainer)?;
-    let cuda = match &gpu {
-        Some(g) => g.or_cpu(
-            ctx.log,
-            Cuda::new(g.ordinal)
-                .map_err(|e| RunError::new(format!("cannot start cuda:{}: {e}", g.ordinal))),
-        )?,
+    let executor = match &gpu {
+        Some(g) => g.or_cpu(ctx.log, Executor::start(g.ordinal))?,
         None => None,
     };
-    let step = match (&gpu, &cuda) {
-        (Some(g), Some(cuda)) => {
+    let t = &mut trainer;
+    let summary = match (&gpu, &executor) {
+        (Some(g), Some(Executor::Cuda(cuda))) => train_on(
+            ctx,
+            t,
+            objective,
+            Some((g, &**cuda)),
+            &ckpt,
+            tokens_per_step,
+        )?,
+        (Some(g), Some(Executor::Shim(shim))) => {
+            train_on(ctx, t, objective, Some((g, shim)), &ckpt, tokens_per_step)?
+        }
+        _ => train_on::<Shim>(ctx, t, objective, None, &ckpt, tokens_per_step)?,
+    };
+    let model_dir = ctx.out_dir.join("model");
+    checkpoint::save_model(&trainer.model, &model_dir)
+        .map_err(|e| RunError::new(format!("cannot write {}: {e}", model_dir.display())))?;
+    // The copy keeps the source's mode, and published files are read-only: replace, do not
+    // overwrite, a copy a resumed attempt may already hold.
+    let copied = model_dir.join("tokenizer.json");
+    let _ = std::fs::remove_file(&copied);
+    std::fs::copy(tokenizer, &copied)?;
+    if let Some(text) = chat_template {
+        let path = model_dir.join(CHAT_TEMPLATE_FILE);
+        let _ = std::fs::remove_file(&path);
+        std::fs::write(&path, text)?;
+    }
+    let _ = std::fs::remove_dir_all(ctx.out_dir.join("checkpoint.old"));
+    match summary {
+        Value::Object(m) => Ok(m),
+        _ => Ok(Metrics::new()),
+    }
+}
+
+/// `trainer`'s steps of `objective`, on `device`'s launcher when the GPU trainer can take them
+/// there (an `auto` stage whose weights do not fit goes on on the CPU, saying why), else on the
+/// CPU, checkpointed into `ckpt`: the loop's summary.
+fn train_on<L: Launcher>(
+    ctx: &mut RunContext,
+    trainer: &mut Trainer,
+    objective: &mut dyn Objective,
+    device: Option<(&Gpu, &L)>,
+    ckpt: &Path,
+    tokens_per_step: impl Fn(u64) -> u64,
+) -> Result<Value, RunError> {
+    let step = match device {
+        Some((g, launcher)) => {
             let reference = objective.per_token().and_then(|p| p.reference());
-            let step = DeviceStep::upload(cuda, &trainer).and_then(|step| {
+            let step = DeviceStep::upload(launcher, trainer).and_then(|step| {
                 let mut step = step.with_precision(train::gpu::TRAINING_PRECISION);
                 step.upload_reference(&trainer.model, reference)?;
                 Ok(step)
             });
             g.or_cpu(ctx.log, step)?
         }
-        _ => None,
+        None => None,
     };
-    if let (Some(cuda), Some(_)) = (&cuda, &step) {
-        writeln!(ctx.log, "device: {}", cuda.describe())?;
+    if let (Some((_, launcher)), Some(_)) = (device, &step) {
+        writeln!(ctx.log, "device: {}", launcher.describe())?;
     }
     let progress = &mut *ctx.progress;
     let mut report = |done, total, figures: &str| {
@@ -155,31 +197,42 @@ pub(crate) fn train_and_publish(
             &mut on_cpu
         }
     };
-    let summary = trainer.run_on(
+    trainer.run_on(
         stepper,
-        &ckpt,
+        ckpt,
         tokens_per_step,
         ctx.log,
         &mut report,
         ctx.stop_after_step,
-    )?;
-    let model_dir = ctx.out_dir.join("model");
-    checkpoint::save_model(&trainer.model, &model_dir)
-        .map_err(|e| RunError::new(format!("cannot write {}: {e}", model_dir.display())))?;
-    // The copy keeps the source's mode, and published files are read-only: replace, do not
-    // overwrite, a copy a resumed attempt may already hold.
-    let copied = model_dir.join("tokenizer.json");
-    let _ = std::fs::remove_file(&copied);
-    std::fs::copy(tokenizer, &copied)?;
-    if let Some(text) = chat_template {
-        let path = model_dir.join(CHAT_TEMPLATE_FILE);
-        let _ = std::fs::remove_file(&path);
-        std::fs::write(&path, text)?;
-    }
-    let _ = std::fs::remove_dir_all(ctx.out_dir.join("checkpoint.old"));
-    match summary {
-        Value::Object(m) => Ok(m),
-        _ => Ok(Metrics::new()),
+    )
+}
+
+/// The variable that puts the SIMT shim where a GPU would be: with `NEMO_DAG_CUDA_SHIM=1` the
+/// engine finds a "GPU" on any machine, and the ops' GPU branch runs its kernels on the CPU.
+/// The tests run the training and scoring ops' GPU branch end to end this way; nobody else
+/// has a reason to set it (the shim is slow).
+pub const SHIM_VAR: &str = "NEMO_DAG_CUDA_SHIM";
+
+/// Whether [`SHIM_VAR`] is set to 1.
+pub fn shim_stands_in() -> bool {
+    std::env::var(SHIM_VAR).as_deref() == Ok("1")
+}
+
+/// What runs a stage's GPU work: a CUDA device, or the SIMT shim ([`SHIM_VAR`]).
+pub(crate) enum Executor {
+    Cuda(Box<Cuda>),
+    Shim(Shim),
+}
+
+impl Executor {
+    /// GPU `ordinal` with every kernel compiled, or the shim where it stands in.
+    pub(crate) fn start(ordinal: usize) -> Result<Executor, RunError> {
+        if shim_stands_in() {
+            return Ok(Executor::Shim(Shim::default()));
+        }
+        Cuda::new(ordinal)
+            .map(|cuda| Executor::Cuda(Box::new(cuda)))
+            .map_err(|e| RunError::new(format!("cannot start cuda:{ordinal}: {e}")))
     }
 }
 
