@@ -236,53 +236,8 @@ fn the_ops_that_train_on_a_gpu_are_listed() {
     assert_eq!(on_gpu, ["pretrain", "sft", "dpo", "grpo", "eval"], "{out}");
 }
 
-/// A tiny hybrid's pretrain and its eval, on the device named.
-fn pipeline(device: &str) -> String {
-    format!(
-        r#"
-stages:
-  problems:
-    op: generate
-    params: {{kind: arithmetic, count: 200, seed: 7, max_operand: 20}}
-  tokenizer:
-    op: train_tokenizer
-    inputs: {{corpus: "problems:pretrain"}}
-    params: {{vocab_size: 300, special_tokens: ["<|endoftext|>"]}}
-  data:
-    op: tokenize
-    inputs: {{tokenizer: "tokenizer:tokenizer", arithmetic: "problems:pretrain"}}
-    params: {{num_shards: 1, add_eos: true}}
-  pretrain:
-    op: pretrain
-    inputs: {{data: "data:data", tokenizer: "tokenizer:tokenizer"}}
-    params:
-      model:
-        pattern: "M*E-"
-        hidden: 32
-        heads: 2
-        kv_heads: 1
-        head_dim: 16
-        ffn: 64
-        activation: relu2
-        mamba: {{heads: 4, head_dim: 16, state: 8, groups: 2, chunk: 16}}
-        moe: {{experts: 4, top_k: 2, expert_ffn: 32, shared_ffn: 32, scaling: 2.5}}
-      seq_length: 32
-      steps: 4
-      global_batch: 4
-      micro_batch: 2
-      lr: 1e-2
-      log_interval: 1
-      save_interval: 2
-    resources: {{device: "{device}"}}
-  eval:
-    op: eval
-    inputs: {{model: "pretrain:model", data: "data:data"}}
-    params:
-      perplexity: {{split: train, seq_length: 32, max_windows: 4}}
-    resources: {{device: "{device}"}}
-"#
-    )
-}
+/// A tiny hybrid's pretrain and its eval, on `vars.device`.
+const PIPELINE: &str = include_str!("../bench/gpu_ops.yaml");
 
 /// The training and scoring ops' GPU branch end to end, with the SIMT shim standing in for a
 /// GPU (`NEMO_DAG_CUDA_SHIM=1`): a `device: cuda` pretrain of a Mamba-2/attention/MoE model
@@ -293,11 +248,11 @@ stages:
 #[test]
 fn the_ops_gpu_branch_trains_and_scores_on_the_shim_as_the_cpu_does() {
     let on_cpu = Project::new("gpu-branch-cpu");
-    on_cpu.write("m.yaml", &pipeline("cpu"));
+    on_cpu.write("m.yaml", PIPELINE);
     on_cpu.ok(&["run", "m.yaml"]);
     let on_shim = Project::new("gpu-branch-shim");
-    on_shim.write("m.yaml", &pipeline("cuda"));
-    let mut shimmed = on_shim.command(&["run", "m.yaml"]);
+    on_shim.write("m.yaml", PIPELINE);
+    let mut shimmed = on_shim.command(&["run", "m.yaml", "vars.device=cuda"]);
     shimmed.env("NEMO_DAG_CUDA_SHIM", "1");
     let out = output(shimmed);
     assert_eq!(out.code, 0, "{out}");

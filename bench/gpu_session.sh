@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# Everything a GPU machine is lent for, in one call: the checks of docs/gpu.md ("Checking a GPU
+# machine") one after the other, each under its own time limit, each one's output in OUT, and a
+# one-line verdict per step in OUT/summary.txt. A step that fails does not stop the next.
+#
+# The GPU machine has no Rust toolchain: build here and carry the two binaries.
+#
+#   cargo build --profile dist -p nemo-dag                                # target/dist/nemo-dag
+#   cargo test --profile dist -p nemo-dag-kernels --lib --no-run          # its path is printed
+#   bench/gpu_session.sh [OUT]        # on the GPU machine, from the repository root
+#
+# BIN and KERNEL_TESTS name the binaries if they are elsewhere. The libraries (NVRTC 13.0,
+# cuBLASLt 13, NCCL 2) and the CUDA headers are looked for in the Python environment's nvidia
+# wheels and under /usr/local/cuda; what is found is printed, what is missing fails the step
+# that needs it, with the reason.
+#
+# Steps, and their limits (9 minutes together at most, to fit one 10-minute call):
+#   gpu-check   the trainer against the CPU, cuBLASLt, NCCL, and speed          3 min
+#   kernels     every kernel's unit tests on the GPU (NEMO_DAG_KERNEL_TESTS_ON)  1 min
+#   memcheck    compute-sanitizer memcheck over gpu-check without timing        2 min
+#   ops         bench/gpu_ops.yaml on the CPU and with vars.device=cuda          1 min
+#   bench       bench/gpu_bench.py: the same models in PyTorch, same GPU         2 min
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${1:-${OUT:-gpu-session}}
+mkdir -p "$out"
+bin=$(realpath "${BIN:-target/dist/nemo-dag}")
+kernel_tests=${KERNEL_TESTS:-$(find target/dist/deps -maxdepth 1 -type f -executable \
+    -name 'nemo_dag_kernels-*' 2>/dev/null | head -n 1)}
+: >"$out/summary.txt"
+
+# The libraries' directories, from the wheels PyTorch's image carries or a CUDA install.
+site=$(python3 -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])' 2>/dev/null)
+roots=("$site/nvidia" /usr/local/cuda/lib64 /usr/local/cuda/targets/x86_64-linux/lib /usr/lib/x86_64-linux-gnu)
+dirs=""
+for lib in libnvrtc.so.13 libcublasLt.so.13 libnccl.so.2; do
+    found=$(find "${roots[@]}" -name "$lib" 2>/dev/null | head -n 1)
+    echo "$lib: ${found:-not found}" | tee -a "$out/summary.txt"
+    [[ -n $found ]] && dirs="$dirs:$(dirname "$found")"
+done
+export LD_LIBRARY_PATH="${dirs#:}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+header=$(find "$site/nvidia" /usr/local/cuda/include -name cuda_bf16.h 2>/dev/null | head -n 1)
+[[ -n $header ]] && export NEMO_DAG_CUDA_HOME=$(dirname "$(dirname "$header")")
+echo "NEMO_DAG_CUDA_HOME: ${NEMO_DAG_CUDA_HOME:-not found}" | tee -a "$out/summary.txt"
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader \
+    | tee -a "$out/summary.txt"
+
+# step NAME SECONDS COMMAND...: runs it into OUT/NAME.log and records its exit status.
+step() {
+    local name=$1 limit=$2
+    shift 2
+    echo "== $name (at most ${limit}s): $*"
+    local start=$SECONDS
+    timeout --kill-after=10 "$limit" "$@" >"$out/$name.log" 2>&1
+    local rc=$?
+    echo "$name: exit $rc in $((SECONDS - start)) s" | tee -a "$out/summary.txt"
+    tail -n 25 "$out/$name.log"
+}
+
+step gpu-check 180 "$bin" gpu-check --json "$out/check.json" --speed-steps 10
+if [[ -n $kernel_tests ]]; then
+    step kernels 60 env NEMO_DAG_KERNEL_TESTS_ON=cuda "$kernel_tests" --test-threads 1
+else
+    echo "kernels: no kernels' test binary (KERNEL_TESTS)" | tee -a "$out/summary.txt"
+fi
+step memcheck 120 compute-sanitizer --tool memcheck --error-exitcode 3 \
+    "$bin" gpu-check --speed-steps 0
+# Two stores: the device is not part of a key, so one store would find the GPU run cached.
+ops=$(mktemp -d)
+mkdir "$ops/cpu" "$ops/gpu"
+cp bench/gpu_ops.yaml "$ops/cpu/ops.yaml"
+cp bench/gpu_ops.yaml "$ops/gpu/ops.yaml"
+# Each run prints its stages' losses and the eval's perplexity, to be read side by side.
+step ops 60 bash -c "set -e; cd '$ops/cpu'; '$bin' run ops.yaml; cd '$ops/gpu'
+    '$bin' run ops.yaml vars.device=cuda; grep -h 'device' .nemo-dag/artifacts/*/log.txt"
+step bench 120 python3 bench/gpu_bench.py --bin "$bin" --steps 10 --no-compile
+echo "== summary"
+cat "$out/summary.txt"
