@@ -109,6 +109,14 @@ impl Precision {
             Precision::Bf16 => "bf16",
         }
     }
+
+    /// The linear.cu kernel that multiplies at this precision.
+    pub fn kernel(self) -> &'static str {
+        match self {
+            Precision::F32 => "gemm_f32",
+            Precision::Bf16 => "gemm_bf16_f32",
+        }
+    }
 }
 
 /// One product `c = alpha · op(a) · op(b) + beta · c` of row-major f32 matrices: op(a) is
@@ -129,10 +137,7 @@ pub struct Gemm {
 impl Gemm {
     /// The linear.cu kernel that computes it.
     pub fn kernel(&self) -> &'static str {
-        match self.precision {
-            Precision::F32 => "gemm_f32",
-            Precision::Bf16 => "gemm_bf16_f32",
-        }
+        self.precision.kernel()
     }
 
     /// The kernel's arguments, in its parameters' order.

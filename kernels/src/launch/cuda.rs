@@ -231,8 +231,8 @@ impl Launcher for Cuda {
     fn gemm_backend(&self, precision: Precision) -> String {
         match (&self.cublaslt, precision) {
             (Ok(_), Precision::Bf16) => "cuBLASLt".to_string(),
-            (Err(why), Precision::Bf16) => format!("linear.cu's gemm_bf16_f32 ({why})"),
-            (_, Precision::F32) => "linear.cu's gemm_f32".to_string(),
+            (Err(why), Precision::Bf16) => format!("linear.cu's {} ({why})", precision.kernel()),
+            (_, Precision::F32) => format!("linear.cu's {}", precision.kernel()),
         }
     }
 

@@ -148,17 +148,7 @@ pub trait Launcher {
 
     /// What runs a product at `precision`, for reports: a linear.cu kernel, or a library.
     fn gemm_backend(&self, precision: Precision) -> String {
-        let gemm = Gemm {
-            m: 0,
-            n: 0,
-            k: 0,
-            trans_a: false,
-            trans_b: false,
-            alpha: 1.0,
-            beta: 0.0,
-            precision,
-        };
-        format!("linear.cu's {}", gemm.kernel())
+        format!("linear.cu's {}", precision.kernel())
     }
 
     /// Runs `gemm` on the f32 matrices `a`, `b` and `c`: linear.cu's kernel for its precision,
