@@ -167,6 +167,8 @@ def main():
         print(f"{'':24}{'tokens/s':>12}{'TFLOP/s':>9}{'MFU':>7}  nemo-dag GPU / this")
         ours_name = f"nemo-dag GPU ({mine.get('precision', 'f32')})"
         print(f"{ours_name:24}{rate:12.0f}{rate * flops / 1e12:9.1f}{mfu(rate):>7}")
+        if "device_f32_tokens_per_s" in mine and mine.get("precision") != "f32":
+            runs.insert(0, ("nemo-dag GPU (f32)", mine["device_f32_tokens_per_s"]))
         for name, r in runs:
             print(f"{name:24}{r:12.0f}{r * flops / 1e12:9.1f}{mfu(r):>7}  {rate / r:.2f}x")
 

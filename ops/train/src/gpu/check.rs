@@ -892,8 +892,9 @@ fn flops_per_token(t: &Trainer, len: usize) -> f64 {
     6.0 * params + 12.0 * layers * (cfg.heads * cfg.head_dim * len) as f64
 }
 
-/// Tokens per second of the device (its matmuls at `precision`) and of the CPU trainer,
-/// `steps` steps each after a warm-up step on the device, with the device's model TFLOP/s.
+/// Tokens per second of the device, its matmuls at `precision` and (for comparison) at f32,
+/// and of the CPU trainer, `steps` steps each after a warm-up step on the device, with the
+/// device's model TFLOP/s.
 fn speed<L: Launcher>(
     launcher: &L,
     m: &SpeedModel,
@@ -909,19 +910,26 @@ fn speed<L: Launcher>(
     };
     let tokens_per_step = m.rows * m.len;
     let tokens = (tokens_per_step as u64 * steps) as f64;
-    let mut on_device = trainer(m.pattern, m.activation, m.tied, size, &(m.overrides)())?;
-    let flops = flops_per_token(&on_device, m.len);
-    let parameters = on_device.model.params.count();
-    let mut step = DeviceStep::upload(launcher, &on_device)?.with_precision(precision);
-    let mut data = source();
-    step.step(&mut on_device, &mut data)?; // warm-up: allocations, first launches
-    on_device.step = 0;
-    let clock = Instant::now();
-    for _ in 0..steps {
-        step.step(&mut on_device, &mut data)?;
-    }
-    let device_rate = tokens / clock.elapsed().as_secs_f64().max(1e-9);
-    let mut cpu = trainer(m.pattern, m.activation, m.tied, size, &(m.overrides)())?;
+    let fresh = || trainer(m.pattern, m.activation, m.tied, size, &(m.overrides)());
+    let on_device = |precision| -> Result<f64, RunError> {
+        let mut t = fresh()?;
+        let mut step = DeviceStep::upload(launcher, &t)?.with_precision(precision);
+        let mut data = source();
+        step.step(&mut t, &mut data)?; // warm-up: allocations, first launches
+        t.step = 0;
+        let clock = Instant::now();
+        for _ in 0..steps {
+            step.step(&mut t, &mut data)?;
+        }
+        Ok(tokens / clock.elapsed().as_secs_f64().max(1e-9))
+    };
+    let device_rate = on_device(precision)?;
+    let f32_rate = match precision {
+        Precision::F32 => device_rate,
+        _ => on_device(Precision::F32)?,
+    };
+    let mut cpu = fresh()?;
+    let (flops, parameters) = (flops_per_token(&cpu, m.len), cpu.model.params.count());
     let mut data = source();
     let mut objective = NextToken::new(&mut data);
     let clock = Instant::now();
@@ -933,17 +941,19 @@ fn speed<L: Launcher>(
     writeln!(
         out,
         "speed        {}, vocab {}, {tokens_per_step} tokens a step, {steps} steps: device \
-         ({} matmuls) {device_rate:.0} tokens/s ({tflops:.1} model TFLOP/s), CPU trainer {cpu_rate:.0} \
-         tokens/s ({:.2}x)",
+         ({} matmuls) {device_rate:.0} tokens/s ({tflops:.1} model TFLOP/s; f32 matmuls \
+         {f32_rate:.0}, {:.2}x), CPU trainer {cpu_rate:.0} tokens/s ({:.2}x)",
         m.name,
         size.vocab,
         precision.name(),
+        device_rate / f32_rate,
         device_rate / cpu_rate
     )?;
     Ok(json!({
         "model": m.name, "pattern": m.pattern, "parameters": parameters,
         "tokens_per_step": tokens_per_step, "steps": steps, "precision": precision.name(),
-        "device_tokens_per_s": device_rate, "cpu_tokens_per_s": cpu_rate,
+        "device_tokens_per_s": device_rate, "device_f32_tokens_per_s": f32_rate,
+        "cpu_tokens_per_s": cpu_rate,
         "flops_per_token": flops, "device_model_tflops": tflops
     }))
 }
