@@ -957,3 +957,45 @@ fn speed<L: Launcher>(
         "flops_per_token": flops, "device_model_tflops": tflops
     }))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use kernels::launch::Shim;
+
+    /// The speed part, which only a GPU times, runs through on the shim for a small model:
+    /// one line, and every rate of its JSON (bf16 and f32 matmuls on the device, the CPU
+    /// trainer) a positive number of tokens a second. A mistake in it would otherwise first
+    /// show on a lent GPU.
+    #[test]
+    fn the_speed_part_reports_both_precisions_and_the_cpu() {
+        let model = SpeedModel {
+            name: "small",
+            pattern: "*-",
+            activation: "relu2",
+            tied: false,
+            size: SMALL,
+            rows: 2,
+            len: 8,
+            overrides: || Value::Null,
+        };
+        let mut out = Vec::new();
+        let json = speed(&Shim::default(), &model, (1, Precision::Bf16), &mut out).unwrap();
+        let text = String::from_utf8(out).unwrap();
+        assert!(
+            text.starts_with("speed        small") && text.contains("f32 matmuls"),
+            "{text}"
+        );
+        assert_eq!(json["precision"], "bf16", "{json}");
+        for rate in [
+            "device_tokens_per_s",
+            "device_f32_tokens_per_s",
+            "cpu_tokens_per_s",
+        ] {
+            assert!(
+                json[rate].as_f64().is_some_and(|r| r > 0.0),
+                "{rate}: {json}"
+            );
+        }
+    }
+}
