@@ -243,6 +243,47 @@ fn pretrain_and_sft_run_megatron_bridge_on_our_artifacts_and_publish_the_final_i
     assert_eq!(self::launches(&p).len(), 2);
 }
 
+/// A Megatron-Bridge checkout named as the stage's `checkout` input is what the launch runs
+/// (here with no container: from where it is, not from `mb_root`, which does not exist on this
+/// machine), and its files are in the key: a changed file reruns the stage and what follows it,
+/// where a checkout reached only through `mb_root` would leave the cached run of the old code.
+#[test]
+fn a_checkout_input_is_what_runs_and_its_files_are_in_the_key() {
+    let p = project("mb-checkout");
+    let mb = p.path("mb").display().to_string();
+    let manifest = std::fs::read_to_string(p.path("m.yaml"))
+        .unwrap()
+        .replace(
+            r#"inputs: {data: "pretrain_data:data", tokenizer: "tokenizer:tokenizer"}"#,
+            r#"inputs: {data: "pretrain_data:data", tokenizer: "tokenizer:tokenizer", checkout: mb}"#,
+        )
+        .replacen(&format!("mb_root: \"{mb}\""), "mb_root: /opt/Megatron-Bridge", 1);
+    p.write("m.yaml", &manifest);
+    let out = run(&p, &["run", "m.yaml"], &[]);
+    assert_eq!(out.code, 0, "{out}");
+    let script = std::fs::read_to_string(output(&p, "pretrain", "run").join("launch.sh")).unwrap();
+    assert!(
+        script.contains(&format!("{mb}/scripts/training/run_recipe.py")),
+        "{script}"
+    );
+    assert_eq!(launches(&p).len(), 2);
+
+    let keys = |p: &Project| crate::common::keys(&p.json(&["status", "m.yaml", "--json"]));
+    let before = keys(&p);
+    p.write(
+        "mb/scripts/training/patch.py",
+        "# a change to the checkout\n",
+    );
+    let after = keys(&p);
+    for stage in ["pretrain", "sft"] {
+        assert_ne!(before[stage], after[stage], "{stage}");
+    }
+    assert_eq!(before["pretrain_data"], after["pretrain_data"]);
+    let out = run(&p, &["run", "m.yaml"], &[]);
+    assert_eq!(out.code, 0, "{out}");
+    assert_eq!(launches(&p).len(), 4, "both stages ran again\n{out}");
+}
+
 #[test]
 fn a_kill_mid_save_resumes_from_the_last_whole_iteration_of_this_attempt() {
     let p = project("mb-resume");

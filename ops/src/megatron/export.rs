@@ -31,7 +31,10 @@
 //! The output `hf/` is what `transformers.AutoModelForCausalLM.from_pretrained` and NeMo-RL's
 //! policy load. `run/` keeps `launch.sh`.
 
-use super::{check_groups, check_image, check_software, default_mb_root, default_python, text};
+use super::{
+    CHECKOUT, Software, check_groups, check_image, check_software, default_mb_root, default_python,
+    text,
+};
 use crate::hf;
 use crate::training::{carried_template, input};
 use nemo_dag_op::process::{describe_exit, readable_shell_word, run_logged};
@@ -145,6 +148,7 @@ static SPEC: Spec = Spec {
             required: true,
             what: "the tokenizer.json the model was trained with",
         },
+        CHECKOUT,
     ],
     other_inputs: None,
     outputs: Outputs::Fixed(&[("hf", "hf"), ("run", "run")]),
@@ -171,7 +175,7 @@ impl Op for MegatronExport {
         Some(launch_script(
             p,
             stage.name,
-            launcher,
+            &Software::of_preview(stage, launcher, &p.mb_root),
             "<input model>/iter_<final>",
             "<out>/hf",
         ))
@@ -286,7 +290,7 @@ fn run(p: &Params, ctx: &mut RunContext) -> Result<Metrics, RunError> {
         launch_script(
             p,
             ctx.stage.name,
-            ctx.launcher,
+            &Software::of_run(ctx, &p.mb_root)?,
             &text(&iteration)?,
             &text(&hf_dir)?,
         ),
@@ -447,16 +451,15 @@ fn replace_tokenizer(dir: &Path, ours: &Path) -> Result<Vec<String>, RunError> {
 fn launch_script(
     p: &Params,
     stage: &str,
-    launcher: &[String],
+    software: &Software,
     iteration: &str,
     hf: &str,
 ) -> String {
     let mut s = super::script_head(
         &format!("megatron_export · stage {stage} · reference {}", p.hf_model),
         &p.env,
-        launcher,
+        software,
         &p.python,
-        &p.mb_root,
         "scripts/conversion/run_conversion.py",
     );
     let device = match p.device {

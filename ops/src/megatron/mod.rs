@@ -203,6 +203,7 @@ static PRETRAIN: Spec = Spec {
             required: true,
             what: "the tokenizer.json the data was tokenized with",
         },
+        CHECKOUT,
     ],
     other_inputs: None,
     outputs: Outputs::Fixed(OUTPUTS),
@@ -210,6 +211,85 @@ static PRETRAIN: Spec = Spec {
     launched: true,
     gpu: false,
 };
+
+/// The input a Megatron-Bridge stage may name to run a checkout of its own: its files are part
+/// of the key, so a changed checkout reruns the stage (a checkout mounted by the profile alone
+/// is not, and a cached result would silently be of the old code).
+pub(crate) const CHECKOUT: Port = Port {
+    name: "checkout",
+    required: false,
+    what: "a Megatron-Bridge checkout (a directory) to run instead of the image's: mounted at \
+           `mb_root` in the container, or run from where it is without one; its files are in \
+           the key",
+};
+
+/// What a launch runs Megatron-Bridge with: the launcher's words and the checkout's root.
+pub(crate) struct Software {
+    pub launcher: Vec<String>,
+    pub root: String,
+}
+
+impl Software {
+    /// The image's `mb_root` under `launcher`; or, with a `checkout` input, that checkout:
+    /// mounted over `mb_root` when the launcher starts a container (pyxis
+    /// `--container-image`), else run from where it is.
+    pub(crate) fn of(launcher: &[String], mb_root: &str, checkout: Option<&str>) -> Software {
+        let mut launcher = launcher.to_vec();
+        let Some(checkout) = checkout else {
+            return Software {
+                launcher,
+                root: mb_root.to_string(),
+            };
+        };
+        let mount = format!("{checkout}:{}", mb_root.trim_end_matches('/'));
+        let root = mb_root.to_string();
+        if let Some(mounts) = launcher
+            .iter_mut()
+            .find(|w| w.starts_with("--container-mounts="))
+        {
+            mounts.push(',');
+            mounts.push_str(&mount);
+            return Software { launcher, root };
+        }
+        if let Some(at) = launcher
+            .iter()
+            .position(|w| w.starts_with("--container-image="))
+        {
+            launcher.insert(at + 1, format!("--container-mounts={mount}"));
+            return Software { launcher, root };
+        }
+        Software {
+            launcher,
+            root: checkout.to_string(),
+        }
+    }
+
+    /// A run's software: its launcher, and its `checkout` input if it names one (a path that
+    /// a mount list can hold: no `,` or `:`).
+    pub(crate) fn of_run(ctx: &RunContext, mb_root: &str) -> Result<Software, RunError> {
+        let checkout = match ctx.inputs.get(CHECKOUT.name) {
+            Some(path) => {
+                let path = text(path)?;
+                if path.contains([',', ':']) {
+                    return Err(RunError::new(format!(
+                        "the checkout `{path}` cannot be mounted: pyxis's mount list separates \
+                         paths with `,` and `:`"
+                    ))
+                    .with_help("move it to a path without `,` or `:`"));
+                }
+                Some(path)
+            }
+            None => None,
+        };
+        Ok(Software::of(ctx.launcher, mb_root, checkout.as_deref()))
+    }
+
+    /// A dry run's software: the `checkout` input, if declared, by its placeholder.
+    pub(crate) fn of_preview(stage: &StageDecl, launcher: &[String], mb_root: &str) -> Software {
+        let declared = stage.inputs.contains(&CHECKOUT.name);
+        Software::of(launcher, mb_root, declared.then_some("<input checkout>"))
+    }
+}
 
 /// The input every op after `megatron_pretrain` reads: the Megatron checkpoint it starts from.
 pub(crate) const CHECKPOINT: Port = Port {
@@ -235,6 +315,7 @@ static SFT: Spec = Spec {
             required: true,
             what: "the tokenizer.json the data was packed with",
         },
+        CHECKOUT,
     ],
     other_inputs: None,
     outputs: Outputs::Fixed(OUTPUTS),
@@ -527,10 +608,11 @@ fn run(mode: Mode, p: &Params, ctx: &mut RunContext) -> Result<Metrics, RunError
     let stop = ctx.stop_after_step.filter(|n| *n < p.steps);
     let words = assemble(p, &out_text, data_words, resumed, stop);
 
+    let software = Software::of_run(ctx, &p.mb_root)?;
     let script = run_dir.join("launch.sh");
     std::fs::write(
         &script,
-        launch_script(mode, p, ctx.stage.name, ctx.launcher, &words),
+        launch_script(mode, p, ctx.stage.name, &software, &words),
     )?;
     // An attempt that saved its last step and was then stopped before it was published (a kill
     // during the publish, a crash in teardown) has nothing left to train: launching again
@@ -724,7 +806,8 @@ fn preview(mode: Mode, p: &Params, stage: &StageDecl, launcher: &[String]) -> St
         }
     };
     let words = assemble(p, out, data_words, None, None);
-    launch_script(mode, p, stage.name, launcher, &words)
+    let software = Software::of_preview(stage, launcher, &p.mb_root);
+    launch_script(mode, p, stage.name, &software, &words)
 }
 
 /// A path under a rendered directory, as a quoted Hydra string.
@@ -984,15 +1067,14 @@ fn launch_script(
     mode: Mode,
     p: &Params,
     stage: &str,
-    launcher: &[String],
+    software: &Software,
     words: &[Override],
 ) -> String {
     let mut s = script_head(
         &format!("{} · stage {stage} · recipe {}", mode.spec().name, p.recipe),
         &p.env,
-        launcher,
+        software,
         &p.python,
-        &p.mb_root,
         "scripts/training/run_recipe.py",
     );
     s.push_str(&format!(
@@ -1009,13 +1091,13 @@ fn launch_script(
 
 /// The head of a `launch.sh`: a comment naming what it runs, the environment (Megatron-Bridge's
 /// own Slurm examples' NCCL settings, no Hub downloads mid-job, then the stage's `env`), and
-/// `exec`, the launcher, the interpreter and `script` under `mb_root`, its arguments to follow.
+/// `exec`, the launcher, the interpreter and `script` under the software's root, its arguments
+/// to follow.
 fn script_head(
     what: &str,
     env: &BTreeMap<String, String>,
-    launcher: &[String],
+    software: &Software,
     python: &str,
-    mb_root: &str,
     script: &str,
 ) -> String {
     let mut s = format!("#!/bin/bash\n# nemo-dag {what}\nset -euo pipefail\n");
@@ -1032,11 +1114,12 @@ fn script_head(
     for (key, value) in env {
         s.push_str(&format!("export {key}={}\n", readable_shell_word(value)));
     }
-    let mut head: Vec<String> = launcher.iter().map(|w| readable_shell_word(w)).collect();
+    let launcher = software.launcher.iter().map(|w| readable_shell_word(w));
+    let mut head: Vec<String> = launcher.collect();
     head.extend(python.split_whitespace().map(readable_shell_word));
     head.push(readable_shell_word(&format!(
         "{}/{script}",
-        mb_root.trim_end_matches('/')
+        software.root.trim_end_matches('/')
     )));
     s.push_str(&format!("exec {} \\\n", head.join(" ")));
     s
@@ -1062,6 +1145,57 @@ fn iteration_line(line: &str) -> Option<(u64, Option<String>)> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A `checkout` is mounted over `mb_root` where the launcher starts a container (added to
+    /// the profile's mounts, or as the first), and run from where it is where none is started.
+    #[test]
+    fn a_checkout_is_mounted_into_the_container_or_run_in_place() {
+        let words = |w: &[&str]| w.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        let root = "/opt/Megatron-Bridge/";
+        let mounted = Software::of(
+            &words(&[
+                "srun",
+                "--container-image=nemo.sqsh",
+                "--container-mounts=/a:/a",
+                "--mpi=pmix",
+            ]),
+            root,
+            Some("/lustre/mb"),
+        );
+        assert_eq!(
+            mounted.launcher,
+            words(&[
+                "srun",
+                "--container-image=nemo.sqsh",
+                "--container-mounts=/a:/a,/lustre/mb:/opt/Megatron-Bridge",
+                "--mpi=pmix"
+            ])
+        );
+        assert_eq!(mounted.root, root);
+        let first = Software::of(
+            &words(&["srun", "--container-image=nemo.sqsh"]),
+            root,
+            Some("/m"),
+        );
+        assert_eq!(
+            first.launcher,
+            words(&[
+                "srun",
+                "--container-image=nemo.sqsh",
+                "--container-mounts=/m:/opt/Megatron-Bridge"
+            ])
+        );
+        let in_place = Software::of(&words(&["srun", "--ntasks=2"]), root, Some("/m"));
+        assert_eq!(
+            (in_place.launcher, in_place.root.as_str()),
+            (words(&["srun", "--ntasks=2"]), "/m")
+        );
+        let image = Software::of(&words(&["srun"]), root, None);
+        assert_eq!(
+            (image.launcher, image.root.as_str()),
+            (words(&["srun"]), root)
+        );
+    }
 
     #[test]
     fn megatron_log_lines_give_progress_and_loss() {
