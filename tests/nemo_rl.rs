@@ -60,6 +60,36 @@ fn launches(p: &Project) -> Vec<Value> {
         .collect()
 }
 
+/// A NeMo-RL checkout named as the stage's `checkout` input is what the driver runs from
+/// (here, with no container, from where it is, not from `rl_root`), and its files are in the
+/// key: an edit to the checkout runs GRPO again.
+#[test]
+fn a_nemo_rl_checkout_input_is_what_runs_and_its_files_are_in_the_key() {
+    let p = grpo_project("rl-checkout");
+    let rl = p.path("rl").display().to_string();
+    let manifest = std::fs::read_to_string(p.path("m.yaml"))
+        .unwrap()
+        .replace(
+            r#"inputs: {model: "hf:hf", data: "rl_data:data"}"#,
+            r#"inputs: {model: "hf:hf", data: "rl_data:data", checkout: rl}"#,
+        )
+        .replace(&format!("rl_root: \"{rl}\""), "rl_root: /opt/nemo-rl");
+    p.write("m.yaml", &manifest);
+    let out = run(&p, &["run", "m.yaml"], &[]);
+    assert_eq!(out.code, 0, "{out}");
+    let rank = std::fs::read_to_string(output(&p, "grpo", "run").join("rank.sh")).unwrap();
+    assert!(rank.contains(&format!("cd {rl}")), "{rank}");
+    assert_eq!(launches(&p).len(), 1);
+
+    p.write(
+        "rl/examples/nemo_gym/patch.py",
+        "# a change to the checkout\n",
+    );
+    let out = run(&p, &["run", "m.yaml"], &[]);
+    assert_eq!(out.code, 0, "{out}");
+    assert_eq!(launches(&p).len(), 2, "GRPO ran again\n{out}");
+}
+
 #[test]
 fn grpo_runs_nemo_rl_on_the_exported_model_and_gym_rows_and_publishes_the_last_step() {
     let p = grpo_project("rl-run");

@@ -38,7 +38,7 @@
 //!   `config.yaml`, `training_info.json`), and `run/` (`launch.sh`, `rank.sh`, NeMo-RL's logs).
 
 use crate::megatron::overrides::{Override, check_user_of, scalar};
-use crate::megatron::{check_env_names, check_image, text};
+use crate::megatron::{Software, check_env_names, check_image, text};
 use crate::saves::{self, Save};
 use crate::training::input;
 use nemo_dag_op::process::{describe_exit, readable_shell_word, run_logged};
@@ -159,6 +159,13 @@ static SPEC: Spec = Spec {
             required: true,
             what: "an rl_data artifact (train.jsonl, val.jsonl)",
         },
+        Port {
+            name: "checkout",
+            required: false,
+            what: "a NeMo-RL checkout (a directory) to run instead of the image's: mounted at \
+                   `rl_root` in the container, or run from where it is without one; its files \
+                   are in the key",
+        },
     ],
     other_inputs: None,
     outputs: Outputs::Fixed(&[("checkpoint", "checkpoint"), ("run", "run")]),
@@ -183,10 +190,11 @@ impl Op for NemoRlGrpo {
     }
     fn preview(&self, p: &Params, stage: &StageDecl, launcher: &[String]) -> Option<String> {
         let words = overrides(p, "<input model>", "<input data>", "<out>");
+        let software = Software::of_preview(stage, launcher, &p.rl_root);
         Some(format!(
             "{}# run/rank.sh, which launch.sh starts on every rank:\n{}",
-            launch_script(stage.name, launcher, "<out>"),
-            rank_script(p, stage.name, "<out>", &words)
+            launch_script(stage.name, &software.launcher, "<out>"),
+            rank_script(p, &software.root, stage.name, "<out>", &words)
         ))
     }
     fn run(&self, p: &Params, ctx: &mut RunContext) -> Result<Metrics, RunError> {
@@ -272,14 +280,15 @@ fn run(p: &Params, ctx: &mut RunContext) -> Result<Metrics, RunError> {
 
     let out_text = text(&out)?;
     let words = overrides(p, &text(&model)?, &text(&data)?, &out_text);
+    let software = Software::of_run(ctx, &p.rl_root)?;
     std::fs::write(
         run_dir.join("rank.sh"),
-        rank_script(p, ctx.stage.name, &out_text, &words),
+        rank_script(p, &software.root, ctx.stage.name, &out_text, &words),
     )?;
     let launch = run_dir.join("launch.sh");
     std::fs::write(
         &launch,
-        launch_script(ctx.stage.name, ctx.launcher, &out_text),
+        launch_script(ctx.stage.name, &software.launcher, &out_text),
     )?;
 
     let resumed = prepare(&ckpt)?;
@@ -498,7 +507,8 @@ fn launch_script(stage: &str, launcher: &[String], out: &str) -> String {
 
 /// `rank.sh`: one Ray node per machine (the other ranks of a machine leave at once); the first
 /// machine's is the head and runs the driver, the others join it and leave when it is gone.
-fn rank_script(p: &Params, stage: &str, out: &str, words: &[Override]) -> String {
+/// `root` is NeMo-RL's checkout the driver runs from: `rl_root`, or a `checkout` input.
+fn rank_script(p: &Params, root: &str, stage: &str, out: &str, words: &[Override]) -> String {
     let ray = p
         .ray
         .split_whitespace()
@@ -573,7 +583,7 @@ if [ "$NEMO_DAG_NODES" -gt 1 ]; then
   [ "${{have%.*}}" -ge "$want" ] 2>/dev/null || fail "Ray counts ${{have:-no}} GPUs after 360 polls, not the $want of $NEMO_DAG_NODES machines"
 fi
 {python} {script} --config {config}"#,
-        root = readable_shell_word(&p.rl_root),
+        root = readable_shell_word(root),
         port = RAY_PORT,
         gpus = p.gpus_per_node,
         script = readable_shell_word(&p.script),
@@ -756,7 +766,7 @@ esac
         let script = dir.join("rank.sh");
         std::fs::write(
             &script,
-            rank_script(&p, "grpo", dir.to_str().unwrap(), &words),
+            rank_script(&p, &p.rl_root, "grpo", dir.to_str().unwrap(), &words),
         )
         .unwrap();
         let rank = |rank: u32, local_world: u32| {

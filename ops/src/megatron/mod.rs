@@ -223,7 +223,8 @@ pub(crate) const CHECKOUT: Port = Port {
            the key",
 };
 
-/// What a launch runs Megatron-Bridge with: the launcher's words and the checkout's root.
+/// What a launch runs Megatron-Bridge (or NeMo-RL, `rl_root` for `mb_root`) with: the
+/// launcher's words and the root of the checkout it runs.
 pub(crate) struct Software {
     pub launcher: Vec<String>,
     pub root: String,
