@@ -4,8 +4,11 @@
 //! the file is not read again, so an unchanged 100 GB corpus costs one `stat`. A file modified
 //! within the last [`RACY_SECONDS`] is never memoised — its timestamp could still match after
 //! a later write in the same tick (git's "racy clean" problem). A directory's digest covers its
-//! sorted entries: relative path, kind, and content digest; a `.nemo-dag` store inside an input
-//! directory is skipped.
+//! sorted entries: relative path, kind, and content digest. What is not the directory's content
+//! is skipped ([`NOT_CONTENT`]): a `.nemo-dag` store inside it, a git repository's `.git` (a
+//! `git status` rewrites its index, and a checkout given as an input would otherwise change its
+//! key without a file of the working tree changing), and Python's `__pycache__` (bytecode of
+//! the sources beside it, which running the code writes).
 //!
 //! Digests describe what a program reading the path sees: symbolic links are followed (a link
 //! to a file is that file's content, a link to a directory that directory's), and only regular
@@ -20,6 +23,8 @@ use std::path::{Path, PathBuf};
 use std::time::{SystemTime, UNIX_EPOCH};
 
 const RACY_SECONDS: i64 = 2;
+/// Directories inside an input directory that are not its content.
+pub const NOT_CONTENT: [&str; 3] = [".nemo-dag", ".git", "__pycache__"];
 /// Files at least this large are hashed memory-mapped on every core.
 const PARALLEL_BYTES: u64 = 16 << 20;
 
@@ -160,8 +165,7 @@ fn walk(
 ) -> io::Result<()> {
     for child in std::fs::read_dir(root.join(&rel))? {
         let child = child?;
-        // A store inside an input directory is never part of its content.
-        if child.file_name() == ".nemo-dag" {
+        if NOT_CONTENT.iter().any(|skip| child.file_name() == *skip) {
             continue;
         }
         let child_rel = rel.join(child.file_name());
@@ -252,6 +256,29 @@ mod tests {
             renamed, first,
             "a renamed file changes the directory digest"
         );
+        std::fs::remove_dir_all(&tmp).unwrap();
+    }
+
+    /// A checkout's git metadata and Python's bytecode caches are not its content: writing
+    /// them leaves the digest as it was, while an edit to a source beside them changes it.
+    #[test]
+    fn git_metadata_and_bytecode_caches_are_not_a_directorys_content() {
+        let tmp = std::env::temp_dir().join(format!("nemo-dag-skip-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&tmp);
+        std::fs::create_dir_all(tmp.join("co/pkg")).unwrap();
+        std::fs::write(tmp.join("co/pkg/run.py"), "print(1)\n").unwrap();
+        let digest = || Digester::fresh().digest(&tmp.join("co")).unwrap();
+        let first = digest();
+        for (dir, file) in [
+            (".git", "index"),
+            ("pkg/__pycache__", "run.cpython-312.pyc"),
+        ] {
+            std::fs::create_dir_all(tmp.join("co").join(dir)).unwrap();
+            std::fs::write(tmp.join("co").join(dir).join(file), "written by a tool").unwrap();
+            assert_eq!(digest(), first, "{dir}");
+        }
+        std::fs::write(tmp.join("co/pkg/run.py"), "print(2)\n").unwrap();
+        assert_ne!(digest(), first);
         std::fs::remove_dir_all(&tmp).unwrap();
     }
 

@@ -527,6 +527,8 @@ fn rank_script(p: &Params, root: &str, stage: &str, out: &str, words: &[Override
     );
     for (key, value) in [
         ("HF_HUB_OFFLINE", "1".to_string()),
+        // No bytecode beside the sources: a `checkout` input's key is its files.
+        ("PYTHONDONTWRITEBYTECODE", "1".to_string()),
         ("RAY_ENABLE_UV_RUN_RUNTIME_ENV", "0".to_string()),
         (
             "NRL_MEGATRON_CHECKPOINT_DIR",

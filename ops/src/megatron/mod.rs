@@ -242,7 +242,8 @@ impl Software {
                 root: mb_root.to_string(),
             };
         };
-        let mount = format!("{checkout}:{}", mb_root.trim_end_matches('/'));
+        // Read-only: running the code must not change the files its key was made of.
+        let mount = format!("{checkout}:{}:ro", mb_root.trim_end_matches('/'));
         let root = mb_root.to_string();
         if let Some(mounts) = launcher
             .iter_mut()
@@ -1104,10 +1105,13 @@ fn script_head(
     let mut s = format!("#!/bin/bash\n# nemo-dag {what}\nset -euo pipefail\n");
     // As Megatron-Bridge's own Slurm examples set them (examples/models/nemotron/…/slurm_*.sh);
     // a recipe that names a Hub model must find it in HF_HOME, never download mid-job.
+    // No bytecode written beside the sources: a `checkout` input runs from where it is when
+    // no container starts, and its key is its files.
     for line in [
         "export TORCH_NCCL_AVOID_RECORD_STREAMS=1",
         "export NCCL_NVLS_ENABLE=0",
         "export HF_HUB_OFFLINE=1",
+        "export PYTHONDONTWRITEBYTECODE=1",
     ] {
         s.push_str(line);
         s.push('\n');
@@ -1168,7 +1172,7 @@ mod tests {
             words(&[
                 "srun",
                 "--container-image=nemo.sqsh",
-                "--container-mounts=/a:/a,/lustre/mb:/opt/Megatron-Bridge",
+                "--container-mounts=/a:/a,/lustre/mb:/opt/Megatron-Bridge:ro",
                 "--mpi=pmix"
             ])
         );
@@ -1183,7 +1187,7 @@ mod tests {
             words(&[
                 "srun",
                 "--container-image=nemo.sqsh",
-                "--container-mounts=/m:/opt/Megatron-Bridge"
+                "--container-mounts=/m:/opt/Megatron-Bridge:ro"
             ])
         );
         let in_place = Software::of(&words(&["srun", "--ntasks=2"]), root, Some("/m"));
