@@ -50,6 +50,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from train_bench import HYBRID  # noqa: E402  (the same model as the CPU benchmark's)
 
 MODELS = {
     "----": (dict(pattern="----", hidden=1024, ffn=4096, vocab=32768, activation="swiglu"), 8, 512),
@@ -69,23 +70,7 @@ MODELS = {
         1024,
     ),
     # bench/train_bench.py's HYBRID (Mamba-2, MoE, attention, MLP, one MTP depth).
-    "ME*-/*E": (
-        dict(
-            pattern="ME*-/*E",
-            hidden=128,
-            heads=4,
-            kv_heads=2,
-            head_dim=32,
-            ffn=384,
-            vocab=1024,
-            activation="relu2",
-            position="none",
-            mamba=dict(heads=4, head_dim=32, state=32, groups=1, chunk=64),
-            moe=dict(experts=8, top_k=2, expert_ffn=192, shared_ffn=192, scaling=2.5),
-        ),
-        16,
-        128,
-    ),
+    "ME*-/*E": (dict(HYBRID, vocab=1024), 16, 128),
 }
 
 # Dense bf16 tensor-core peaks (TFLOP/s, no sparsity) from NVIDIA's data sheets, by the name
