@@ -22,6 +22,52 @@ pub fn linear_plain(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     y.reshape(out)
 }
 
+/// `v` rounded to bf16 (to nearest, ties to even) for a finite `v`, back as an f32: what
+/// `cast_bf16` and `gemm_bf16_f32` do to an operand.
+pub fn round_bf16(v: f32) -> f32 {
+    let bits = v.to_bits();
+    f32::from_bits(bits.wrapping_add(0x7fff + ((bits >> 16) & 1)) & 0xffff_0000)
+}
+
+/// `gemm` on the host in f64, its operands as its precision holds them (rounded to bf16 for
+/// [`Precision::Bf16`]): each output's value, and the size its sum's rounding scales with
+/// (`Σ|alpha·a·b| + |beta·c|`). What linear.cu's GEMMs, and cuBLASLt's bf16 products, are
+/// held to.
+pub fn gemm_reference(g: &Gemm, a: &[f32], b: &[f32], c: &[f32]) -> Vec<(f64, f64)> {
+    let (m, n, k) = (g.m, g.n, g.k);
+    let operand = |v: f32| {
+        f64::from(match g.precision {
+            Precision::F32 => v,
+            Precision::Bf16 => round_bf16(v),
+        })
+    };
+    let at = |row: usize, kk: usize| {
+        operand(if g.trans_a {
+            a[kk * m + row]
+        } else {
+            a[row * k + kk]
+        })
+    };
+    let bt = |kk: usize, col: usize| {
+        operand(if g.trans_b {
+            b[col * k + kk]
+        } else {
+            b[kk * n + col]
+        })
+    };
+    let (alpha, beta) = (f64::from(g.alpha), f64::from(g.beta));
+    let mut out = Vec::with_capacity(m * n);
+    for row in 0..m {
+        for col in 0..n {
+            let terms = (0..k).map(|kk| alpha * at(row, kk) * bt(kk, col));
+            let (sum, size) = terms.fold((0f64, 0f64), |(s, z), t| (s + t, z + t.abs()));
+            let before = beta * f64::from(c[row * n + col]);
+            out.push((sum + before, size + before.abs()));
+        }
+    }
+    out
+}
+
 // 2. CPU, one graph node with its backward -------------------------------------------------
 
 struct Linear;
@@ -325,40 +371,26 @@ mod tests {
         assert!(largest_gap(&dw, &values(grads.get(w.as_tensor()).unwrap())) < 1e-5);
     }
 
-    /// `alpha · op(a) · op(b) + beta · c` on the host in f64, each operand first passed
-    /// through `operand`.
+    /// [`gemm_reference`]'s values at `precision`, as f32.
     fn host_gemm(
         (a, b, c): (&[f32], &[f32], &[f32]),
         (m, n, k): (usize, usize, usize),
         (trans_a, trans_b): (bool, bool),
         (alpha, beta): (f32, f32),
-        operand: impl Fn(f32) -> f32,
+        precision: Precision,
     ) -> Vec<f32> {
-        let at = |row: usize, kk: usize| {
-            operand(if trans_a {
-                a[kk * m + row]
-            } else {
-                a[row * k + kk]
-            })
+        let g = Gemm {
+            m,
+            n,
+            k,
+            trans_a,
+            trans_b,
+            alpha,
+            beta,
+            precision,
         };
-        let bt = |kk: usize, col: usize| {
-            operand(if trans_b {
-                b[col * k + kk]
-            } else {
-                b[kk * n + col]
-            })
-        };
-        let mut out = vec![0.0; m * n];
-        for row in 0..m {
-            for col in 0..n {
-                let dot: f64 = (0..k)
-                    .map(|kk| f64::from(at(row, kk)) * f64::from(bt(kk, col)))
-                    .sum();
-                out[row * n + col] =
-                    (f64::from(alpha) * dot + f64::from(beta) * f64::from(c[row * n + col])) as f32;
-            }
-        }
-        out
+        let reference = gemm_reference(&g, a, b, c);
+        reference.iter().map(|(v, _)| *v as f32).collect()
     }
 
     /// `gemm_bf16_f32`, through the SIMT shim: the product of the operands rounded to bf16
@@ -368,7 +400,6 @@ mod tests {
     /// rounded (the f32 GEMM's result is further from it than bf16's rounding allows).
     #[test]
     fn the_bf16_gemm_multiplies_the_operands_rounded_to_bf16() {
-        let bf16 = |v: f32| half::bf16::from_f32(v).to_f32();
         for (m, n, k) in [(1, 1, 1), (5, 3, 7), (17, 33, 29), (131, 260, 21)] {
             let mut rng = Rng::new((m * n * k) as u64 + 7);
             for trans in [(false, false), (true, false), (false, true), (true, true)] {
@@ -387,12 +418,13 @@ mod tests {
                         s,
                     )]
                 });
-                let want = host_gemm((&a, &b, &c), (m, n, k), trans, scalars, bf16);
+                let want = host_gemm((&a, &b, &c), (m, n, k), trans, scalars, Precision::Bf16);
                 let f32_sum_error = 1e-5 * (k as f32).sqrt().max(1.0) * 4.0;
                 let gap = largest_gap(&got[0], &want);
                 assert!(gap < f32_sum_error, "{at}: {gap}");
                 if k >= 7 {
-                    let unrounded = host_gemm((&a, &b, &c), (m, n, k), trans, scalars, |v| v);
+                    let unrounded =
+                        host_gemm((&a, &b, &c), (m, n, k), trans, scalars, Precision::F32);
                     let apart = largest_gap(&unrounded, &want);
                     assert!(
                         apart > 20.0 * f32_sum_error,
@@ -403,8 +435,9 @@ mod tests {
         }
     }
 
-    /// `cast_bf16` rounds as `half` does: to nearest, ties to even, signs, zeros, values past
-    /// bf16's largest finite and subnormals included, over a length no grid divides evenly.
+    /// `cast_bf16`, and the host's [`round_bf16`], round as `half` does: to nearest, ties to
+    /// even, signs, zeros, values past bf16's largest finite and subnormals included, over a
+    /// length no grid divides evenly.
     #[test]
     fn cast_bf16_rounds_to_nearest_even() {
         use crate::simt::{arg, launch};
@@ -434,5 +467,11 @@ mod tests {
             .unwrap();
             assert_eq!(y, want, "grid {grid}");
         }
+        // The host's reference rounds the same way (the f32 it gives is the bf16's top half).
+        let host: Vec<u16> = x
+            .iter()
+            .map(|v| (round_bf16(*v).to_bits() >> 16) as u16)
+            .collect();
+        assert_eq!(host, want);
     }
 }

@@ -24,7 +24,7 @@
 use super::{DeviceStep, TRAINING_PRECISION};
 use crate::{BatchSource, NextToken, Objective, Schedule, Trainer, dpo, grpo};
 use kernels::launch::{Arg, Launcher};
-use kernels::linear::{Gemm, Precision};
+use kernels::linear::{Gemm, Precision, gemm_reference};
 use model::config::ModelConfig;
 use model::layers::Layout;
 use model::net::{Batch, Model};
@@ -568,14 +568,6 @@ fn all_reduce<L: Launcher>(launcher: &L) -> Result<Option<(String, bool)>, RunEr
     Ok(Some((version, same)))
 }
 
-/// `v` rounded to bf16 (to nearest, ties to even) for a finite `v`, as linear.cu's
-/// `cast_bf16` and `__float2bfloat16_rn` round.
-fn bf16(v: f32) -> f32 {
-    let bits = v.to_bits();
-    let rounded = bits.wrapping_add(0x7fff + ((bits >> 16) & 1)) & 0xffff_0000;
-    f32::from_bits(rounded)
-}
-
 /// The largest difference of the device's bf16 products ([`MATMULS`], through
 /// [`Launcher::gemm`]) from the host's of the same rounded operands in f64, relative to
 /// `Σ|a·b|` of the output.
@@ -584,7 +576,7 @@ fn matmul<L: Launcher>(launcher: &L) -> Result<f64, RunError> {
     let mut rng = kernels::rng::Rng::new(5);
     let mut worst = 0f64;
     for (gemm, offset) in MATMULS {
-        let (m, n, k, beta) = (gemm.m, gemm.n, gemm.k, gemm.beta);
+        let (m, n, k) = (gemm.m, gemm.n, gemm.k);
         let mut random =
             |len: usize| -> Vec<f32> { (0..len).map(|_| rng.normal() as f32).collect::<Vec<_>>() };
         let (a, b, c) = (random(m * k), random(k * n), random(offset + m * n));
@@ -599,30 +591,10 @@ fn matmul<L: Launcher>(launcher: &L) -> Result<f64, RunError> {
         // SAFETY: the buffers hold m·k, k·n and, from c's offset, m·n floats.
         unsafe { launcher.gemm(&gemm, pa, pb, pc) }.map_err(device)?;
         let got = launcher.read_f32(&dc, offset, m * n).map_err(device)?;
-        let at = |row: usize, kk: usize| {
-            bf16(if gemm.trans_a {
-                a[kk * m + row]
-            } else {
-                a[row * k + kk]
-            })
-        };
-        let bt = |kk: usize, col: usize| {
-            bf16(if gemm.trans_b {
-                b[col * k + kk]
-            } else {
-                b[kk * n + col]
-            })
-        };
-        for row in 0..m {
-            for col in 0..n {
-                let terms = (0..k).map(|kk| f64::from(at(row, kk)) * f64::from(bt(kk, col)));
-                let (sum, size) = terms.fold((0f64, 0f64), |(s, z), t| (s + t, z + t.abs()));
-                let before = f64::from(c[offset + row * n + col]);
-                let want = sum + f64::from(beta) * before;
-                let size = size + (f64::from(beta) * before).abs();
-                let gap = (f64::from(got[row * n + col]) - want).abs() / size.max(1e-30);
-                worst = worst.max(if gap.is_nan() { f64::INFINITY } else { gap });
-            }
+        let want = gemm_reference(&gemm, &a, &b, &c[offset..]);
+        for (got, (want, size)) in got.iter().zip(want) {
+            let gap = (f64::from(*got) - want).abs() / size.max(1e-30);
+            worst = worst.max(if gap.is_nan() { f64::INFINITY } else { gap });
         }
     }
     Ok(worst)
