@@ -10,6 +10,7 @@
 //!
 //! [`Precision::Bf16`]: crate::linear::Precision::Bf16
 
+use std::collections::HashMap;
 use std::ffi::c_void;
 use std::sync::Mutex;
 
@@ -37,13 +38,15 @@ pub(super) struct CublasLt {
     /// Grown to the largest product asked for; one product at a time uses it (the stream
     /// orders a cast after the matmul before it).
     operands: Mutex<CudaSlice<u8>>,
+    /// The heuristic's algorithm for each shape asked so far (`None`: it had none).
+    algos: Mutex<HashMap<Shape, Option<sys::cublasLtMatmulAlgo_t>>>,
 }
 
 struct Handle(sys::cublasLtHandle_t);
 
 // SAFETY: a cuBLASLt handle may be used from any thread (NVIDIA's "Thread Safety": the
 // library is thread safe, its functions may be called from several host threads); nemo-dag
-// calls it from one at a time, behind `operands`' lock.
+// calls it from one thread at a time, behind the locks of `algos` and `operands`.
 unsafe impl Send for Handle {}
 unsafe impl Sync for Handle {}
 
@@ -75,6 +78,7 @@ impl CublasLt {
             handle,
             workspace: cuda.alloc(WORKSPACE_BYTES)?,
             operands: Mutex::new(cuda.alloc(OPERAND_ALIGN)?),
+            algos: Mutex::new(HashMap::new()),
         })
     }
 
@@ -131,54 +135,14 @@ impl CublasLt {
             unsafe { result::set_matmul_desc_attribute(desc.0, attr, ptr(&op), 4) }
                 .map_err(blas("cublasLtMatmulDescSetAttribute"))?;
         }
-        let pref = result::create_matmul_pref()
-            .map(|p| Owned(p, result::destroy_matmul_pref))
-            .map_err(blas("cublasLtMatmulPreferenceCreate"))?;
         // c is anywhere in a buffer (a parameter's gradient slot): say how aligned it is.
         let c_align = (1u32 << c.trailing_zeros().min(8)).max(4);
-        use sys::cublasLtMatmulPreferenceAttributes_t as P;
-        // SAFETY: each attribute's value has the type cuBLASLt documents (uint64, uint32s).
-        unsafe {
-            let size = WORKSPACE_BYTES as u64;
-            result::set_matmul_pref_attribute(
-                pref.0,
-                P::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-                ptr(&size),
-                8,
-            )
-            .map_err(blas("cublasLtMatmulPreferenceSetAttribute"))?;
-            for attr in [
-                P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES,
-                P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
-            ] {
-                result::set_matmul_pref_attribute(pref.0, attr, ptr(&c_align), 4)
-                    .map_err(blas("cublasLtMatmulPreferenceSetAttribute"))?;
-            }
-        }
-        // SAFETY: the descriptors are alive; the heuristic reads only them.
-        let heuristic = unsafe {
-            result::get_matmul_algo_heuristic(
-                self.handle.0,
-                desc.0,
-                first.0,
-                second.0,
-                out.0,
-                out.0,
-                pref.0,
-            )
-        };
-        let heuristic = match heuristic {
-            Ok(heuristic) => heuristic,
+        let shape = (m, n, k, g.trans_a, g.trans_b, c_align);
+        let Some(algo) = self.algorithm(shape, desc.0, [first.0, second.0, out.0])? else {
             // No cuBLASLt kernel for this shape and alignment, or for this GPU: the same
             // arithmetic on linear.cu's kernel, from the f32 operands.
-            Err(result::CublasError(
-                sys::cublasStatus_t::CUBLAS_STATUS_NOT_SUPPORTED
-                | sys::cublasStatus_t::CUBLAS_STATUS_ARCH_MISMATCH,
-            )) => {
-                // SAFETY: passed on from the caller.
-                return unsafe { kernel(cuda, g, (a, b, c)) };
-            }
-            Err(e) => return Err(blas("cublasLtMatmulAlgoGetHeuristic")(e)),
+            // SAFETY: passed on from the caller.
+            return unsafe { kernel(cuda, g, (a, b, c)) };
         };
         let mut operands = self
             .operands
@@ -212,7 +176,7 @@ impl CublasLt {
                 out.0,
                 c as *mut c_void,
                 out.0,
-                &heuristic.algo,
+                &algo,
                 workspace as *mut c_void,
                 WORKSPACE_BYTES,
                 cuda.cu_stream() as sys::cudaStream_t,
@@ -221,6 +185,66 @@ impl CublasLt {
         .map_err(blas("cublasLtMatmul"))
     }
 }
+
+impl CublasLt {
+    /// The algorithm cuBLASLt's heuristic picks for `shape` with these descriptors (its
+    /// operands' and result's layouts), or `None` where it has none: asked once per shape and
+    /// remembered, so a training step asks nothing, and a shape always runs the same algorithm.
+    fn algorithm(
+        &self,
+        shape: Shape,
+        desc: sys::cublasLtMatmulDesc_t,
+        [first, second, out]: [sys::cublasLtMatrixLayout_t; 3],
+    ) -> Result<Option<sys::cublasLtMatmulAlgo_t>> {
+        let mut algos = self
+            .algos
+            .lock()
+            .map_err(|_| LaunchError("cuBLASLt's algorithms: a panic held their lock".into()))?;
+        if let Some(known) = algos.get(&shape) {
+            return Ok(*known);
+        }
+        let pref = result::create_matmul_pref()
+            .map(|p| Owned(p, result::destroy_matmul_pref))
+            .map_err(blas("cublasLtMatmulPreferenceCreate"))?;
+        use sys::cublasLtMatmulPreferenceAttributes_t as P;
+        let c_align = shape.5;
+        // SAFETY: each attribute's value has the type cuBLASLt documents (uint64, uint32s).
+        unsafe {
+            let size = WORKSPACE_BYTES as u64;
+            result::set_matmul_pref_attribute(
+                pref.0,
+                P::CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                ptr(&size),
+                8,
+            )
+            .map_err(blas("cublasLtMatmulPreferenceSetAttribute"))?;
+            for attr in [
+                P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES,
+                P::CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES,
+            ] {
+                result::set_matmul_pref_attribute(pref.0, attr, ptr(&c_align), 4)
+                    .map_err(blas("cublasLtMatmulPreferenceSetAttribute"))?;
+            }
+        }
+        // SAFETY: the descriptors are alive; the heuristic reads only them.
+        let heuristic = unsafe {
+            result::get_matmul_algo_heuristic(self.handle.0, desc, first, second, out, out, pref.0)
+        };
+        let algo = match heuristic {
+            Ok(heuristic) => Some(heuristic.algo),
+            Err(result::CublasError(
+                sys::cublasStatus_t::CUBLAS_STATUS_NOT_SUPPORTED
+                | sys::cublasStatus_t::CUBLAS_STATUS_ARCH_MISMATCH,
+            )) => None,
+            Err(e) => return Err(blas("cublasLtMatmulAlgoGetHeuristic")(e)),
+        };
+        algos.insert(shape, algo);
+        Ok(algo)
+    }
+}
+
+/// A product as cuBLASLt's heuristic sees it: `(m, n, k, trans_a, trans_b, c's alignment)`.
+type Shape = (usize, usize, usize, bool, bool, u32);
 
 fn ptr<T>(value: &T) -> *const c_void {
     value as *const T as *const c_void
