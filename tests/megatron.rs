@@ -647,34 +647,42 @@ fn the_default_variants_dry_run_shows_the_documented_launch_and_every_override()
             c
         });
         assert_eq!(parsed.code, 0, "{manifest}: {parsed}");
-        // nano3's GRPO: NeMo-RL on 32 machines, one Ray node each, in NeMo-RL's image; every
-        // override a key of NeMo-RL 0.7's grpo_nanov3.yaml.
-        if manifest == "nano3" {
-            let rl_keys = std::fs::read_to_string(
-                repo().join("tests/fixtures/nemo-rl-0.7-grpo-nanov3-keys.txt"),
-            )
-            .unwrap();
-            let grpo = preview("grpo");
+        // GRPO: NeMo-RL on one Ray node per machine, in NeMo-RL's image, with NeMo-RL's own
+        // config for the model; every override a key of that config (NeMo-RL 0.7's
+        // grpo_nanov3.yaml; its super-v3 branch's stage1_rlvr.yaml).
+        let (nodes, rl_image, config, fixture) = match manifest {
+            "nano3" => (
+                32,
+                "nvcr.io/nvidia/nemo-rl:v0.7.0",
+                "examples/nemo_gym/grpo_nanov3.yaml",
+                "nemo-rl-0.7-grpo-nanov3-keys.txt",
+            ),
+            _ => (
+                109,
+                "nvcr.io/nvidia/nemo-rl:v0.5.0.nemotron_3_super",
+                "examples/configs/super/stage1_rlvr.yaml",
+                "nemo-rl-super-v3-stage1-rlvr-keys.txt",
+            ),
+        };
+        let rl_keys = std::fs::read_to_string(repo().join("tests/fixtures").join(fixture)).unwrap();
+        let grpo = preview("grpo");
+        assert!(
+            grpo.contains(&format!("exec srun --mpi=pmix --nodes={nodes} --ntasks={nodes} --ntasks-per-node=1 --kill-on-bad-exit=1 --container-image={rl_image} ")),
+            "{manifest}: {grpo}"
+        );
+        let words: Vec<&str> = grpo
+            .lines()
+            .skip_while(|l| !l.contains(&format!("run_grpo_nemo_gym.py --config {config}")))
+            .skip(1)
+            .map(|l| l.trim().trim_end_matches(" \\").trim_matches('"'))
+            .collect();
+        assert!(words.len() >= 14, "{manifest}: {grpo}");
+        for word in words {
+            let key = word.split('=').next().unwrap();
             assert!(
-                grpo.contains("exec srun --mpi=pmix --nodes=32 --ntasks=32 --ntasks-per-node=1 --kill-on-bad-exit=1 --container-image=nvcr.io/nvidia/nemo-rl:v0.7.0 "),
-                "{grpo}"
+                rl_keys.lines().any(|k| k == key),
+                "{manifest}: `{key}` is not a key of {config}"
             );
-            let words: Vec<&str> = grpo
-                .lines()
-                .skip_while(|l| {
-                    !l.contains("run_grpo_nemo_gym.py --config examples/nemo_gym/grpo_nanov3.yaml")
-                })
-                .skip(1)
-                .map(|l| l.trim().trim_end_matches(" \\").trim_matches('"'))
-                .collect();
-            assert!(words.len() >= 14, "{grpo}");
-            for word in words {
-                let key = word.split('=').next().unwrap();
-                assert!(
-                    rl_keys.lines().any(|k| k == key),
-                    "`{key}` is not a NeMo-RL 0.7 key"
-                );
-            }
         }
         for (stage, nodes, recipe) in stages {
             let script = preview(stage);

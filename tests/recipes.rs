@@ -127,19 +127,33 @@ fn the_default_variants_train_with_megatron_bridge_on_a_cluster() {
             &export.inputs["model"],
             nemo_dag_engine::manifest::Input::Stage { stage, output } if stage == "sft" && output == "checkpoint"
         ));
-        // nano3's RL stage is NeMo-RL's GRPO on that model; super3's RLVR is not wired in.
-        match m.stages.get("grpo") {
-            Some(grpo) => {
-                assert_eq!(file, "nano3.yaml");
-                assert_eq!(grpo.op.name(), "nemo_rl_grpo");
-                assert!(matches!(
-                    &grpo.inputs["model"],
-                    nemo_dag_engine::manifest::Input::Stage { stage, output } if stage == "export" && output == "hf"
-                ));
-                assert_eq!(grpo.params["config"], "examples/nemo_gym/grpo_nanov3.yaml");
-            }
-            None => assert_eq!(file, "super3.yaml"),
-        }
+        // The RL stage is NeMo-RL's GRPO on that model, with NeMo-RL's own config for the
+        // model on the nodes that config asks for (cluster.num_nodes), one Ray node each.
+        let (config, rl_nodes) = match file {
+            "nano3.yaml" => ("examples/nemo_gym/grpo_nanov3.yaml", 32),
+            _ => ("examples/configs/super/stage1_rlvr.yaml", 109),
+        };
+        let grpo = &m.stages["grpo"];
+        assert_eq!(grpo.op.name(), "nemo_rl_grpo", "{file}");
+        assert!(matches!(
+            &grpo.inputs["model"],
+            nemo_dag_engine::manifest::Input::Stage { stage, output } if stage == "export" && output == "hf"
+        ));
+        assert_eq!(grpo.params["config"], config, "{file}");
+        assert_eq!(
+            (grpo.resources.nodes, grpo.resources.ntasks_per_node),
+            (Some(rl_nodes), Some(1)),
+            "{file}"
+        );
+        // Its prompts and generations make exactly one optimizer step of the config's
+        // train_global_batch_size (nano3 2048, super3 4096), which its on-policy ratio needs.
+        let batch = grpo.params["prompts_per_step"].as_u64().unwrap()
+            * grpo.params["generations_per_prompt"].as_u64().unwrap();
+        assert_eq!(
+            batch,
+            if file == "nano3.yaml" { 2048 } else { 4096 },
+            "{file}"
+        );
     }
 }
 
