@@ -25,8 +25,9 @@
 //! | [`moe`] | a mixture-of-experts layer's routing on a device: its [`moe::Permutation`] and its `.cu` kernels |
 //!
 //! Kernels that exist only as CUDA (`.cu`), each with its references and tests beside it in a
-//! test-only module: `accumulate`, `adamw`, `grad_norm`, `mamba2` (Mamba-2's step size, decay
-//! and skip) and `ssd` (its chunked scan).
+//! test-only module: `accumulate`, `adamw`, `decode` (one token against an attention block's
+//! key/value cache or a Mamba-2 block's window and state), `grad_norm`, `mamba2` (Mamba-2's
+//! step size, decay and skip) and `ssd` (its chunked scan).
 //!
 //! Shared pieces: [`simd`] (vectorised row math, the same bytes at every SIMD level),
 //! [`rows`] (a storage's values in place; rows in parallel), [`workers`] (independent pieces
@@ -40,6 +41,8 @@ pub mod attention;
 pub mod causal_conv_silu;
 pub mod cross_entropy;
 pub mod cuda;
+#[cfg(test)]
+mod decode;
 pub mod embedding;
 pub mod gated_rms_norm;
 #[cfg(test)]

@@ -43,6 +43,10 @@ const REGISTER_CEILINGS: &[(&str, u32)] = &[
     ("copy_f32", 16),                         // 10 on NVRTC 13.0
     ("cross_entropy_bwd_f32", 32),            // 22 on NVRTC 13.0
     ("cross_entropy_fwd_f32", 32),            // 25 on NVRTC 13.0
+    ("decode_attention_f32", 48),             // 40 on NVRTC 13.0
+    ("decode_conv_step_f32", 40),             // 32 on NVRTC 13.0
+    ("decode_kv_append_f32", 32),             // 28 on NVRTC 13.0
+    ("decode_ssm_step_f32", 48),              // 38 on NVRTC 13.0
     ("embedding_bwd_f32", 32),                // 22 on NVRTC 13.0
     ("embedding_fwd_f32", 24),                // 18 on NVRTC 13.0
     ("gated_rms_norm_bwd_f32", 40),           // 30 on NVRTC 13.0

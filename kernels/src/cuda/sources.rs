@@ -31,6 +31,10 @@ pub const SOURCES: &[KernelSource] = &[
         text: include_str!("../cross_entropy.cu"),
     },
     KernelSource {
+        name: "decode.cu",
+        text: include_str!("../decode.cu"),
+    },
+    KernelSource {
         name: "embedding.cu",
         text: include_str!("../embedding.cu"),
     },
