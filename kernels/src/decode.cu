@@ -9,8 +9,9 @@
 //                          each row's own position; null: none); key (turned) and value into
 //                          kcache, vcache (B, k, max_len, d) at step t.
 //   decode_attention_f32   y (B, h·d): query head i attends with kv head i / (h/k) to the
-//                          steps j ≤ t where real[b, j] != 0, and always to step t itself (so a
-//                          row that sits the step out still gets a finite, meaningless, output):
+//                          steps j ≤ t where real[j, b] != 0 (int (max_len, B): a step's
+//                          flags side by side), and always to step t itself (so a row that
+//                          sits the step out still gets a finite, meaningless, output):
 //                          p = softmax(q·k / √d), y = Σ_j p_j v_j. One block a (row, head):
 //                          its threads score the steps into `scores` (B, h, max_len), reduce
 //                          max and sum in a fixed tree, then each thread sums its dimensions'
@@ -114,7 +115,7 @@ extern "C" __global__ void __launch_bounds__(DECODE_MAX_THREADS)
         float m = DECODE_LOWEST;
         for (int j = threadIdx.x; j <= step; j += blockDim.x) {
             float v = DECODE_LOWEST;
-            if (j == step || real[size_t(b) * max_len + j] != 0) {
+            if (j == step || real[size_t(j) * batch + b] != 0) {
                 float dot = 0.0f;
                 for (int i = 0; i < d; ++i) {
                     dot += qr[i] * keys[size_t(j) * d + i];

@@ -75,10 +75,8 @@ mod tests {
         for (t, (qkv, cos, sin, flags)) in steps.iter().enumerate() {
             let qkv = shim.upload_f32(qkv).unwrap();
             let (cos, sin) = (shim.upload_f32(cos).unwrap(), shim.upload_f32(sin).unwrap());
-            for (r, f) in flags.iter().enumerate() {
-                shim.write(&mut real, (r * max + t) * 4, &f.to_ne_bytes())
-                    .unwrap();
-            }
+            let column: Vec<u8> = flags.iter().flat_map(|f| f.to_ne_bytes()).collect();
+            shim.write(&mut real, t * b * 4, &column).unwrap();
             let table = |t| if a.rope { Arg::Ptr(t, 0) } else { Arg::Null };
             let sizes = [b, t, max, h, k, d].map(|v| Arg::I32(v as i32));
             let args = [

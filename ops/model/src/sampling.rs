@@ -116,6 +116,43 @@ pub struct Completion {
     pub stopped: bool,
 }
 
+/// What generation decodes with: feed one token per row (`None`: the row sits this step out,
+/// as left padding and finished rows do) and get each row's next-token logits. [`Model`]'s
+/// cached decoder on the CPU ([`CpuDecoder`]), or ops/train's on a GPU.
+pub trait Decoder {
+    /// The rows it decodes.
+    fn rows(&self) -> usize;
+    /// One step: `ids` has one entry per row; returns `rows` logit rows of the vocabulary.
+    fn step(&mut self, ids: &[Option<u32>]) -> Result<Vec<Vec<f32>>>;
+}
+
+/// [`Model::decode_step`] with its state: the CPU's [`Decoder`].
+pub struct CpuDecoder<'m> {
+    model: &'m Model,
+    state: super::decode::DecodeState,
+}
+
+impl<'m> CpuDecoder<'m> {
+    /// Empty caches for `rows` rows.
+    pub fn new(model: &'m Model, rows: usize) -> Result<CpuDecoder<'m>> {
+        Ok(CpuDecoder {
+            model,
+            state: model.start_decode(rows)?,
+        })
+    }
+}
+
+impl Decoder for CpuDecoder<'_> {
+    fn rows(&self) -> usize {
+        self.state.batch
+    }
+    fn step(&mut self, ids: &[Option<u32>]) -> Result<Vec<Vec<f32>>> {
+        self.model
+            .decode_step(&mut self.state, ids)?
+            .to_vec2::<f32>()
+    }
+}
+
 /// Complete every prompt (a batch, left padded) with the tokens `sampling` draws, row `r`
 /// drawing from `rngs[r]`, until a stop id or `max_tokens`.
 pub fn generate(
@@ -128,6 +165,19 @@ pub fn generate(
     generate_until(model, prompts, sampling, stop_ids, rngs, |_, _| false)
 }
 
+/// The longest prompt plus `max_tokens` new ones, checked against the model's `max_seq`: the
+/// steps a decoder of these prompts holds.
+pub fn decode_length(model: &Model, prompts: &[Vec<u32>], max_tokens: usize) -> Result<usize> {
+    let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
+    if longest + max_tokens > model.cfg.max_seq {
+        candle_core::bail!(
+            "a prompt of {longest} tokens + {max_tokens} new ones exceeds the model's max_seq {}",
+            model.cfg.max_seq
+        )
+    }
+    Ok(longest + max_tokens)
+}
+
 /// [`generate`], where a row also finishes (as stopped) once `done(row, ids so far)` says so;
 /// it is asked after every token the row keeps.
 pub fn generate_until(
@@ -136,11 +186,33 @@ pub fn generate_until(
     sampling: &Sampling,
     stop_ids: &[u32],
     rngs: &mut [Rng],
+    done: impl FnMut(usize, &[u32]) -> bool,
+) -> Result<Vec<Completion>> {
+    if !prompts.is_empty() && sampling.max_tokens > 0 {
+        decode_length(model, prompts, sampling.max_tokens)?;
+    }
+    let mut decoder = CpuDecoder::new(model, prompts.len())?;
+    generate_with(&mut decoder, prompts, sampling, stop_ids, rngs, done)
+}
+
+/// [`generate_until`] on any [`Decoder`] of `prompts.len()` rows, fresh (nothing fed yet) and
+/// long enough for the longest prompt plus `max_tokens` ([`decode_length`]). The prompts are
+/// fed one token a step, left padded, as [`Model::prefill`] does.
+pub fn generate_with(
+    decoder: &mut dyn Decoder,
+    prompts: &[Vec<u32>],
+    sampling: &Sampling,
+    stop_ids: &[u32],
+    rngs: &mut [Rng],
     mut done: impl FnMut(usize, &[u32]) -> bool,
 ) -> Result<Vec<Completion>> {
     let b = prompts.len();
-    if rngs.len() != b {
-        candle_core::bail!("generate: {} generators for {b} prompts", rngs.len())
+    if rngs.len() != b || decoder.rows() != b {
+        candle_core::bail!(
+            "generate: {} generators and a decoder of {} rows for {b} prompts",
+            rngs.len(),
+            decoder.rows()
+        )
     }
     let mut out: Vec<Completion> = vec![
         Completion {
@@ -152,18 +224,20 @@ pub fn generate_until(
     if b == 0 || sampling.max_tokens == 0 {
         return Ok(out);
     }
-    let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
-    if longest + sampling.max_tokens > model.cfg.max_seq {
-        candle_core::bail!(
-            "a prompt of {longest} tokens + {} new ones exceeds the model's max_seq {}",
-            sampling.max_tokens,
-            model.cfg.max_seq
-        )
+    if let Some(r) = prompts.iter().position(Vec::is_empty) {
+        candle_core::bail!("prompt {r} is empty: decoding needs at least one token")
     }
-    let (mut state, mut logits) = model.prefill(prompts)?;
+    let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
+    let mut rows = Vec::new();
+    for s in 0..longest {
+        let ids: Vec<Option<u32>> = prompts
+            .iter()
+            .map(|p| (s + p.len()).checked_sub(longest).map(|i| p[i]))
+            .collect();
+        rows = decoder.step(&ids)?;
+    }
     let mut finished = vec![false; b];
     loop {
-        let rows = logits.to_vec2::<f32>()?;
         let mut next = vec![None; b];
         for r in 0..b {
             if finished[r] {
@@ -186,7 +260,7 @@ pub fn generate_until(
         if finished.iter().all(|f| *f) {
             return Ok(out);
         }
-        logits = model.decode_step(&mut state, &next)?;
+        rows = decoder.step(&next)?;
     }
 }
 

@@ -265,18 +265,7 @@ impl<L: Launcher> Kernels<'_, L> {
         self.columns((at(&m.x), inner, 0), (conv_out, ch, 0), inner)?;
         self.columns((at(&m.b), gn, 0), (conv_out, ch, inner), gn)?;
         self.columns((at(&m.c), gn, 0), (conv_out, ch, inner + gn), gn)?;
-        let dt = [
-            projected.0,
-            Arg::I32(projected.1 as i32),
-            Arg::I32((inner + ch) as i32),
-            s.dt_bias.at(w),
-            at(&m.dt),
-            Arg::I32(rows as i32),
-            Arg::I32(h as i32),
-        ];
-        self.elementwise("mamba_dt_fwd_f32", rows * h, &dt)?;
-        let a = [s.a_log.at(w), at(&m.a), Arg::I32(h as i32)];
-        self.elementwise("mamba_a_fwd_f32", h, &a)?;
+        self.step_size(w, s, m, projected)?;
         self.ssd(s, m, scratch, scan)?;
         let skip = [at(&m.y), at(&m.x), s.d.at(w)];
         let sizes = [rows, h, s.head_dim].map(|v| Arg::I32(v as i32));
@@ -285,6 +274,92 @@ impl<L: Launcher> Kernels<'_, L> {
             rows * inner,
             &[&skip[..], &sizes].concat(),
         )?;
+        self.gated_norm(w, s, m, block)
+    }
+
+    /// One token a row of a Mamba-2 block's mixer, against the row's convolution `window`
+    /// `(B, K, channels)` and SSM `state` `(B, H, P, N)`, which move on only for the rows
+    /// whose `active` flag (int32) is set: `block.mixed` from in_proj's output, as
+    /// ops/model's `Mamba2::step` (decode.cu's kernels in place of the convolution and the
+    /// scan; the same step size and gated norm as [`Kernels::mamba`]).
+    pub(super) fn mamba_step(
+        &self,
+        w: &L::Buffer,
+        s: &Ssm,
+        block: &BlockActs<L::Buffer>,
+        scratch: &MambaScratch<L::Buffer>,
+        (window, state): (&L::Buffer, &L::Buffer),
+        active: &L::Buffer,
+    ) -> Result<(), RunError> {
+        let m = block.mamba.as_ref().ok_or_else(|| missing("activations"))?;
+        let (inner, ch, rows) = (s.inner(), s.channels(), self.rows);
+        let projected = (Arg::Ptr(&block.projected, 0), s.projected());
+        self.columns((at(&m.z), inner, 0), (projected.0, projected.1, 0), inner)?;
+        let conv = [
+            projected.0,
+            Arg::I32(projected.1 as i32),
+            Arg::I32(inner as i32),
+            s.conv_weight.at(w),
+            s.conv_bias.at(w),
+            at(window),
+            at(active),
+            at(&scratch.conv_out),
+            Arg::I32(rows as i32),
+            Arg::I32(ch as i32),
+            Arg::I32(s.conv as i32),
+        ];
+        self.elementwise("decode_conv_step_f32", rows * ch, &conv)?;
+        self.step_size(w, s, m, projected)?;
+        let scan = [
+            at(&scratch.conv_out),
+            at(&m.dt),
+            at(&m.a),
+            s.d.at(w),
+            at(state),
+            at(active),
+            at(&m.y),
+        ];
+        let sizes = [rows, s.heads, s.head_dim, s.groups, s.state].map(|v| Arg::I32(v as i32));
+        self.elementwise(
+            "decode_ssm_step_f32",
+            rows * inner,
+            &[&scan[..], &sizes].concat(),
+        )?;
+        self.gated_norm(w, s, m, block)
+    }
+
+    /// `Δ = softplus(dt + dt_bias)` from the dt columns of in_proj's output, and `A`.
+    fn step_size(
+        &self,
+        w: &L::Buffer,
+        s: &Ssm,
+        m: &MambaActs<L::Buffer>,
+        (projected, cols): (Arg<'_, L::Buffer>, usize),
+    ) -> Result<(), RunError> {
+        let h = s.heads;
+        let dt = [
+            projected,
+            Arg::I32(cols as i32),
+            Arg::I32((s.inner() + s.channels()) as i32),
+            s.dt_bias.at(w),
+            at(&m.dt),
+            Arg::I32(self.rows as i32),
+            Arg::I32(h as i32),
+        ];
+        self.elementwise("mamba_dt_fwd_f32", self.rows * h, &dt)?;
+        let a = [s.a_log.at(w), at(&m.a), Arg::I32(h as i32)];
+        self.elementwise("mamba_a_fwd_f32", h, &a)
+    }
+
+    /// The block's output, `block.mixed = gated_rms_norm(y, z) · norm`.
+    fn gated_norm(
+        &self,
+        w: &L::Buffer,
+        s: &Ssm,
+        m: &MambaActs<L::Buffer>,
+        block: &BlockActs<L::Buffer>,
+    ) -> Result<(), RunError> {
+        let rows = self.rows;
         let norm = [
             at(&m.y),
             at(&m.z),
@@ -292,7 +367,7 @@ impl<L: Launcher> Kernels<'_, L> {
             Arg::Ptr(&block.mixed, 0),
             at(&m.rstd),
             Arg::I32(rows as i32),
-            Arg::I32(inner as i32),
+            Arg::I32(s.inner() as i32),
             Arg::I32(s.groups as i32),
             Arg::F32(s.eps),
         ];

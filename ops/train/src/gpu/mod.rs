@@ -35,6 +35,7 @@
 //! ```
 
 pub mod check;
+mod decode;
 mod launches;
 mod mamba;
 mod moe;
@@ -50,6 +51,8 @@ use model::layers::Rope;
 use model::net::{Batch, Model};
 use moe::{Experts, MoeActs, MoeScratch};
 use mtp::{Join, JoinActs, JoinScratch};
+
+pub use decode::Decoding;
 use nemo_dag_op::RunError;
 use std::collections::BTreeMap;
 use std::ops::Range;
@@ -1429,15 +1432,23 @@ pub fn supports(trainer: &Trainer) -> Result<(), RunError> {
 
 /// The Mamba-2 blocks' scratch and the micro-batch's scan shape.
 fn mamba_inputs<'a, B>(p: &Packed<'a, B>) -> Result<(&'a MambaScratch<B>, Scan<'a, B>), RunError> {
-    let missing = || RunError::new("GPU trainer: a Mamba-2 block without its scratch".to_string());
-    let scratch = p.acts.mamba.as_ref().ok_or_else(missing)?;
-    let starts = p.acts.starts.as_ref().ok_or_else(missing)?;
+    let scratch = mamba_scratch(p.acts)?;
+    let starts = p.acts.starts.as_ref().ok_or_else(no_mamba_scratch)?;
     let scan = Scan {
         batch: p.batch,
         len: p.len,
         starts,
     };
     Ok((scratch, scan))
+}
+
+/// The Mamba-2 blocks' scratch.
+fn mamba_scratch<B>(acts: &Activations<B>) -> Result<&MambaScratch<B>, RunError> {
+    acts.mamba.as_ref().ok_or_else(no_mamba_scratch)
+}
+
+fn no_mamba_scratch() -> RunError {
+    RunError::new("GPU trainer: a Mamba-2 block without its scratch".to_string())
 }
 
 /// The MoE blocks' scratch.
