@@ -25,22 +25,23 @@
 //! their group's baseline. Everything a step does is a function of the step number and the
 //! weights, so a resumed run generates the same rollouts as an uninterrupted one.
 //!
-//! On a GPU ([`crate::gpu`]) the rollouts are still generated on the CPU, with the weights
-//! brought back from the device before each step ([`PerToken::prepares_with_weights`]); the
-//! policy's and the reference's log-probabilities and the backward run on the device, the
-//! loss's derivative in each log-probability on the host ([`PerToken::grad`]).
+//! On a GPU ([`crate::gpu`]) everything but the arithmetic of the loss runs on the device: the
+//! rollouts decode there with the step's current weights and the trainer's bf16 matmuls
+//! ([`crate::gpu::Decoding`], KV and SSM caches; the host samples from each step's logits), and
+//! the policy's and the reference's log-probabilities and the backward run there too; the
+//! loss's derivative in each log-probability is computed on the host ([`PerToken::grad`]).
 //!
 //! Metrics per step (log line and curve): `reward` (mean), `accuracy` (fraction of responses
 //! scoring 1), `response_length` (mean new tokens), `truncated` (fraction that hit the limit),
 //! `kl` (mean k3 per response token, only when the KL term is on).
 
 use crate::order::RowOrder;
-use crate::{MicroLoss, Objective, PerToken, Tally, TokenGrad, err, token_logprobs};
+use crate::{Decoders, MicroLoss, Objective, PerToken, Tally, TokenGrad, err, token_logprobs};
 use candle_core::{Device, Tensor};
 use model::layers::Layout;
 use model::net::{Batch, Model};
 use model::params::Rng;
-use model::sampling::{Sampling, generate_split};
+use model::sampling::{Sampling, decode_length, generate_split, generate_with};
 use nemo_dag_op::RunError;
 use serde::Deserialize;
 use std::collections::BTreeMap;
@@ -255,10 +256,15 @@ impl<'a> Rollouts<'a> {
         let mix = |x: u64| Rng::new(x).next_u64();
         Rng::new(mix(self.seed) ^ mix(step.wrapping_add(1 << 32)) ^ mix((r as u64) << 1 | 1 << 63))
     }
-}
 
-impl Objective for Rollouts<'_> {
-    fn prepare(&mut self, model: &Model, step: u64) -> Result<usize, RunError> {
+    /// [`Objective::prepare`]: the rollouts decode on `decoders` when given, else on the CPU's
+    /// worker threads.
+    fn prepare_with(
+        &mut self,
+        model: &Model,
+        step: u64,
+        decoders: Option<&dyn Decoders>,
+    ) -> Result<usize, RunError> {
         // 1. This step's prompts, each repeated `generations` times contiguously.
         let chosen: Vec<usize> = (0..self.prompts_per_step as u64)
             .map(|k| self.order.row(step * self.prompts_per_step as u64 + k))
@@ -272,15 +278,31 @@ impl Objective for Rollouts<'_> {
         let mut rngs: Vec<Rng> = (0..rollouts.len()).map(|r| self.rng(step, r)).collect();
         // A row ends on a stop id, which stays in its ids: the policy learns to emit it.
         let stops = &self.stops;
-        let completions = generate_split(
-            model,
-            &prompt_ids,
-            &self.sampling,
-            &[],
-            &mut rngs,
-            kernels::workers::threads(),
-            |_, ids| ids.last().is_some_and(|t| stops.contains(t)),
-        )
+        let stopped = |_: usize, ids: &[u32]| ids.last().is_some_and(|t| stops.contains(t));
+        let completions = match decoders {
+            Some(decoders) => {
+                let steps =
+                    decode_length(model, &prompt_ids, self.sampling.max_tokens).map_err(err)?;
+                let mut decoder = decoders.start(model, prompt_ids.len(), steps)?;
+                generate_with(
+                    &mut *decoder,
+                    &prompt_ids,
+                    &self.sampling,
+                    &[],
+                    &mut rngs,
+                    stopped,
+                )
+            }
+            None => generate_split(
+                model,
+                &prompt_ids,
+                &self.sampling,
+                &[],
+                &mut rngs,
+                kernels::workers::threads(),
+                stopped,
+            ),
+        }
         .map_err(err)?;
         let response = |ids: &[u32]| -> usize {
             ids.len() - usize::from(ids.last().is_some_and(|t| stops.contains(t)))
@@ -395,6 +417,22 @@ impl Objective for Rollouts<'_> {
         ]);
         Ok(self.micro.len())
     }
+}
+
+impl Objective for Rollouts<'_> {
+    fn prepare(&mut self, model: &Model, step: u64) -> Result<usize, RunError> {
+        self.prepare_with(model, step, None)
+    }
+
+    /// On a device, the rollouts decode there with the step's current weights.
+    fn prepare_on(
+        &mut self,
+        model: &Model,
+        step: u64,
+        decoders: &dyn Decoders,
+    ) -> Result<usize, RunError> {
+        self.prepare_with(model, step, Some(decoders))
+    }
 
     fn per_token(&self) -> Option<&dyn PerToken> {
         Some(self)
@@ -484,10 +522,6 @@ impl PerToken for Rollouts<'_> {
 
     fn reference(&self) -> Option<&Model> {
         self.reference.as_ref()
-    }
-
-    fn prepares_with_weights(&self) -> bool {
-        true
     }
 
     fn grad(

@@ -35,6 +35,7 @@ pub mod order;
 use candle_core::Tensor;
 use model::net::{Batch, Model};
 use model::params::to_f32_vec;
+use model::sampling::Decoder;
 use nemo_dag_op::RunError;
 use optim::{AdamW, AdamWConfig, Decay};
 use serde::{Deserialize, Serialize};
@@ -153,6 +154,17 @@ pub trait Objective: Sync {
     /// Get ready for global step `step` (0-based) with the weights as they are now; returns
     /// how many micro-batches the step has.
     fn prepare(&mut self, model: &Model, step: u64) -> Result<usize, RunError>;
+    /// [`Objective::prepare`] for a step on a device, where what the objective generates
+    /// (GRPO's rollouts) decodes with `decoders`; by default, [`Objective::prepare`].
+    fn prepare_on(
+        &mut self,
+        model: &Model,
+        step: u64,
+        decoders: &dyn Decoders,
+    ) -> Result<usize, RunError> {
+        let _ = decoders;
+        self.prepare(model, step)
+    }
     /// The loss of micro-batch `i` of the prepared step. The losses of all micro-batches add
     /// up to the global batch's loss (each divides by a global count, not its own).
     fn loss(&self, model: &Model, i: usize) -> Result<MicroLoss, RunError>;
@@ -168,6 +180,18 @@ pub trait Objective: Sync {
     fn per_token(&self) -> Option<&dyn PerToken> {
         None
     }
+}
+
+/// Where generation decodes when a step or a score runs on a device: each call starts a
+/// [`Decoder`] of `rows` rows and up to `max_len` steps with `model`'s weights as the device
+/// holds them ([`gpu::Decoding`]).
+pub trait Decoders {
+    fn start<'a>(
+        &'a self,
+        model: &'a Model,
+        rows: usize,
+        max_len: usize,
+    ) -> Result<Box<dyn Decoder + 'a>, RunError>;
 }
 
 /// An objective whose loss on a micro-batch is a function of the log-probabilities the main
@@ -197,11 +221,6 @@ pub trait PerToken {
     /// The frozen model whose log-probabilities [`PerToken::grad`] reads, if any.
     fn reference(&self) -> Option<&Model> {
         None
-    }
-    /// Whether [`Objective::prepare`] reads the model's current weights (GRPO generates its
-    /// rollouts with them), so they must be brought back from the device before it.
-    fn prepares_with_weights(&self) -> bool {
-        false
     }
     /// Micro-batch `i`'s loss from the policy's `logp` (and the reference's, when
     /// [`PerToken::reference`] is given): its figures, and `∂loss/∂logp` per token.

@@ -24,10 +24,11 @@
 
 use super::launches::{Kernels, NT};
 use super::{
-    Body, DeviceStep, Heads, Mixer, Slots, device, mamba_scratch, moe_layer, moe_scratch, no_acts,
+    Activations, Body, DeviceStep, Heads, Mixer, Slots, device, mamba_scratch, moe_layer,
+    moe_scratch, no_acts,
 };
+use crate::Decoders;
 use kernels::launch::{Arg, Geometry, Launcher};
-use kernels::linear::Precision;
 use model::layers::Layout;
 use model::net::Model;
 use model::sampling::Decoder;
@@ -63,11 +64,13 @@ struct AttentionScratch<B> {
     sin: Option<B>,
 }
 
-/// A batch of rows decoding on the device: the model's weights, the activations of one token a
-/// row, and each block's caches. A [`Decoder`], so `model::sampling::generate_with` samples from
-/// it exactly as from the CPU's.
-pub struct Decoding<'l, 'm, L: Launcher> {
-    step: DeviceStep<'l, L>,
+/// A batch of rows decoding on the device with the weights of a [`DeviceStep`] (a trainer's
+/// current ones, or a model uploaded for scoring) at its precision: the activations of one
+/// token a row, and each block's caches. A [`Decoder`], so `model::sampling::generate_with`
+/// samples from it exactly as from the CPU's.
+pub struct Decoding<'s, 'l, 'm, L: Launcher> {
+    step: &'s DeviceStep<'l, L>,
+    acts: Activations<L::Buffer>,
     model: &'m Model,
     rows: usize,
     max_len: usize,
@@ -80,18 +83,17 @@ pub struct Decoding<'l, 'm, L: Launcher> {
     positions: Vec<usize>,
 }
 
-impl<'l, 'm, L: Launcher> Decoding<'l, 'm, L> {
-    /// `model`'s weights on the device and empty caches for `rows` rows of up to `max_len`
-    /// steps, multiplying at `precision`; an error names what the device cannot decode.
+impl<'s, 'l, 'm, L: Launcher> Decoding<'s, 'l, 'm, L> {
+    /// Empty caches for `rows` rows of up to `max_len` steps of `model`, whose weights `step`
+    /// holds.
     pub fn start(
-        launcher: &'l L,
+        step: &'s DeviceStep<'l, L>,
         model: &'m Model,
         rows: usize,
         max_len: usize,
-        precision: Precision,
     ) -> Result<Self, RunError> {
-        let mut step = DeviceStep::upload_for_scoring(launcher, model)?.with_precision(precision);
-        step.acts = Some(step.allocate(rows.max(1), rows.max(1), rows.max(1))?);
+        let launcher = step.launcher;
+        let acts = step.allocate(rows.max(1), rows.max(1), rows.max(1))?;
         let floats = |n: usize| launcher.alloc(n.max(1) * 4).map_err(device);
         let l = &step.layout;
         let main = l.stacks.first().ok_or_else(no_acts)?;
@@ -128,6 +130,7 @@ impl<'l, 'm, L: Launcher> Decoding<'l, 'm, L> {
         Ok(Decoding {
             active: floats(rows)?,
             step,
+            acts,
             model,
             rows,
             max_len,
@@ -163,8 +166,8 @@ impl<'l, 'm, L: Launcher> Decoding<'l, 'm, L> {
         self.upload_step(ids)?;
         self.steps += 1;
 
-        let (step, l) = (&self.step, &self.step.layout);
-        let (w, acts) = (&step.weights, step.acts.as_ref().ok_or_else(no_acts)?);
+        let (step, l, acts) = (self.step, &self.step.layout, &self.acts);
+        let w = &step.weights;
         let (d, k) = (
             l.hidden,
             Kernels {
@@ -284,9 +287,8 @@ impl<'l, 'm, L: Launcher> Decoding<'l, 'm, L> {
             .iter()
             .flat_map(|id| (id.is_some() as i32).to_le_bytes())
             .collect();
-        let acts = self.step.acts.as_mut().ok_or_else(no_acts)?;
         launcher
-            .write(&mut acts.inputs[0].ids, 0, &tokens)
+            .write(&mut self.acts.inputs[0].ids, 0, &tokens)
             .map_err(device)?;
         launcher
             .write(&mut self.active, 0, &flags)
@@ -334,13 +336,25 @@ impl<'l, 'm, L: Launcher> Decoding<'l, 'm, L> {
     }
 }
 
-impl<L: Launcher> Decoder for Decoding<'_, '_, L> {
+impl<L: Launcher> Decoder for Decoding<'_, '_, '_, L> {
     fn rows(&self) -> usize {
         self.rows
     }
     fn step(&mut self, ids: &[Option<u32>]) -> candle_core::Result<Vec<Vec<f32>>> {
         self.feed(ids)
             .map_err(|e| candle_core::Error::Msg(e.to_string()))
+    }
+}
+
+/// A device's decoders: each with the step's weights, as they are now.
+impl<L: Launcher> Decoders for DeviceStep<'_, L> {
+    fn start<'a>(
+        &'a self,
+        model: &'a Model,
+        rows: usize,
+        max_len: usize,
+    ) -> Result<Box<dyn Decoder + 'a>, RunError> {
+        Ok(Box::new(Decoding::start(self, model, rows, max_len)?))
     }
 }
 
@@ -442,7 +456,8 @@ mod tests {
             let model = hybrid(position, 3);
             for schedule in kernels::simt::SCHEDULES {
                 let shim = Shim { schedule };
-                let mut gpu = Decoding::start(&shim, &model, 3, 9, Precision::F32).unwrap();
+                let weights = DeviceStep::upload_for_scoring(&shim, &model).unwrap();
+                let mut gpu = Decoding::start(&weights, &model, 3, 9).unwrap();
                 let mut cpu = CpuDecoder::new(&model, 3).unwrap();
                 for (s, ids) in steps.iter().enumerate() {
                     let want = cpu.step(ids).unwrap();
@@ -486,7 +501,8 @@ mod tests {
         let shim = Shim {
             schedule: Schedule::Forward,
         };
-        let mut gpu = Decoding::start(&shim, &model, 3, 10, Precision::F32).unwrap();
+        let weights = DeviceStep::upload_for_scoring(&shim, &model).unwrap();
+        let mut gpu = Decoding::start(&weights, &model, 3, 10).unwrap();
         let got = generate_with(
             &mut gpu,
             &prompts,

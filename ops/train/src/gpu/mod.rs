@@ -694,8 +694,7 @@ impl<'l, L: Launcher> DeviceStep<'l, L> {
         Ok(())
     }
 
-    /// Copies the weights (not the optimizer state) back into `trainer`'s model: what an
-    /// objective that generates with the current weights reads.
+    /// Copies the weights (not the optimizer state) back into `trainer`'s model.
     fn download_weights(&self, trainer: &mut Trainer) -> Result<(), RunError> {
         for ((_, var), slot) in trainer.model.params.iter().zip(&self.layout.slots) {
             let values = self
@@ -741,14 +740,7 @@ impl<'l, L: Launcher> DeviceStep<'l, L> {
         objective: &mut dyn Objective,
     ) -> Result<(f64, f64), RunError> {
         let cpu_only = || RunError::new("GPU trainer: the objective trains on the CPU only");
-        if objective
-            .per_token()
-            .ok_or_else(cpu_only)?
-            .prepares_with_weights()
-        {
-            self.download_weights(trainer)?;
-        }
-        let micro = objective.prepare(&trainer.model, trainer.step)?;
+        let micro = objective.prepare_on(&trainer.model, trainer.step, &*self)?;
         let per_token = objective.per_token().ok_or_else(cpu_only)?;
         self.zero_grads()?;
         let (mut loss_sum, mut count, mut tally) = (0.0, 0.0, Tally::new());
