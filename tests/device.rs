@@ -244,7 +244,8 @@ const PIPELINE: &str = include_str!("../bench/gpu_ops.yaml");
 /// trains on the device (its log says so), checkpoints and publishes its model, and its losses
 /// follow the same stage's on the CPU within bf16's tolerance (the device multiplies in bf16);
 /// the `device: cuda` eval of that model scores its perplexity on the device, within the same
-/// tolerance of the CPU's.
+/// tolerance of the CPU's, and decodes its answers there (KV and SSM caches on the device), the
+/// CPU's greedy answers.
 #[test]
 fn the_ops_gpu_branch_trains_and_scores_on_the_shim_as_the_cpu_does() {
     let on_cpu = Project::new("gpu-branch-cpu");
@@ -271,7 +272,7 @@ fn the_ops_gpu_branch_trains_and_scores_on_the_shim_as_the_cpu_does() {
     assert_eq!(logs.len(), 2, "the pretrain's and the eval's logs\n{out}");
     assert!(
         logs.iter()
-            .any(|l| l.contains("perplexity and multiple choice")),
+            .any(|l| l.contains("generation: 8 prompts, decoded on the device")),
         "{logs:?}"
     );
 
@@ -299,4 +300,15 @@ fn the_ops_gpu_branch_trains_and_scores_on_the_shim_as_the_cpu_does() {
     let (got, want) = (ppl(&on_shim), ppl(&on_cpu));
     eprintln!("eval loss on the shim {got}, on the CPU {want}");
     assert!((got - want).abs() <= 1e-2 * want, "{got} vs {want}");
+    let answers = |p: &Project| -> Vec<String> {
+        show(p, "eval")["metrics"]["generation"]["examples"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|e| e["response"].as_str().unwrap().to_string())
+            .collect()
+    };
+    let (got, want) = (answers(&on_shim), answers(&on_cpu));
+    assert_eq!(got.len(), 5, "{got:?}");
+    assert_eq!(got, want, "greedy answers on the device and on the CPU");
 }

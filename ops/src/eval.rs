@@ -32,9 +32,11 @@
 //! attention, conv/SSM states for Mamba: [`model::decode`]), batched `batch` prompts at a
 //! time with left padding that no row can see.
 //!
-//! **On a GPU** (the stage's `resources.device`): perplexity and multiple choice are scored by
-//! the GPU trainer's forward ([`train::gpu::Scoring`], bf16 matmuls as training's); generation
-//! decodes on the CPU.
+//! **On a GPU** (the stage's `resources.device`): the model's weights are uploaded once;
+//! perplexity and multiple choice are scored by the GPU trainer's forward
+//! ([`train::gpu::Scoring`], bf16 matmuls as training's), and generation decodes there with
+//! the same weights and matmuls ([`train::gpu::Decoding`]: KV and SSM caches on the device, the
+//! host sampling from each step's logits), one `batch` of prompts after another.
 //!
 //! Output `results/results.json`; the same numbers are the artifact's metrics, and the log ends
 //! with a small table.
@@ -303,18 +305,14 @@ impl Op for Eval {
         let model_dir = input(ctx, "model")?;
         let model = checkpoint::load_model(&model_dir)
             .map_err(|e| RunError::new(format!("cannot load the model: {e}")))?;
-        let scores = p.perplexity.is_some() || p.multiple_choice.is_some();
         let gpu = Gpu::of(ctx.device);
-        if gpu.is_some() && !scores {
-            writeln!(ctx.log, "device: the CPU (generation decodes on the CPU)")?;
-        }
         let executor = match &gpu {
-            Some(gpu) if scores => {
+            Some(gpu) => {
                 let started =
                     train::gpu::can_score(&model).and_then(|()| Executor::start(gpu.ordinal));
                 gpu.or_cpu_for("scoring", ctx.log, started)?
             }
-            _ => None,
+            None => None,
         };
         let mut scorer: Box<dyn Scorer + '_> = match (&gpu, &executor) {
             (Some(g), Some(Executor::Cuda(cuda))) => scorer(ctx, g, &**cuda, &model)?,
@@ -358,7 +356,19 @@ impl Op for Eval {
         }
         if let Some(g) = &p.generation {
             let tokenizer = tokenizer()?;
-            let r = generation(&model, &tokenizer, &input(ctx, "tasks")?, g)?;
+            let tasks = input(ctx, "tasks")?;
+            let decoders = scorer.decoders();
+            let r = generation(&model, &tokenizer, &tasks, g, decoders)?;
+            let on = if decoders.is_some() {
+                "the device"
+            } else {
+                "the CPU"
+            };
+            writeln!(
+                ctx.log,
+                "generation: {} prompts, decoded on {on}",
+                r["samples"]
+            )?;
             table.push(format!(
                 "{:<12} {:<10} {:>10.3}   ({} prompts)",
                 g.env,
@@ -389,8 +399,9 @@ impl Op for Eval {
     }
 }
 
-/// What scores `model` on `launcher`, the stage's GPU: the GPU trainer's forward, its weights
-/// uploaded once; or, when they cannot be and the device is `auto`, the CPU (the log says why).
+/// What scores `model` on `launcher`, the stage's GPU, and decodes its generation there: the
+/// GPU trainer's forward and the device decoder, on weights uploaded once; or, when they cannot
+/// be and the device is `auto`, the CPU (the log says why).
 fn scorer<'a, L: Launcher>(
     ctx: &mut RunContext,
     gpu: &Gpu,
@@ -401,11 +412,7 @@ fn scorer<'a, L: Launcher>(
         .map(|step| step.with_precision(train::gpu::TRAINING_PRECISION));
     Ok(match gpu.or_cpu_for("scoring", ctx.log, uploaded)? {
         Some(step) => {
-            writeln!(
-                ctx.log,
-                "device: {} (perplexity and multiple choice; generation runs on the CPU)",
-                launcher.describe()
-            )?;
+            writeln!(ctx.log, "device: {}", launcher.describe())?;
             Box::new(Scoring { step, model })
         }
         None => Box::new(train::eval::Cpu(model)),
@@ -502,6 +509,7 @@ fn generation(
     tokenizer: &tokenizers::Tokenizer,
     tasks: &Path,
     g: &Generation,
+    decoders: Option<&dyn train::Decoders>,
 ) -> Result<Value, RunError> {
     let rows = read_tasks(tasks, &g.split, g.limit)?;
     let template =
@@ -525,7 +533,8 @@ fn generation(
             .map_err(|e| RunError::new(format!("cannot tokenize a prompt: {e}")))?;
         prompts.push(enc.get_ids().to_vec());
     }
-    let responses = train::eval::respond(model, tokenizer, &prompts, &stops, &g.config())?;
+    let config = g.config();
+    let responses = train::eval::respond(model, tokenizer, &prompts, &stops, &config, decoders)?;
     let mut total = 0.0;
     let mut hits = vec![0usize; g.contains.len()];
     let mut examples = Vec::new();

@@ -2,16 +2,19 @@
 //!
 //! - [`perplexity`]: the mean next-token loss over consecutive windows of a held-out token
 //!   stream (nemo-dag's own measure; a model that knows nothing scores its vocabulary size).
-//! - [`respond`]: generated responses to prompts (cached decoding, batches side by side on the
-//!   workers), each cut before its first stop string, with the substrings it holds. The caller
-//!   scores them (`nemo_dag_data::reward`, as NeMo-Gym's verifiers do).
+//! - [`respond`]: generated responses to prompts (cached decoding: batches side by side on the
+//!   CPU's workers, or one after another on a device's [`Decoders`]), each cut before its first
+//!   stop string, with the substrings it holds. The caller scores them
+//!   (`nemo_dag_data::reward`, as NeMo-Gym's verifiers do).
 //! - [`greedy`]: greedy decoding of a batch of prompts.
 
-use crate::err;
+use crate::{Decoders, err};
 use model::layers::Layout;
 use model::net::Model;
 use model::params::Rng;
-use model::sampling::{Sampling, StopStrings, generate, generate_until};
+use model::sampling::{
+    Completion, Sampling, StopStrings, decode_length, generate, generate_until, generate_with,
+};
 use nemo_dag_op::RunError;
 
 /// What scores tokens under a model: each label's log-probability. [`Cpu`] runs the model's
@@ -22,6 +25,11 @@ pub trait Scorer {
 
     /// The log-probability of each of `labels` after `ids`, rows of `layout`, row-major.
     fn logp(&mut self, ids: &[u32], labels: &[u32], layout: &Layout) -> Result<Vec<f32>, RunError>;
+
+    /// Where generation with the same weights decodes, when not on the CPU: the device's.
+    fn decoders(&self) -> Option<&dyn Decoders> {
+        None
+    }
 }
 
 /// Scoring on the CPU: the model's inference forward ([`crate::token_logprobs`]).
@@ -99,39 +107,49 @@ pub struct Response {
     pub contains: Vec<bool>,
 }
 
-/// A response to each of `prompts` (token ids), in order. A row ends on one of `stop_ids`, a
-/// stop string, or `max_tokens`; what a row generates depends on its index and the seed only
-/// (not on `batch` or the other rows).
+/// A response to each of `prompts` (token ids), in order, decoded on `decoders` when given,
+/// else on the CPU. A row ends on one of `stop_ids`, a stop string, or `max_tokens`; what a row
+/// generates depends on its index and the seed only (not on `batch` or the other rows).
 pub fn respond(
     model: &Model,
     tokenizer: &tokenizers::Tokenizer,
     prompts: &[Vec<u32>],
     stop_ids: &[u32],
     g: &Generation,
+    decoders: Option<&dyn Decoders>,
 ) -> Result<Vec<Response>, RunError> {
     let stop_strings = StopStrings {
         tokenizer,
         stops: &g.stop,
     };
     let batches: Vec<&[Vec<u32>]> = prompts.chunks(g.batch.max(1)).collect();
-    let outputs = kernels::workers::map(batches.len(), kernels::workers::threads(), |i| {
+    let batch = |i: usize, decoders: Option<&dyn Decoders>| -> Result<Vec<Completion>, RunError> {
         let start = i * g.batch.max(1);
         let mut rngs: Vec<Rng> = (start..start + batches[i].len())
             .map(|r| row_rng(g.seed, r))
             .collect();
-        generate_until(
-            model,
-            batches[i],
-            &g.sampling,
-            stop_ids,
-            &mut rngs,
-            |_, ids| stop_strings.hit(ids),
-        )
-    })
-    .map_err(|e| RunError::new(format!("cannot start a generation thread: {e}")))?;
+        let stopped = |_: usize, ids: &[u32]| stop_strings.hit(ids);
+        match decoders {
+            None => generate_until(model, batches[i], &g.sampling, stop_ids, &mut rngs, stopped),
+            Some(d) => {
+                let steps = decode_length(model, batches[i], g.sampling.max_tokens).map_err(err)?;
+                let mut decoder = d.start(model, batches[i].len(), steps)?;
+                let (s, stops) = (&g.sampling, stop_ids);
+                generate_with(&mut *decoder, batches[i], s, stops, &mut rngs, stopped)
+            }
+        }
+        .map_err(err)
+    };
+    let outputs: Vec<Result<Vec<Completion>, RunError>> = match decoders {
+        Some(d) => (0..batches.len()).map(|i| batch(i, Some(d))).collect(),
+        None => kernels::workers::map(batches.len(), kernels::workers::threads(), |i| {
+            batch(i, None)
+        })
+        .map_err(|e| RunError::new(format!("cannot start a generation thread: {e}")))?,
+    };
     let mut responses = Vec::with_capacity(prompts.len());
     for batch in outputs {
-        for out in batch.map_err(err)? {
+        for out in batch? {
             let (text, _) = stop_strings.cut(&out.ids).map_err(RunError::new)?;
             let contains = holds(tokenizer, &out.ids, g)?;
             responses.push(Response { text, contains });

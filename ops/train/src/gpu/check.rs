@@ -13,7 +13,10 @@
 //! 3. **Curves.** Steps of a hybrid model (Mamba-2, attention and MLP blocks) with clipping and
 //!    the lr schedule: the device's losses and gradient norms against the CPU trainer's, within
 //!    [`CURVE_TOLERANCE`] with f32 matmuls and [`BF16_CURVE_TOLERANCE`] with bf16 ones.
-//! 4. **Objectives.** DPO's and GRPO's gradients and curves, as 1 and 3 (f32 matmuls).
+//! 4. **Objectives.** DPO's and GRPO's gradients and curves, as 1 and 3 (f32 matmuls); GRPO's
+//!    rollouts decode on the device.
+//!    Then **decoding**: the device decoder's logits ([`super::Decoding`], KV and SSM caches)
+//!    against the CPU decoder's, step by step, within [`DECODE_TOLERANCE`] (f32 matmuls).
 //! 5. **Determinism.** The same steps twice on the device, bf16 matmuls: the same weight bytes.
 //! 6. **Speed** (`speed_steps` > 0): tokens per second of the device (bf16 matmuls) and of the
 //!    CPU trainer on three models (four MLP blocks; a dense transformer of GPT-2 small's size;
@@ -49,6 +52,10 @@ pub const BF16_CURVE_TOLERANCE: f64 = 1e-2;
 /// output (the size the f32 sums' rounding scales with): several hundred times f32's rounding,
 /// and far below what a wrong transpose, a lost operand rounding or a stale `c` give (order 1).
 pub const MATMUL_TOLERANCE: f64 = 1e-4;
+/// Largest difference of the device decoder's logits from the CPU decoder's, relative to the
+/// largest logit of the step (4e-7 on the shim; a lost step, a wrong position or a stale
+/// cache give order 1).
+pub const DECODE_TOLERANCE: f32 = 1e-4;
 
 /// A model of `pattern` at `size`, with `overrides`' top-level keys (an object, or null) put
 /// over the config made here.
@@ -267,6 +274,21 @@ pub fn run<L: Launcher>(
             "curve_difference": worst, "ok": pass
         }));
     }
+    let gap = decoding(launcher)?;
+    let pass = gap <= DECODE_TOLERANCE;
+    ok &= pass;
+    writeln!(
+        out,
+        "decoding     `{DECODE_MODEL}`, {} rows of left-padded prompts, {} steps, f32 matmuls: \
+         logits within {gap:.1e} of the CPU decoder's, relative to the step's largest \
+         (tolerance {DECODE_TOLERANCE:.0e}): {}",
+        DECODE_STEPS[0].len(),
+        DECODE_STEPS.len(),
+        verdict(pass)
+    )?;
+    let decode = json!({
+        "pattern": DECODE_MODEL, "difference": gap, "tolerance": DECODE_TOLERANCE, "ok": pass
+    });
     let same = deterministic(launcher, TRAINING_PRECISION)?;
     ok &= same;
     writeln!(
@@ -298,6 +320,7 @@ pub fn run<L: Launcher>(
         "nccl": nccl,
         "curves": curves,
         "objectives": objectives,
+        "decoding": decode,
         "determinism": {"precision": TRAINING_PRECISION.name(), "same_bytes": same, "ok": same},
         "speed": speeds,
         "ok": ok,
@@ -650,6 +673,51 @@ fn curve<L: Launcher>(launcher: &L, precision: Precision) -> Result<(f64, Vec<f6
     // SMALL's schedule logs every step: the curve is each step's loss.
     let losses = on_device.curve.iter().map(|p| p.loss).collect();
     Ok((worst, losses))
+}
+
+/// The model the decoding part decodes: every block kind, attention with RoPE.
+const DECODE_MODEL: &str = "M*-E*M";
+
+/// What the decoding part feeds, a step a line: three rows, one left-padded for two steps, one
+/// that sits a step out mid-way (as a finished row does) and comes back.
+const DECODE_STEPS: [[Option<u32>; 3]; 7] = [
+    [Some(5), None, Some(1)],
+    [Some(6), None, Some(2)],
+    [Some(7), Some(11), Some(3)],
+    [Some(8), Some(12), None],
+    [Some(9), Some(13), Some(31)],
+    [None, Some(14), Some(4)],
+    [Some(10), Some(15), Some(0)],
+];
+
+/// The device decoder's largest logit gap from the CPU decoder's over [`DECODE_STEPS`], for
+/// the rows that fed a real token, relative to the step's largest logit.
+fn decoding<L: Launcher>(launcher: &L) -> Result<f32, RunError> {
+    use model::sampling::{CpuDecoder, Decoder};
+    let t = trainer(DECODE_MODEL, "relu2", false, SMALL, &Value::Null)?;
+    let weights = DeviceStep::upload_for_scoring(launcher, &t.model)?;
+    let rows = DECODE_STEPS[0].len();
+    let mut device = super::Decoding::start(&weights, &t.model, rows, DECODE_STEPS.len())?;
+    let mut cpu = CpuDecoder::new(&t.model, rows).map_err(crate::err)?;
+    let mut worst = 0f32;
+    for ids in &DECODE_STEPS {
+        let got = device.feed(ids)?;
+        let want = cpu.step(ids).map_err(crate::err)?;
+        let fed = || {
+            want.iter()
+                .zip(&got)
+                .zip(ids)
+                .filter(|(_, id)| id.is_some())
+        };
+        let largest = fed()
+            .flat_map(|((w, _), _)| w.iter())
+            .fold(1e-30f32, |m, v| m.max(v.abs()));
+        for ((w, g), _) in fed() {
+            let gap = w.iter().zip(g).fold(0f32, |m, (a, b)| m.max((a - b).abs()));
+            worst = worst.max(gap / largest);
+        }
+    }
+    Ok(worst)
 }
 
 /// Whether two runs of the same steps on the device, its matmuls at `precision`, end with the

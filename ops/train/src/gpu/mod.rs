@@ -1391,6 +1391,10 @@ impl<L: Launcher> crate::eval::Scorer for Scoring<'_, '_, L> {
         };
         self.step.logp(self.model, &batch)
     }
+
+    fn decoders(&self) -> Option<&dyn crate::Decoders> {
+        Some(&self.step)
+    }
 }
 
 /// A [`DeviceStep`] as the training loop's [`Stepper`]: steps of `objective` (which must be
