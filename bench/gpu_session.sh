@@ -14,12 +14,14 @@
 # wheels and under /usr/local/cuda; what is found is printed, what is missing fails the step
 # that needs it, with the reason.
 #
-# Steps, and their limits (9 minutes together at most, to fit one 10-minute call):
-#   gpu-check   the trainer against the CPU, cuBLASLt, NCCL, and speed          3 min
-#   kernels     every kernel's unit tests on the GPU (NEMO_DAG_KERNEL_TESTS_ON)  1 min
-#   memcheck    compute-sanitizer memcheck over gpu-check without timing        2 min
-#   ops         bench/gpu_ops.yaml on the CPU and with vars.device=cuda          1 min
-#   bench       bench/gpu_bench.py: the same models in PyTorch, same GPU         2 min
+# Steps, and their limits (9 minutes 10 s together at most, to fit one 10-minute call):
+#   gpu-check   the trainer against the CPU, cuBLASLt, NCCL, decoding, speed    170 s
+#   kernels     every kernel's unit tests on the GPU (NEMO_DAG_KERNEL_TESTS_ON)   60 s
+#   memcheck    compute-sanitizer memcheck over gpu-check without timing        110 s
+#   racecheck   compute-sanitizer racecheck over the unit tests of the kernels
+#               that share memory between threads                                60 s
+#   ops         bench/gpu_ops.yaml on the CPU and with vars.device=cuda           60 s
+#   bench       bench/gpu_bench.py: the same models in PyTorch, same GPU          90 s
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${1:-${OUT:-gpu-session}}
@@ -57,14 +59,20 @@ step() {
     tail -n 25 "$out/$name.log"
 }
 
-step gpu-check 180 "$bin" gpu-check --json "$out/check.json" --speed-steps 10
+step gpu-check 170 "$bin" gpu-check --json "$out/check.json" --speed-steps 10
 if [[ -n $kernel_tests ]]; then
     step kernels 60 env NEMO_DAG_KERNEL_TESTS_ON=cuda "$kernel_tests" --test-threads 1
 else
     echo "kernels: no kernels' test binary (KERNEL_TESTS)" | tee -a "$out/summary.txt"
 fi
-step memcheck 120 compute-sanitizer --tool memcheck --error-exitcode 3 \
+step memcheck 110 compute-sanitizer --tool memcheck --error-exitcode 3 \
     "$bin" gpu-check --speed-steps 0
+# The kernels with __shared__ memory (grep -l __shared__ kernels/src): their tests' names.
+if [[ -n $kernel_tests ]]; then
+    step racecheck 60 env NEMO_DAG_KERNEL_TESTS_ON=cuda compute-sanitizer --tool racecheck \
+        --error-exitcode 4 "$kernel_tests" --test-threads 1 attention decode cross_entropy \
+        rms_norm grad_norm linear mamba2
+fi
 # Two stores: the device is not part of a key, so one store would find the GPU run cached.
 ops=$(mktemp -d)
 mkdir "$ops/cpu" "$ops/gpu"
@@ -73,6 +81,6 @@ cp bench/gpu_ops.yaml "$ops/gpu/ops.yaml"
 # Each run prints its stages' losses and the eval's perplexity, to be read side by side.
 step ops 60 bash -c "set -e; cd '$ops/cpu'; '$bin' run ops.yaml; cd '$ops/gpu'
     '$bin' run ops.yaml vars.device=cuda; grep -h 'device' .nemo-dag/artifacts/*/log.txt"
-step bench 120 python3 bench/gpu_bench.py --bin "$bin" --steps 10 --no-compile
+step bench 90 python3 bench/gpu_bench.py --bin "$bin" --steps 10 --no-compile
 echo "== summary"
 cat "$out/summary.txt"
