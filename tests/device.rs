@@ -117,6 +117,7 @@ fn gpu_check_on_the_shim_holds_the_gpu_trainer_to_the_cpu_trainer() {
     assert_eq!(passing("curve        `M*-`, bf16 matmuls"), 1, "{out}");
     assert_eq!(passing("objective    dpo on `M*E-/*`"), 1, "{out}");
     assert_eq!(passing("objective    grpo on `M*E-/*`"), 1, "{out}");
+    assert_eq!(passing("decoding     `M*-E*M`"), 1, "{out}");
     assert_eq!(passing("determinism"), 1, "{out}");
     assert_eq!(lines.last().copied(), Some("result       ok"), "{out}");
 
@@ -176,12 +177,17 @@ fn gpu_check_on_the_shim_holds_the_gpu_trainer_to_the_cpu_trainer() {
         assert!(part["curve_difference"].as_f64().unwrap() <= 1e-4, "{part}");
         assert_eq!(part["ok"], true, "{part}");
     }
+    // The device decoder's logits, step by step, against the CPU decoder's.
+    let decoding = &report["decoding"];
+    assert!(decoding["difference"].as_f64().unwrap() <= 1e-4, "{text}");
+    assert_eq!(decoding["ok"], true, "{text}");
     assert_eq!(report["determinism"]["same_bytes"], true, "{text}");
     assert_eq!(
         report["speed"],
         serde_json::json!([]),
         "the shim is not timed: {text}"
     );
+    assert_eq!(report["decode_speed"], serde_json::Value::Null, "{text}");
     assert!(!p.path("check.json.partial").exists());
     let leftovers: Vec<_> = std::fs::read_dir(p.path("."))
         .unwrap()

@@ -20,7 +20,8 @@
 //! 5. **Determinism.** The same steps twice on the device, bf16 matmuls: the same weight bytes.
 //! 6. **Speed** (`speed_steps` > 0): tokens per second of the device (bf16 matmuls) and of the
 //!    CPU trainer on three models (four MLP blocks; a dense transformer of GPT-2 small's size;
-//!    a tiny hybrid), side by side, with the ratio and the device's model TFLOP/s.
+//!    a tiny hybrid), side by side, with the ratio and the device's model TFLOP/s; then the
+//!    tiny hybrid's decoding, new tokens per second on the device and on the CPU ([`DECODE`]).
 //!
 //! [`run`] also returns every figure as JSON, which `gpu-check --json` writes.
 
@@ -302,6 +303,7 @@ pub fn run<L: Launcher>(
         }
     )?;
     let mut speeds = Vec::new();
+    let mut decode_speed = Value::Null;
     if speed_steps > 0 {
         for model in &SPEED_MODELS {
             speeds.push(speed(
@@ -311,6 +313,7 @@ pub fn run<L: Launcher>(
                 out,
             )?);
         }
+        decode_speed = decoding_speed(launcher, &SPEED_MODELS[2], DECODE, out)?;
     }
     writeln!(out, "result       {}", if ok { "ok" } else { "FAILED" })?;
     let json = json!({
@@ -323,6 +326,7 @@ pub fn run<L: Launcher>(
         "decoding": decode,
         "determinism": {"precision": TRAINING_PRECISION.name(), "same_bytes": same, "ok": same},
         "speed": speeds,
+        "decode_speed": decode_speed,
         "ok": ok,
     });
     Ok(Report { ok, json })
@@ -998,10 +1002,108 @@ fn speed<L: Launcher>(
     }))
 }
 
+/// The decoding the speed part times: (rows, prompt tokens, new tokens), as a GRPO step's
+/// rollouts of short prompts.
+const DECODE: (usize, usize, usize) = (64, 32, 64);
+
+/// New tokens per second of greedy decoding, `rows` random prompts of `prompt` tokens and
+/// `new` tokens each (no stop), on the device (bf16 matmuls, as the training ops decode) and on
+/// the CPU (the workers GRPO's rollouts use there), each after a warm-up run.
+fn decoding_speed<L: Launcher>(
+    launcher: &L,
+    m: &SpeedModel,
+    (rows, prompt, new): (usize, usize, usize),
+    out: &mut dyn Write,
+) -> Result<Value, RunError> {
+    use model::sampling::{Sampling, generate_split, generate_with};
+    let t = trainer(m.pattern, m.activation, m.tied, m.size, &(m.overrides)())?;
+    let mut rng = kernels::rng::Rng::new(3);
+    let prompts: Vec<Vec<u32>> = (0..rows)
+        .map(|_| {
+            (0..prompt)
+                .map(|_| (rng.next_u64() % m.size.vocab as u64) as u32)
+                .collect()
+        })
+        .collect();
+    let sampling = Sampling::greedy(new);
+    let rngs = || vec![model::params::Rng::new(0); rows];
+    let weights =
+        DeviceStep::upload_for_scoring(launcher, &t.model)?.with_precision(TRAINING_PRECISION);
+    let on_device = || -> Result<f64, RunError> {
+        let mut decoder = super::Decoding::start(&weights, &t.model, rows, prompt + new)?;
+        let clock = Instant::now();
+        let done = |_: usize, _: &[u32]| false;
+        generate_with(&mut decoder, &prompts, &sampling, &[], &mut rngs(), done)
+            .map_err(crate::err)?;
+        Ok((rows * new) as f64 / clock.elapsed().as_secs_f64().max(1e-9))
+    };
+    let threads = kernels::workers::threads();
+    let on_cpu = || -> Result<f64, RunError> {
+        let clock = Instant::now();
+        let done = |_: usize, _: &[u32]| false;
+        generate_split(
+            &t.model,
+            &prompts,
+            &sampling,
+            &[],
+            &mut rngs(),
+            threads,
+            done,
+        )
+        .map_err(crate::err)?;
+        Ok((rows * new) as f64 / clock.elapsed().as_secs_f64().max(1e-9))
+    };
+    on_device()?; // warm-up: the first launches
+    let device_rate = on_device()?;
+    on_cpu()?;
+    let cpu_rate = on_cpu()?;
+    writeln!(
+        out,
+        "decode       {}, {rows} rows, {prompt} prompt + {new} new tokens, greedy: device \
+         ({} matmuls) {device_rate:.0} new tokens/s, CPU ({threads} threads) {cpu_rate:.0} \
+         ({:.2}x)",
+        m.name,
+        TRAINING_PRECISION.name(),
+        device_rate / cpu_rate
+    )?;
+    Ok(json!({
+        "model": m.name, "pattern": m.pattern, "rows": rows, "prompt_tokens": prompt,
+        "new_tokens": new, "precision": TRAINING_PRECISION.name(),
+        "device_new_tokens_per_s": device_rate, "cpu_new_tokens_per_s": cpu_rate,
+        "cpu_threads": threads
+    }))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use kernels::launch::Shim;
+
+    /// The decoding speed, which only a GPU times, runs through on the shim for a small model:
+    /// one line, and both rates positive.
+    #[test]
+    fn the_decoding_speed_reports_the_device_and_the_cpu() {
+        let model = SpeedModel {
+            name: "small",
+            pattern: "M*E-",
+            activation: "relu2",
+            tied: false,
+            size: SMALL,
+            rows: 0,
+            len: 0,
+            overrides: || Value::Null,
+        };
+        let mut out = Vec::new();
+        let json = decoding_speed(&Shim::default(), &model, (3, 4, 2), &mut out).unwrap();
+        let text = String::from_utf8(out).unwrap();
+        assert!(text.starts_with("decode       small, 3 rows"), "{text}");
+        for rate in ["device_new_tokens_per_s", "cpu_new_tokens_per_s"] {
+            assert!(
+                json[rate].as_f64().is_some_and(|r| r > 0.0),
+                "{rate}: {json}"
+            );
+        }
+    }
 
     /// The speed part, which only a GPU times, runs through on the shim for a small model:
     /// one line, and every rate of its JSON (bf16 and f32 matmuls on the device, the CPU
