@@ -165,9 +165,13 @@ pub fn generate(
     generate_until(model, prompts, sampling, stop_ids, rngs, |_, _| false)
 }
 
-/// The longest prompt plus `max_tokens` new ones, checked against the model's `max_seq`: the
-/// steps a decoder of these prompts holds.
+/// The steps a decoder of these prompts holds: the longest prompt plus `max_tokens` new ones,
+/// checked against the model's `max_seq`; 0 when nothing decodes (no prompts, or no new
+/// tokens).
 pub fn decode_length(model: &Model, prompts: &[Vec<u32>], max_tokens: usize) -> Result<usize> {
+    if prompts.is_empty() || max_tokens == 0 {
+        return Ok(0);
+    }
     let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
     if longest + max_tokens > model.cfg.max_seq {
         candle_core::bail!(
@@ -188,9 +192,7 @@ pub fn generate_until(
     rngs: &mut [Rng],
     done: impl FnMut(usize, &[u32]) -> bool,
 ) -> Result<Vec<Completion>> {
-    if !prompts.is_empty() && sampling.max_tokens > 0 {
-        decode_length(model, prompts, sampling.max_tokens)?;
-    }
+    decode_length(model, prompts, sampling.max_tokens)?;
     let mut decoder = CpuDecoder::new(model, prompts.len())?;
     generate_with(&mut decoder, prompts, sampling, stop_ids, rngs, done)
 }

@@ -108,8 +108,11 @@ pub struct Response {
 }
 
 /// A response to each of `prompts` (token ids), in order, decoded on `decoders` when given,
-/// else on the CPU. A row ends on one of `stop_ids`, a stop string, or `max_tokens`; what a row
-/// generates depends on its index and the seed only (not on `batch` or the other rows).
+/// else on the CPU. A row ends on one of `stop_ids`, a stop string, or `max_tokens`; on the CPU
+/// what a row generates depends on its index and the seed only (not on `batch` or the other
+/// rows). On a device it may also depend on how many rows its batch has: a library such as
+/// cuBLASLt picks its algorithm by the product's shape, and another order of sums can round a
+/// logit differently.
 pub fn respond(
     model: &Model,
     tokenizer: &tokenizers::Tokenizer,

@@ -93,7 +93,9 @@ impl<'s, 'l, 'm, L: Launcher> Decoding<'s, 'l, 'm, L> {
         max_len: usize,
     ) -> Result<Self, RunError> {
         let launcher = step.launcher;
-        let acts = step.allocate(rows.max(1), rows.max(1), rows.max(1))?;
+        // One token a row, forward only: no scan over chunks (its scratch and the states
+        // entering each chunk are empty), no backward.
+        let acts = step.allocate(rows.max(1), 0, 0, false)?;
         let floats = |n: usize| launcher.alloc(n.max(1) * 4).map_err(device);
         let l = &step.layout;
         let main = l.stacks.first().ok_or_else(no_acts)?;

@@ -1102,7 +1102,7 @@ impl<'l, L: Launcher> DeviceStep<'l, L> {
             .as_ref()
             .is_none_or(|a| a.rows < rows || a.batch < layout.batch || a.chunk_rows < chunk_rows)
         {
-            self.acts = Some(self.allocate(rows, layout.batch, chunk_rows)?);
+            self.acts = Some(self.allocate(rows, layout.batch, chunk_rows, true)?);
         }
         let attention = self.layout.attention_heads().is_some();
         let tables = match (attention && self.layout.rope, rope) {
@@ -1159,16 +1159,21 @@ impl<'l, L: Launcher> DeviceStep<'l, L> {
         Ok(())
     }
 
+    /// The activations of a micro-batch of `rows` tokens in `batch` rows and `chunk_rows`
+    /// (row, chunk) pairs of the Mamba-2 scan, and, with `backward`, the backward's scratch
+    /// (without it, as the decoder asks, those buffers are empty).
     fn allocate(
         &self,
         rows: usize,
         batch: usize,
         chunk_rows: usize,
+        backward: bool,
     ) -> Result<Activations<L::Buffer>, RunError> {
         let l = &self.layout;
         let (d, v, blocks) = (l.hidden, l.vocab, l.blocks.len());
         let depths = l.joins().count();
         let floats = |n: usize| self.launcher.alloc(n * 4).map_err(device);
+        let grads = |n: usize| floats(if backward { n } else { 0 });
         let widest = |width: fn(&Projected) -> usize| {
             let widths = l
                 .blocks
@@ -1249,19 +1254,19 @@ impl<'l, L: Launcher> DeviceStep<'l, L> {
             logits: floats(rows * v)?,
             ce: floats(rows)?,
             lse: floats(rows)?,
-            dlogits: floats(rows * v)?,
-            dx: floats(rows * d)?,
-            dh: floats(rows * d)?,
-            dnorm_in: floats(rows * d)?,
-            dmixed: floats(rows * widest(|b| b.mid_width))?,
-            dprojected: floats(rows * widest(|b| b.in_width))?,
-            delta: heads.map(|h| floats(per_head(h))).transpose()?,
+            dlogits: grads(rows * v)?,
+            dx: grads(rows * d)?,
+            dh: grads(rows * d)?,
+            dnorm_in: grads(rows * d)?,
+            dmixed: grads(rows * widest(|b| b.mid_width))?,
+            dprojected: grads(rows * widest(|b| b.in_width))?,
+            delta: heads.map(|h| grads(per_head(h))).transpose()?,
             starts: (!ssms.is_empty()).then(|| floats(rows)).transpose()?,
             mamba: MambaScratch::allocate(&floats, &ssms, (rows, batch, chunk_rows))?,
             moe: MoeScratch::allocate(&floats, &experts, rows, d)?,
-            dw_partial: floats(row_grid(rows) as usize * d)?,
-            dw: floats(d)?,
-            dtable: floats(v * d)?,
+            dw_partial: grads(row_grid(rows) as usize * d)?,
+            dw: grads(d)?,
+            dtable: grads(v * d)?,
         })
     }
 
