@@ -777,6 +777,32 @@ fn megatron_stages_are_planned_per_gpu_and_refused_by_a_profile_whose_gpus_are_t
             "{line}"
         );
     }
+    // NeMo-RL's GRPO is planned on the policy's GPUs (those vLLM and the judges leave), from
+    // its config's parallelism, with vLLM's share of the weights beside it.
+    let grpo = plan
+        .stderr
+        .lines()
+        .find(|l| l.trim_start().starts_with("grpo: "))
+        .unwrap_or_else(|| panic!("no plan for grpo\n{plan}"));
+    assert!(
+        grpo.contains("peak on each GPU (weights and optimizer ")
+            && grpo.contains("the policy's 256 GPUs: TP 4 PP 1 EP 8 CP 8")
+            && grpo.contains("full recompute")
+            && grpo.contains("vLLM (TP 4, on 72 nodes of its own)"),
+        "{grpo}"
+    );
+    // Nodes that leave the policy none are refused before anything runs.
+    let few = p.run(&[
+        "validate",
+        "manifests/super3.yaml",
+        "stages.grpo.resources.nodes=77",
+    ]);
+    assert_eq!(few.code, 2, "{few}");
+    assert!(
+        few.stderr.contains("77 nodes leave the policy none")
+            && few.stderr.contains("nodes: 78 at least"),
+        "{few}"
+    );
     // 80 GiB GPUs hold what each stage needs for certain.
     p.write("manifests/env.toml", &profile("80GiB"));
     for manifest in ["nano3", "super3"] {

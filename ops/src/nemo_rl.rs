@@ -36,14 +36,25 @@
 //!   (`checkpointing.checkpoint_must_save_by`) saves and exits 0 too. The artifact holds that
 //!   step alone (`checkpoint/step_<steps>`: the policy's weights and optimizer, the resolved
 //!   `config.yaml`, `training_info.json`), and `run/` (`launch.sh`, `rank.sh`, NeMo-RL's logs).
+//!
+//! **The plan.** For a config nemo-dag knows ([`KNOWN`]: NeMo-RL's Nemotron 3 Nano and Super
+//! GRPO configs), `validate` and `--dry-run` print each policy GPU's memory and a step's
+//! training FLOPs, from the config's placement and parallelism and Megatron-LM's rules
+//! ([`crate::megatron::estimate`], full recompute as the configs' `activation_checkpointing`),
+//! every rollout at `sequence_length`; and vLLM's bf16 weights per generation GPU beside the
+//! share of its memory the config gives vLLM. A stage whose nodes leave the policy no machine
+//! after vLLM's and the judges' is refused before it is submitted.
 
+use crate::megatron::estimate::{self, Defaults, FULL_RECOMPUTE, Precision, Run};
 use crate::megatron::overrides::{Override, check_user_of, scalar};
 use crate::megatron::{Software, check_env_names, check_image, text};
 use crate::saves::{self, Save};
 use crate::training::input;
+use nemo_dag_op::plan::{Estimate, Plan};
 use nemo_dag_op::process::{describe_exit, readable_shell_word, run_logged};
 use nemo_dag_op::{
     DeclError, Metrics, Op, Outputs, Port, Progress, RunContext, RunError, Spec, StageDecl,
+    Upstream,
 };
 use serde::Deserialize;
 use serde_json::{Value, json};
@@ -116,6 +127,141 @@ fn default_seed() -> u64 {
     42
 }
 
+/// A NeMo-RL GRPO config nemo-dag can plan: its model, and how it places and shards it.
+struct Known {
+    /// The config's path under `rl_root`.
+    config: &'static str,
+    /// The Megatron-Bridge recipe whose model (`megatron::estimate::recipe`) the config trains.
+    model: &'static str,
+    /// `policy.megatron_cfg`'s tensor, pipeline, expert and context parallel sizes, and
+    /// sequence parallelism.
+    parallel: (u64, u64, u64, u64, bool),
+    /// Nodes vLLM has to itself (`policy.generation.colocated.resources.num_nodes`; 0: it is
+    /// colocated with the policy and sleeps while the policy trains), and NeMo-Gym's judges
+    /// (`env.nemo_gym.num_gpu_nodes`).
+    generation_nodes: u64,
+    judge_nodes: u64,
+    /// vLLM's tensor parallelism and the share of each GPU's memory it takes.
+    vllm_tp: u64,
+    vllm_memory: f64,
+}
+
+/// The configs of the recipes' default variants: NeMo-RL v0.7's `grpo_nanov3.yaml` and the
+/// `super-v3` branch's `stage1_rlvr.yaml` (their keys are in tests/fixtures).
+const KNOWN: [Known; 2] = [
+    Known {
+        config: "examples/nemo_gym/grpo_nanov3.yaml",
+        model: "nemotron_3_nano_sft_config",
+        parallel: (2, 2, 8, 4, true),
+        generation_nodes: 0,
+        judge_nodes: 0,
+        vllm_tp: 4,
+        vllm_memory: 0.5,
+    },
+    Known {
+        config: "examples/configs/super/stage1_rlvr.yaml",
+        model: "nemotron_3_super_sft_config",
+        parallel: (4, 1, 8, 8, true),
+        generation_nodes: 72,
+        judge_nodes: 5,
+        vllm_tp: 4,
+        vllm_memory: 0.8,
+    },
+];
+
+/// Overrides that change what [`KNOWN`] says of a config: its model, parallelism, placement,
+/// precision or recompute.
+const CHANGES_THE_PLAN: [&str; 4] = [
+    "policy.megatron_cfg.",
+    "policy.generation.",
+    "policy.precision",
+    "env.nemo_gym.num_gpu_nodes",
+];
+
+impl Params {
+    /// The config's entry in [`KNOWN`], unless an override changes what it says.
+    fn known(&self) -> Option<&'static Known> {
+        let changed = self
+            .overrides
+            .keys()
+            .any(|k| CHANGES_THE_PLAN.iter().any(|c| k.starts_with(c)));
+        let config = self.config.trim_start_matches("./");
+        KNOWN
+            .iter()
+            .find(|k| k.config == config || self.config == format!("{}/{}", self.rl_root, k.config))
+            .filter(|_| !changed)
+    }
+
+    /// GPUs the policy trains on, out of `nodes` machines.
+    fn policy_gpus(&self, known: &Known, nodes: u64) -> Option<u64> {
+        nodes
+            .checked_sub(known.generation_nodes + known.judge_nodes)
+            .filter(|n| *n > 0)
+            .map(|n| n * self.gpus_per_node)
+    }
+
+    /// Each policy GPU's memory and a step's training FLOPs on `nodes` machines.
+    fn estimate(&self, nodes: u64) -> Option<Estimate> {
+        let known = self.known()?;
+        let world = self.policy_gpus(known, nodes)?;
+        let model = estimate::recipe(known.model)?;
+        // The RL policy trains without MTP (`mtp_num_layers: 0`).
+        let shape = estimate::Shape {
+            mtp: "",
+            mtp_depths: 0,
+            ..model.shape
+        };
+        let (tp, pp, ep, cp, sp) = known.parallel;
+        let recipe = estimate::Recipe {
+            shape,
+            defaults: Defaults {
+                tp,
+                pp,
+                ep,
+                etp: 1,
+                cp,
+                sp,
+                // bf16 gradients (`grad_reduce_in_fp32: false`), fp32 main weights and Adam
+                // moments (the precision-aware optimizer's defaults), distributed.
+                precision: Precision {
+                    grad: 2,
+                    ..Precision::MEGATRON
+                },
+                recompute: FULL_RECOMPUTE,
+                capacity: None,
+            },
+        };
+        let run = Run {
+            world,
+            tp,
+            pp,
+            ep,
+            etp: 1,
+            cp,
+            sp,
+            seq: self.sequence_length,
+            micro_batch: 1,
+            global_batch: self.prompts_per_step * self.generations_per_prompt,
+            steps: self.steps,
+        };
+        let mut e = estimate::estimate(&recipe, &run);
+        let weights = shape.parameters().total() * 2 / known.vllm_tp;
+        let placement = match known.generation_nodes {
+            0 => "on the policy's GPUs, asleep while it trains".to_string(),
+            n => format!("on {n} nodes of its own"),
+        };
+        e.basis = format!(
+            "the policy's {}; every rollout at {} tokens; vLLM (TP {}, {placement}): {} of bf16 weights a GPU, within the {:.0}% of its memory the config gives vLLM",
+            e.basis,
+            self.sequence_length,
+            known.vllm_tp,
+            nemo_dag_op::plan::bytes(weights),
+            known.vllm_memory * 100.0
+        );
+        Some(e)
+    }
+}
+
 /// Ray's head port (NeMo-RL's `ray.sub` uses the same).
 const RAY_PORT: u16 = 9900;
 
@@ -179,8 +325,32 @@ impl Op for NemoRlGrpo {
     fn spec(&self) -> &'static Spec {
         &SPEC
     }
-    fn check(&self, p: &Params, _stage: &StageDecl) -> Result<(), DeclError> {
-        check_params(p)
+    fn check(&self, p: &Params, stage: &StageDecl) -> Result<(), DeclError> {
+        check_params(p)?;
+        let (Some(known), Some(nodes)) = (p.known(), stage.world_size) else {
+            return Ok(());
+        };
+        match p.policy_gpus(known, nodes) {
+            Some(_) => Ok(()),
+            None => Err(DeclError::new(
+                &["resources", "nodes"],
+                format!(
+                    "{nodes} nodes leave the policy none: {} gives vLLM {} nodes of its own and NeMo-Gym's judges {}",
+                    known.config, known.generation_nodes, known.judge_nodes
+                ),
+            )
+            .with_help(format!(
+                "nodes: {} at least (the config's own cluster.num_nodes is what it was tuned for)",
+                known.generation_nodes + known.judge_nodes + 1
+            ))),
+        }
+    }
+    /// Each policy GPU's memory and a step's work, for a config nemo-dag knows.
+    fn plan(&self, p: &Params, _: &Upstream, stage: &StageDecl) -> Plan {
+        Plan {
+            estimate: stage.world_size.and_then(|nodes| p.estimate(nodes)),
+            ..Plan::default()
+        }
     }
     fn image(&self, p: &Params) -> Option<String> {
         p.image.clone()
@@ -684,6 +854,71 @@ pub fn keep_only(dir: &Path, n: u64) -> io::Result<()> {
 mod tests {
     use super::*;
     use crate::testing::names;
+
+    fn params(config: &str, overrides: Value) -> Params {
+        serde_json::from_value(json!({
+            "config": config, "steps": 100, "prompts_per_step": 256,
+            "generations_per_prompt": 16, "save_period": 10, "sequence_length": 8192,
+            "overrides": overrides
+        }))
+        .unwrap()
+    }
+
+    /// Super's RLVR config on its 109 nodes: the policy gets the 32 machines vLLM (72) and the
+    /// judges (5) leave, 256 GPUs; each holds 1/8 of every layer's 512 routed experts (EP 8)
+    /// at 2 + 2 + 12/32 bytes a parameter (bf16 weight and gradient, fp32 main weight and
+    /// moments over the 32 expert-data-parallel ranks), and each layer's input for the
+    /// backward under full recompute; vLLM's TP-4 share of the bf16 weights is named.
+    #[test]
+    fn a_known_config_is_planned_on_the_policys_gpus() {
+        let p = params("examples/configs/super/stage1_rlvr.yaml", json!({}));
+        let e = p.estimate(109).unwrap();
+        let experts = e
+            .memory
+            .iter()
+            .find(|(name, _)| name.starts_with("routed experts"))
+            .unwrap()
+            .1 as f64;
+        let model = estimate::recipe("nemotron_3_super_sft_config")
+            .unwrap()
+            .shape;
+        let want = (model.decoder().experts / 8) as f64 * (2.0 + 2.0 + 12.0 / 32.0);
+        assert!((experts - want).abs() <= 1e-6 * want, "{experts} vs {want}");
+        assert!(e.basis.contains("the policy's 256 GPUs"), "{}", e.basis);
+        assert!(
+            e.basis.contains("full recompute") && e.basis.contains("vLLM (TP 4, on 72 nodes"),
+            "{}",
+            e.basis
+        );
+        // Under full recompute, activations are a small part: each layer's input of 8192/8
+        // tokens split over TP 4, and one layer recomputed.
+        let activations = e.memory.iter().find(|(n, _)| n == "activations").unwrap().1;
+        let inputs = 88 * 2 * (8192 / 8) * 4096 / 4;
+        assert!(
+            activations > inputs && activations < 4 * inputs,
+            "{activations}"
+        );
+        // Fewer nodes: the same config's vLLM and judges take the first 77.
+        assert!(
+            p.estimate(78)
+                .unwrap()
+                .basis
+                .contains("the policy's 8 GPUs")
+        );
+        assert!(p.estimate(77).is_none());
+        // A config nemo-dag does not know, or one whose parallelism is overridden, is not
+        // planned.
+        assert!(
+            params("examples/configs/grpo_math_1B.yaml", json!({}))
+                .estimate(109)
+                .is_none()
+        );
+        let changed = params(
+            "examples/configs/super/stage1_rlvr.yaml",
+            json!({"policy.megatron_cfg.tensor_model_parallel_size": 8}),
+        );
+        assert!(changed.estimate(109).is_none());
+    }
 
     fn save(dir: &Path, name: &str, n: u64, whole: bool) {
         let d = dir.join(name);

@@ -121,11 +121,16 @@ pub struct Defaults {
     pub sp: bool,
     pub precision: Precision,
     /// `recompute_modules` under selective recompute (`layernorm`, `moe`, `moe_act`,
-    /// `core_attn`).
+    /// `core_attn`), or [`FULL_RECOMPUTE`].
     pub recompute: &'static [&'static str],
     /// `moe_expert_capacity_factor`: routed tokens per expert at most this times the mean.
     pub capacity: Option<f64>,
 }
+
+/// `recompute_granularity: full`, one layer at a time (`recompute_method: uniform`,
+/// `recompute_num_layers: 1`, as NeMo-RL's `activation_checkpointing` sets it): each layer
+/// keeps only its input for the backward, and recomputes the rest of one layer at a time.
+pub const FULL_RECOMPUTE: &[&str] = &["full"];
 
 /// A recipe nemo-dag can estimate: its model and its defaults.
 #[derive(Debug, Clone, Copy)]
@@ -523,12 +528,23 @@ fn stage(recipe: &Recipe, run: &Run, first: bool, last: bool) -> StageMemory {
     } else {
         1
     };
-    let layers = layer_activations(recipe, run, shape.pattern) / run.pp as f64
-        + if last {
-            layer_activations(recipe, run, shape.mtp) * shape.mtp_depths as f64
-        } else {
-            0.0
-        };
+    let layers = if d.recompute == FULL_RECOMPUTE {
+        // Every layer's input, and one layer's activations while it is recomputed.
+        let inputs = layer_inputs(run, shape, shape.pattern.len()) / run.pp as f64;
+        let widest = [shape.pattern, if last { shape.mtp } else { "" }]
+            .iter()
+            .flat_map(|p| p.chars())
+            .map(|c| layer_activations(recipe, run, &c.to_string()))
+            .fold(0.0, f64::max);
+        inputs + widest
+    } else {
+        layer_activations(recipe, run, shape.pattern) / run.pp as f64
+            + if last {
+                layer_activations(recipe, run, shape.mtp) * shape.mtp_depths as f64
+            } else {
+                0.0
+            }
+    };
     let logits = if last {
         4 * run.micro_batch * run.seq / run.cp.max(1) * shape.vocab / run.tp.max(1)
             * (1 + shape.mtp_depths)
@@ -599,6 +615,8 @@ pub fn estimate(recipe: &Recipe, run: &Run) -> Estimate {
             d.precision.per_parameter(dp * run.cp),
             if d.recompute.is_empty() {
                 "no recompute".to_string()
+            } else if d.recompute == FULL_RECOMPUTE {
+                "full recompute, a layer at a time".to_string()
             } else {
                 format!("recomputing {}", d.recompute.join(", "))
             },
@@ -607,8 +625,17 @@ pub fn estimate(recipe: &Recipe, run: &Run) -> Estimate {
     }
 }
 
+/// The bf16 inputs of `layers` layers on one rank, for one micro-batch: what full recompute
+/// keeps of each.
+fn layer_inputs(run: &Run, shape: &Shape, layers: usize) -> f64 {
+    let tokens = (run.micro_batch * run.seq / run.cp.max(1)) as f64;
+    let split = if run.sp { run.tp.max(1) as f64 } else { 1.0 };
+    layers as f64 * 2.0 * tokens * shape.hidden as f64 / split
+}
+
 /// The bf16 tensors the layers of `pattern` keep for the backward on one rank, for one
-/// micro-batch (see the module docs), in bytes.
+/// micro-batch (see the module docs), in bytes; under [`FULL_RECOMPUTE`], what one layer holds
+/// while it is recomputed.
 fn layer_activations(recipe: &Recipe, run: &Run, pattern: &str) -> f64 {
     let (shape, d) = (&recipe.shape, &recipe.defaults);
     let recomputes = |module: &str| d.recompute.contains(&module);
