@@ -275,7 +275,8 @@ pub fn run<L: Launcher>(
             "curve_difference": worst, "ok": pass
         }));
     }
-    let gap = decoding(launcher)?;
+    let t = trainer(DECODE_MODEL, "relu2", false, SMALL, &Value::Null)?;
+    let gap = decoding(launcher, &t.model, &DECODE_STEPS)?;
     let pass = gap <= DECODE_TOLERANCE;
     ok &= pass;
     writeln!(
@@ -684,7 +685,7 @@ const DECODE_MODEL: &str = "M*-E*M";
 
 /// What the decoding part feeds, a step a line: three rows, one left-padded for two steps, one
 /// that sits a step out mid-way (as a finished row does) and comes back.
-const DECODE_STEPS: [[Option<u32>; 3]; 7] = [
+pub(super) const DECODE_STEPS: [[Option<u32>; 3]; 7] = [
     [Some(5), None, Some(1)],
     [Some(6), None, Some(2)],
     [Some(7), Some(11), Some(3)],
@@ -694,17 +695,20 @@ const DECODE_STEPS: [[Option<u32>; 3]; 7] = [
     [Some(10), Some(15), Some(0)],
 ];
 
-/// The device decoder's largest logit gap from the CPU decoder's over [`DECODE_STEPS`], for
-/// the rows that fed a real token, relative to the step's largest logit.
-fn decoding<L: Launcher>(launcher: &L) -> Result<f32, RunError> {
+/// The device decoder's largest logit gap from the CPU decoder's, feeding `model` the `steps`
+/// (a step's ids a row), over the rows that fed a real token, relative to the step's largest
+/// logit. The device decoder holds exactly `steps.len()` steps.
+pub(super) fn decoding<L: Launcher, const R: usize>(
+    launcher: &L,
+    model: &Model,
+    steps: &[[Option<u32>; R]],
+) -> Result<f32, RunError> {
     use model::sampling::{CpuDecoder, Decoder};
-    let t = trainer(DECODE_MODEL, "relu2", false, SMALL, &Value::Null)?;
-    let weights = DeviceStep::upload_for_scoring(launcher, &t.model)?;
-    let rows = DECODE_STEPS[0].len();
-    let mut device = super::Decoding::start(&weights, &t.model, rows, DECODE_STEPS.len())?;
-    let mut cpu = CpuDecoder::new(&t.model, rows).map_err(crate::err)?;
+    let weights = DeviceStep::upload_for_scoring(launcher, model)?;
+    let mut device = super::Decoding::start(&weights, model, R, steps.len())?;
+    let mut cpu = CpuDecoder::new(model, R).map_err(crate::err)?;
     let mut worst = 0f32;
-    for ids in &DECODE_STEPS {
+    for ids in steps {
         let got = device.feed(ids)?;
         let want = cpu.step(ids).map_err(crate::err)?;
         let fed = || {

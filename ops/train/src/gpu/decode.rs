@@ -418,7 +418,7 @@ mod tests {
     use kernels::simt::Schedule;
     use model::config::ModelConfig;
     use model::params::Rng;
-    use model::sampling::{CpuDecoder, Sampling, generate_with};
+    use model::sampling::{Sampling, generate_with};
 
     /// Every block kind the decoder keeps caches for, and those it does not: Mamba-2 with two
     /// groups, GQA attention with RoPE or none, an MLP and an MoE block.
@@ -433,55 +433,31 @@ mod tests {
         Model::new(&cfg, 40, seed).unwrap()
     }
 
-    fn max_gap(a: &[Vec<f32>], b: &[Vec<f32>]) -> f32 {
-        a.iter()
-            .flatten()
-            .zip(b.iter().flatten())
-            .map(|(x, y)| (x - y).abs())
-            .fold(0.0, f32::max)
-    }
-
     /// Step after step, with rows sitting steps out (left padding, a row that finished and
-    /// one that resumes), the device's logits are the CPU decoder's within f32 rounding.
+    /// one that resumes), the device's logits are the CPU decoder's within f32 rounding
+    /// (gpu-check's decoding part), with RoPE and without, in both warp schedules; a decoder
+    /// whose caches are full says so.
     #[test]
     fn the_device_decoder_gives_the_cpu_decoders_logits_step_by_step() {
-        let steps: Vec<Vec<Option<u32>>> = vec![
-            vec![Some(5), None, Some(1)],
-            vec![Some(6), None, Some(2)],
-            vec![Some(7), Some(11), Some(3)],
-            vec![Some(8), Some(12), None],
-            vec![Some(9), Some(13), Some(39)],
-            vec![None, Some(14), Some(4)],
-            vec![Some(10), Some(15), Some(0)],
-        ];
+        let steps = super::super::check::DECODE_STEPS;
         for position in ["rope", "none"] {
             let model = hybrid(position, 3);
             for schedule in kernels::simt::SCHEDULES {
                 let shim = Shim { schedule };
-                let weights = DeviceStep::upload_for_scoring(&shim, &model).unwrap();
-                let mut gpu = Decoding::start(&weights, &model, 3, 9).unwrap();
-                let mut cpu = CpuDecoder::new(&model, 3).unwrap();
-                for (s, ids) in steps.iter().enumerate() {
-                    let want = cpu.step(ids).unwrap();
-                    let got = gpu.feed(ids).unwrap();
-                    // Rows that sat this step out have meaningless logits on both.
-                    let real = |v: &[Vec<f32>]| -> Vec<Vec<f32>> {
-                        v.iter()
-                            .zip(ids)
-                            .filter(|(_, id)| id.is_some())
-                            .map(|(row, _)| row.clone())
-                            .collect()
-                    };
-                    let gap = max_gap(&real(&got), &real(&want));
-                    assert!(gap < 2e-5, "{position} {schedule:?} step {s}: {gap:e}");
-                }
-                for _ in steps.len()..9 {
-                    assert!(gpu.feed(&steps[0]).is_ok(), "its caches hold 9 steps");
-                }
-                let full = gpu.feed(&steps[0]).unwrap_err().to_string();
-                assert!(full.contains("hold 9 steps, all fed"), "{full}");
+                let gap = super::super::check::decoding(&shim, &model, &steps).unwrap();
+                let tolerance = super::super::check::DECODE_TOLERANCE;
+                assert!(gap <= tolerance, "{position} {schedule:?}: {gap:e}");
             }
         }
+        let model = hybrid("rope", 3);
+        let shim = Shim::default();
+        let weights = DeviceStep::upload_for_scoring(&shim, &model).unwrap();
+        let mut gpu = Decoding::start(&weights, &model, 3, 2).unwrap();
+        for ids in &steps[..2] {
+            assert!(gpu.feed(ids).is_ok(), "its caches hold 2 steps");
+        }
+        let full = gpu.feed(&steps[2]).unwrap_err().to_string();
+        assert!(full.contains("hold 2 steps, all fed"), "{full}");
     }
 
     /// Sampling from the device decoder gives the CPU's completions: the same tokens from the
