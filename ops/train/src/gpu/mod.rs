@@ -583,48 +583,48 @@ impl<'l, L: Launcher> DeviceStep<'l, L> {
     /// GPU trainer cannot train yet.
     pub fn upload(launcher: &'l L, trainer: &Trainer) -> Result<Self, RunError> {
         let layout = Layout::of(&trainer.model, &trainer.decay)?;
-        let weights = trainer.model.params.values().map_err(crate::err)?;
+        let moments = |m: &[Vec<f32>]| launcher.upload_f32(&m.concat()).map_err(device);
+        let optimizer = (moments(&trainer.opt.m)?, moments(&trainer.opt.v)?);
+        Self::holding(launcher, layout, &trainer.model, Some(optimizer))
+    }
+
+    /// `model`'s weights on the device for forwards only ([`DeviceStep::logp`]: eval's
+    /// scoring; [`Decoding`]): no gradients or AdamW moments.
+    pub fn upload_for_scoring(launcher: &'l L, model: &Model) -> Result<Self, RunError> {
+        // (`decay` only matters to AdamW, which scoring never runs.)
+        let layout = Layout::of(model, &vec![false; model.params.iter().count()])?;
+        Self::holding(launcher, layout, model, None)
+    }
+
+    /// `model`'s weights uploaded in `layout`'s order, with the gradients and the norm's
+    /// buffers when `optimizer` brings AdamW's moments (m, v); empty buffers otherwise.
+    fn holding(
+        launcher: &'l L,
+        layout: Layout,
+        model: &Model,
+        optimizer: Option<(L::Buffer, L::Buffer)>,
+    ) -> Result<Self, RunError> {
+        let weights = model.params.values().map_err(crate::err)?;
         let weights = launcher.upload_f32(&weights.concat()).map_err(device)?;
-        let m = launcher
-            .upload_f32(&trainer.opt.m.concat())
-            .map_err(device)?;
-        let v = launcher
-            .upload_f32(&trainer.opt.v.concat())
-            .map_err(device)?;
+        let trains = optimizer.is_some();
+        let floats = |n: usize| {
+            launcher
+                .alloc(if trains { n * 4 } else { 0 })
+                .map_err(device)
+        };
+        let (m, v) = match optimizer {
+            Some(moments) => moments,
+            None => (floats(0)?, floats(0)?),
+        };
         Ok(DeviceStep {
             launcher,
-            grads: launcher.alloc(layout.total * 4).map_err(device)?,
-            norm_partial: launcher
-                .alloc(norm_blocks(layout.total) as usize * 8)
-                .map_err(device)?,
-            norm: launcher.alloc(8).map_err(device)?,
+            grads: floats(layout.total)?,
+            norm_partial: floats(norm_blocks(layout.total) as usize * 2)?,
+            norm: floats(2)?,
             layout,
             weights,
             m,
             v,
-            acts: None,
-            reference: None,
-            precision: Precision::F32,
-        })
-    }
-
-    /// `model`'s weights on the device for forwards only ([`DeviceStep::logp`]: eval's
-    /// scoring): no gradients or AdamW moments.
-    pub fn upload_for_scoring(launcher: &'l L, model: &Model) -> Result<Self, RunError> {
-        let layout = Layout::of(model, &vec![false; model.params.iter().count()])?;
-        // (`decay` only matters to AdamW, which scoring never runs.)
-        let weights = model.params.values().map_err(crate::err)?;
-        let weights = launcher.upload_f32(&weights.concat()).map_err(device)?;
-        let none = || launcher.alloc(0).map_err(device);
-        Ok(DeviceStep {
-            launcher,
-            grads: none()?,
-            norm_partial: none()?,
-            norm: none()?,
-            layout,
-            weights,
-            m: none()?,
-            v: none()?,
             acts: None,
             reference: None,
             precision: Precision::F32,
