@@ -798,9 +798,17 @@ fn megatron_stages_are_planned_per_gpu_and_refused_by_a_profile_whose_gpus_are_t
         "stages.grpo.resources.nodes=77",
     ]);
     assert_eq!(few.code, 2, "{few}");
+    // A rank per GPU (no ntasks_per_node) is refused too: NeMo-RL wants one Ray node a machine.
+    let ranks = p.run(&[
+        "validate",
+        "manifests/super3.yaml",
+        "stages.grpo.resources.ntasks_per_node=null",
+    ]);
+    assert_eq!(ranks.code, 2, "{ranks}");
+    assert!(ranks.stderr.contains("one rank per node, not 8"), "{ranks}");
     assert!(
         few.stderr.contains("77 nodes leave the policy none")
-            && few.stderr.contains("nodes: 78 at least"),
+            && few.stderr.contains("nodes: 81 at least"),
         "{few}"
     );
     // 80 GiB GPUs hold what each stage needs for certain.

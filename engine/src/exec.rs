@@ -237,6 +237,7 @@ pub fn exec(spec: &JobSpec, ops: Registry) -> Result<JobResult> {
         outputs: &spec.outputs,
         cmd: spec.cmd.as_deref(),
         world_size: spec.launch.as_ref().map(|l| l.world_size()),
+        nodes: spec.launch.as_ref().map(|l| u64::from(l.nodes)),
     };
     // The op parses and checks its params here too (a job spec may come from another process
     // or machine); `run` gets exactly what this check approved.

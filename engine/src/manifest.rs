@@ -129,6 +129,7 @@ impl Stage {
             outputs: &self.outputs,
             cmd: self.cmd.as_deref(),
             world_size: self.resources.launch().map(|l| l.world_size()),
+            nodes: self.resources.launch().map(|l| u64::from(l.nodes)),
         }
     }
 }

@@ -784,6 +784,7 @@ mod tests {
             outputs: &outputs,
             cmd: Some("cat {inputs.data} {params.m} > {outputs.o}"),
             world_size: None,
+            nodes: None,
         };
         let err = AnyOp::check(&Cmd, &stage).unwrap_err();
         assert_eq!(err.path, vec!["cmd"]);
@@ -873,6 +874,7 @@ mod tests {
             outputs: &outputs,
             cmd: Some("echo \"{params.x}\" > {outputs.o}"),
             world_size: None,
+            nodes: None,
         };
         let err = AnyOp::check(&Cmd, &stage).unwrap_err();
         assert_eq!(err.path, vec!["cmd"]);

@@ -587,6 +587,7 @@ mod tests {
                 outputs: &outputs,
                 cmd: None,
                 world_size: None,
+                nodes: None,
             },
         )
         .map(drop)
@@ -626,6 +627,7 @@ mod tests {
             outputs: &outputs,
             cmd: None,
             world_size: None,
+            nodes: None,
         };
         assert!(AnyOp::check(&Eval, &decl(vec!["model", "choices"])).is_ok());
         let err = AnyOp::check(&Eval, &decl(vec!["model"])).unwrap_err();

@@ -242,6 +242,7 @@ mod tests {
                 outputs: &BTreeMap::new(),
                 cmd: None,
                 world_size: None,
+                nodes: None,
             },
         );
         assert_eq!(outputs["preferences"], "preferences.jsonl");

@@ -141,6 +141,12 @@ struct Known {
     /// (`env.nemo_gym.num_gpu_nodes`).
     generation_nodes: u64,
     judge_nodes: u64,
+    /// GPUs of each of vLLM's own nodes (`colocated.resources.gpus_per_node`), which NeMo-RL
+    /// requires `cluster.gpus_per_node` to equal; none when colocated.
+    generation_gpus_per_node: Option<u64>,
+    /// `policy.train_global_batch_size` when the config's `loss_fn.force_on_policy_ratio`
+    /// requires a step's rollouts to be exactly one optimizer step.
+    on_policy_batch: Option<u64>,
     /// vLLM's tensor parallelism and the share of each GPU's memory it takes.
     vllm_tp: u64,
     vllm_memory: f64,
@@ -155,6 +161,8 @@ const KNOWN: [Known; 2] = [
         parallel: (2, 2, 8, 4, true),
         generation_nodes: 0,
         judge_nodes: 0,
+        generation_gpus_per_node: None,
+        on_policy_batch: None,
         vllm_tp: 4,
         vllm_memory: 0.5,
     },
@@ -164,19 +172,60 @@ const KNOWN: [Known; 2] = [
         parallel: (4, 1, 8, 8, true),
         generation_nodes: 72,
         judge_nodes: 5,
+        generation_gpus_per_node: Some(8),
+        on_policy_batch: Some(4096),
         vllm_tp: 4,
         vllm_memory: 0.8,
     },
 ];
 
 /// Overrides that change what [`KNOWN`] says of a config: its model, parallelism, placement,
-/// precision or recompute.
-const CHANGES_THE_PLAN: [&str; 4] = [
+/// precision, recompute or the tokens of a micro-batch.
+const CHANGES_THE_PLAN: [&str; 7] = [
     "policy.megatron_cfg.",
     "policy.generation.",
     "policy.precision",
+    "policy.train_micro_batch_size",
+    "policy.train_global_batch_size",
+    "policy.sequence_packing.",
     "env.nemo_gym.num_gpu_nodes",
 ];
+
+impl Known {
+    /// GPUs the policy trains on, out of `nodes` machines of `gpus_per_node`: what vLLM's own
+    /// nodes and the judges' leave (NeMo-RL's `grpo.setup`); `Err` says why there are none,
+    /// or why Megatron cannot shard the model over them.
+    fn policy_gpus(&self, nodes: u64, gpus_per_node: u64) -> Result<u64, String> {
+        let taken = self.generation_nodes + self.judge_nodes;
+        let gpus = nodes.saturating_sub(taken) * gpus_per_node;
+        if gpus == 0 {
+            return Err(format!(
+                "{nodes} nodes leave the policy none: {} gives vLLM {} nodes of its own and \
+                 NeMo-Gym's judges {}",
+                self.config, self.generation_nodes, self.judge_nodes
+            ));
+        }
+        let (tp, pp, ep, cp, _) = self.parallel;
+        let (dense, experts) = (tp * pp * cp, ep * pp);
+        if !gpus.is_multiple_of(dense) || !gpus.is_multiple_of(experts) {
+            return Err(format!(
+                "{nodes} nodes leave the policy {gpus} GPUs, which Megatron cannot shard {}'s \
+                 model over: its GPUs must be a multiple of TP × PP × CP = {dense} and of \
+                 EP × PP = {experts}",
+                self.config
+            ));
+        }
+        Ok(gpus)
+    }
+
+    /// The fewest nodes of `gpus_per_node` that [`Known::policy_gpus`] accepts.
+    fn fewest_nodes(&self, gpus_per_node: u64) -> u64 {
+        let first = self.generation_nodes + self.judge_nodes + 1;
+        (first..first + 1024)
+            .find(|n| self.policy_gpus(*n, gpus_per_node).is_ok())
+            .unwrap_or(first)
+    }
+}
 
 impl Params {
     /// The config's entry in [`KNOWN`], unless an override changes what it says.
@@ -186,24 +235,47 @@ impl Params {
             .keys()
             .any(|k| CHANGES_THE_PLAN.iter().any(|c| k.starts_with(c)));
         let config = self.config.trim_start_matches("./");
+        let root = self.rl_root.trim_end_matches('/');
         KNOWN
             .iter()
-            .find(|k| k.config == config || self.config == format!("{}/{}", self.rl_root, k.config))
+            .find(|k| k.config == config || config == format!("{root}/{}", k.config))
             .filter(|_| !changed)
     }
 
-    /// GPUs the policy trains on, out of `nodes` machines.
-    fn policy_gpus(&self, known: &Known, nodes: u64) -> Option<u64> {
-        nodes
-            .checked_sub(known.generation_nodes + known.judge_nodes)
-            .filter(|n| *n > 0)
-            .map(|n| n * self.gpus_per_node)
+    /// What a known config asks of the stage's machines, rollouts and GPUs: `Err` with the
+    /// field at fault and why.
+    fn fits(&self, known: &Known, nodes: u64) -> Result<u64, (&'static [&'static str], String)> {
+        if let Some(want) = known.generation_gpus_per_node
+            && want != self.gpus_per_node
+        {
+            return Err((
+                &["params", "gpus_per_node"],
+                format!(
+                    "{} runs vLLM on nodes of {want} GPUs, and NeMo-RL requires every node to have as many (cluster.gpus_per_node {})",
+                    known.config, self.gpus_per_node
+                ),
+            ));
+        }
+        if let Some(batch) = known.on_policy_batch
+            && self.prompts_per_step * self.generations_per_prompt != batch
+        {
+            return Err((
+                &["params", "prompts_per_step"],
+                format!(
+                    "{} trains on-policy (loss_fn.force_on_policy_ratio): a step's {} × {} rollouts must be its train_global_batch_size, {batch}",
+                    known.config, self.prompts_per_step, self.generations_per_prompt
+                ),
+            ));
+        }
+        known
+            .policy_gpus(nodes, self.gpus_per_node)
+            .map_err(|why| (&["resources", "nodes"][..], why))
     }
 
     /// Each policy GPU's memory and a step's training FLOPs on `nodes` machines.
     fn estimate(&self, nodes: u64) -> Option<Estimate> {
         let known = self.known()?;
-        let world = self.policy_gpus(known, nodes)?;
+        let world = self.fits(known, nodes).ok()?;
         let model = estimate::recipe(known.model)?;
         // The RL policy trains without MTP (`mtp_num_layers: 0`).
         let shape = estimate::Shape {
@@ -221,10 +293,13 @@ impl Params {
                 etp: 1,
                 cp,
                 sp,
-                // bf16 gradients (`grad_reduce_in_fp32: false`), fp32 main weights and Adam
-                // moments (the precision-aware optimizer's defaults), distributed.
+                // bf16 gradients (`grad_reduce_in_fp32: false`); the precision-aware
+                // optimizer's fp32 Adam moments and, with bf16 weights, only the 16 low bits of
+                // each fp32 main weight (Megatron-Core's `store_param_remainders`, on by
+                // default); distributed.
                 precision: Precision {
                     grad: 2,
+                    main: 2,
                     ..Precision::MEGATRON
                 },
                 recompute: FULL_RECOMPUTE,
@@ -327,28 +402,38 @@ impl Op for NemoRlGrpo {
     }
     fn check(&self, p: &Params, stage: &StageDecl) -> Result<(), DeclError> {
         check_params(p)?;
-        let (Some(known), Some(nodes)) = (p.known(), stage.world_size) else {
+        let (Some(ranks), Some(nodes)) = (stage.world_size, stage.nodes) else {
             return Ok(());
         };
-        match p.policy_gpus(known, nodes) {
-            Some(_) => Ok(()),
-            None => Err(DeclError::new(
-                &["resources", "nodes"],
+        // One Ray node per machine: rank.sh would fail on the cluster, after submission.
+        if ranks != nodes {
+            return Err(DeclError::new(
+                &["resources", "ntasks_per_node"],
                 format!(
-                    "{nodes} nodes leave the policy none: {} gives vLLM {} nodes of its own and NeMo-Gym's judges {}",
-                    known.config, known.generation_nodes, known.judge_nodes
+                    "nemo_rl_grpo starts one Ray node per machine, so one rank per node, not {}",
+                    ranks / nodes.max(1)
                 ),
             )
-            .with_help(format!(
-                "nodes: {} at least (the config's own cluster.num_nodes is what it was tuned for)",
-                known.generation_nodes + known.judge_nodes + 1
-            ))),
+            .with_help("ntasks_per_node: 1 (without it, a stage gets a rank per GPU of `gpus`)"));
         }
+        let Some(known) = p.known() else {
+            return Ok(());
+        };
+        p.fits(known, nodes).map(|_| ()).map_err(|(at, why)| {
+            let error = DeclError::new(at, why);
+            match at {
+                ["resources", "nodes"] => error.with_help(format!(
+                    "nodes: {} at least (the config's own cluster.num_nodes is what it was tuned for)",
+                    known.fewest_nodes(p.gpus_per_node)
+                )),
+                _ => error,
+            }
+        })
     }
     /// Each policy GPU's memory and a step's work, for a config nemo-dag knows.
     fn plan(&self, p: &Params, _: &Upstream, stage: &StageDecl) -> Plan {
         Plan {
-            estimate: stage.world_size.and_then(|nodes| p.estimate(nodes)),
+            estimate: stage.nodes.and_then(|nodes| p.estimate(nodes)),
             ..Plan::default()
         }
     }
@@ -866,9 +951,10 @@ mod tests {
 
     /// Super's RLVR config on its 109 nodes: the policy gets the 32 machines vLLM (72) and the
     /// judges (5) leave, 256 GPUs; each holds 1/8 of every layer's 512 routed experts (EP 8)
-    /// at 2 + 2 + 12/32 bytes a parameter (bf16 weight and gradient, fp32 main weight and
-    /// moments over the 32 expert-data-parallel ranks), and each layer's input for the
-    /// backward under full recompute; vLLM's TP-4 share of the bf16 weights is named.
+    /// at 2 + 2 + 10/32 bytes a parameter (bf16 weight and gradient; the main weight's 16
+    /// low bits and fp32 moments over the 32 expert-data-parallel ranks), and each layer's
+    /// input for the backward under full recompute; vLLM's TP-4 share of the bf16 weights is
+    /// named.
     #[test]
     fn a_known_config_is_planned_on_the_policys_gpus() {
         let p = params("examples/configs/super/stage1_rlvr.yaml", json!({}));
@@ -882,7 +968,7 @@ mod tests {
         let model = estimate::recipe("nemotron_3_super_sft_config")
             .unwrap()
             .shape;
-        let want = (model.decoder().experts / 8) as f64 * (2.0 + 2.0 + 12.0 / 32.0);
+        let want = (model.decoder().experts / 8) as f64 * (2.0 + 2.0 + 10.0 / 32.0);
         assert!((experts - want).abs() <= 1e-6 * want, "{experts} vs {want}");
         assert!(e.basis.contains("the policy's 256 GPUs"), "{}", e.basis);
         assert!(
@@ -898,14 +984,37 @@ mod tests {
             activations > inputs && activations < 4 * inputs,
             "{activations}"
         );
-        // Fewer nodes: the same config's vLLM and judges take the first 77.
-        assert!(
-            p.estimate(78)
-                .unwrap()
-                .basis
-                .contains("the policy's 8 GPUs")
-        );
+        // Fewer nodes: the same config's vLLM and judges take the first 77, and the policy's
+        // GPUs must be a multiple of TP × PP × CP = 32 (and of EP × PP = 8): 81 nodes at least.
         assert!(p.estimate(77).is_none());
+        assert!(
+            KNOWN[1]
+                .policy_gpus(78, 8)
+                .unwrap_err()
+                .contains("a multiple of TP × PP × CP = 32")
+        );
+        assert!(p.estimate(80).is_none());
+        let fewest = p.estimate(81).unwrap();
+        assert!(
+            fewest.basis.contains("the policy's 32 GPUs"),
+            "{}",
+            fewest.basis
+        );
+        assert_eq!(KNOWN[1].fewest_nodes(8), 81);
+        // Nodes of other than 8 GPUs, and rollouts that are not the config's on-policy batch,
+        // do not fit it.
+        let mut other = params("examples/configs/super/stage1_rlvr.yaml", json!({}));
+        other.gpus_per_node = 4;
+        assert_eq!(
+            other.fits(&KNOWN[1], 109).unwrap_err().0,
+            ["params", "gpus_per_node"]
+        );
+        other.gpus_per_node = 8;
+        other.generations_per_prompt = 8;
+        assert_eq!(
+            other.fits(&KNOWN[1], 109).unwrap_err().0,
+            ["params", "prompts_per_step"]
+        );
         // A config nemo-dag does not know, or one whose parallelism is overridden, is not
         // planned.
         assert!(

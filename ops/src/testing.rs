@@ -22,6 +22,7 @@ pub fn run_op(
         outputs: &BTreeMap::new(),
         cmd: None,
         world_size: None,
+        nodes: None,
     };
     let checked = op.check(&decl).unwrap();
     let outputs = op.outputs(&decl);

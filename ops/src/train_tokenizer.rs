@@ -318,6 +318,7 @@ pub(crate) mod tests {
             outputs: &outputs,
             cmd: None,
             world_size: None,
+            nodes: None,
         };
         let err = AnyOp::check(&TrainTokenizer, &decl).unwrap_err();
         assert_eq!(err.path, vec!["params", "vocab_size"]);
@@ -329,6 +330,7 @@ pub(crate) mod tests {
             outputs: &outputs,
             cmd: None,
             world_size: None,
+            nodes: None,
         };
         let err = AnyOp::check(&TrainTokenizer, &decl).unwrap_err();
         assert!(err.message.contains("unknown field"), "{}", err.message);

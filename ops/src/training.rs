@@ -446,6 +446,7 @@ mod tests {
                 outputs: &outputs,
                 cmd: None,
                 world_size: None,
+                nodes: None,
             },
             inputs: &inputs,
             out_dir: Path::new("."),

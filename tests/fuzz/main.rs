@@ -379,6 +379,7 @@ fn one_case(case: &Case, scratch: &Path, ops: Registry) -> Result<bool, String> 
             outputs: &outputs,
             cmd: Some(&case.cmd),
             world_size: None,
+            nodes: None,
         };
         let _ = cmd_op.check(&decl);
     }

@@ -50,6 +50,9 @@ pub struct StageDecl<'a> {
     /// The ranks a launched stage runs (`resources.launch`: nodes × ranks per node); `None`
     /// for a stage that is not launched.
     pub world_size: Option<u64>,
+    /// The machines a launched stage runs on (`resources.nodes`); `None` for a stage that is
+    /// not launched.
+    pub nodes: Option<u64>,
 }
 
 /// A problem with a stage declaration, located by a path inside the stage
@@ -511,6 +514,7 @@ mod tests {
                 outputs: &outputs,
                 cmd: None,
                 world_size: None,
+                nodes: None,
             },
             inputs: &inputs,
             out_dir: Path::new("."),
@@ -536,6 +540,7 @@ mod tests {
                 outputs: &outputs,
                 cmd: None,
                 world_size: None,
+                nodes: None,
             },
             inputs: &inputs,
             out_dir: Path::new("."),
@@ -589,6 +594,7 @@ mod tests {
                     outputs: &outputs,
                     cmd: None,
                     world_size: None,
+                    nodes: None,
                 },
             )
         };
@@ -611,6 +617,7 @@ mod tests {
                 outputs: &BTreeMap::new(),
                 cmd: None,
                 world_size: None,
+                nodes: None,
             },
         )
         .unwrap();

@@ -528,22 +528,30 @@ fn stage(recipe: &Recipe, run: &Run, first: bool, last: bool) -> StageMemory {
     } else {
         1
     };
-    let layers = if d.recompute == FULL_RECOMPUTE {
-        // Every layer's input, and one layer's activations while it is recomputed.
-        let inputs = layer_inputs(run, shape, shape.pattern.len()) / run.pp as f64;
+    let activations = if d.recompute == FULL_RECOMPUTE {
+        // Every layer's input, for each micro-batch in flight (the MTP depths' too, on the
+        // last stage), and one layer's activations while it is recomputed.
+        let mtp = if last {
+            shape.mtp.len() * shape.mtp_depths as usize
+        } else {
+            0
+        };
+        let inputs = layer_inputs(run, shape, shape.pattern.len()) / run.pp as f64
+            + layer_inputs(run, shape, mtp);
         let widest = [shape.pattern, if last { shape.mtp } else { "" }]
             .iter()
             .flat_map(|p| p.chars())
             .map(|c| layer_activations(recipe, run, &c.to_string()))
             .fold(0.0, f64::max);
-        inputs + widest
+        inputs * in_flight as f64 + widest
     } else {
-        layer_activations(recipe, run, shape.pattern) / run.pp as f64
+        let layers = layer_activations(recipe, run, shape.pattern) / run.pp as f64
             + if last {
                 layer_activations(recipe, run, shape.mtp) * shape.mtp_depths as f64
             } else {
                 0.0
-            }
+            };
+        layers * in_flight as f64
     };
     let logits = if last {
         4 * run.micro_batch * run.seq / run.cp.max(1) * shape.vocab / run.tp.max(1)
@@ -554,7 +562,7 @@ fn stage(recipe: &Recipe, run: &Run, first: bool, last: bool) -> StageMemory {
     StageMemory {
         dense: dense as u64,
         experts: experts as u64,
-        activations: (layers * in_flight as f64) as u64,
+        activations: activations as u64,
         logits,
     }
 }
