@@ -251,7 +251,7 @@ const PIPELINE: &str = include_str!("../bench/gpu_ops.yaml");
 /// follow the same stage's on the CPU within bf16's tolerance (the device multiplies in bf16);
 /// the `device: cuda` eval of that model scores its perplexity on the device, within the same
 /// tolerance of the CPU's, and decodes its answers there (KV and SSM caches on the device), the
-/// CPU's greedy answers.
+/// CPU's greedy answers; and a `device: cuda` GRPO stage decodes its rollouts and trains there.
 #[test]
 fn the_ops_gpu_branch_trains_and_scores_on_the_shim_as_the_cpu_does() {
     let on_cpu = Project::new("gpu-branch-cpu");
@@ -275,7 +275,7 @@ fn the_ops_gpu_branch_trains_and_scores_on_the_shim_as_the_cpu_does() {
         .filter_map(|dir| std::fs::read_to_string(dir.join("log.txt")).ok())
         .filter(|log| log.contains("device: the SIMT shim"))
         .collect();
-    assert_eq!(logs.len(), 2, "the pretrain's and the eval's logs\n{out}");
+    assert_eq!(logs.len(), 3, "the pretrain's, the eval's and GRPO's logs\n{out}");
     assert!(
         logs.iter()
             .any(|l| l.contains("generation: 8 prompts, decoded on the device")),
@@ -317,4 +317,18 @@ fn the_ops_gpu_branch_trains_and_scores_on_the_shim_as_the_cpu_does() {
     let (got, want) = (answers(&on_shim), answers(&on_cpu));
     assert_eq!(got.len(), 5, "{got:?}");
     assert_eq!(got, want, "greedy answers on the device and on the CPU");
+
+    // GRPO trains both steps on the device, its rollouts decoded there, and publishes; the
+    // figures of a step are the rollouts' (sampled in bf16 on the device, in f32 on the CPU).
+    let curve = |p: &Project| show(p, "grpo")["metrics"]["curve"].clone();
+    let (got, want) = (curve(&on_shim), curve(&on_cpu));
+    eprintln!("grpo on the shim {got}, on the CPU {want}");
+    for c in [&got, &want] {
+        let steps = c.as_array().unwrap();
+        assert_eq!(steps.len(), 2, "{c}");
+        for step in steps {
+            let length = step["metrics"]["response_length"].as_f64().unwrap();
+            assert!((1.0..=4.0).contains(&length), "{step}");
+        }
+    }
 }
