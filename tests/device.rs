@@ -275,7 +275,11 @@ fn the_ops_gpu_branch_trains_and_scores_on_the_shim_as_the_cpu_does() {
         .filter_map(|dir| std::fs::read_to_string(dir.join("log.txt")).ok())
         .filter(|log| log.contains("device: the SIMT shim"))
         .collect();
-    assert_eq!(logs.len(), 3, "the pretrain's, the eval's and GRPO's logs\n{out}");
+    assert_eq!(
+        logs.len(),
+        3,
+        "the pretrain's, the eval's and GRPO's logs\n{out}"
+    );
     assert!(
         logs.iter()
             .any(|l| l.contains("generation: 8 prompts, decoded on the device")),

@@ -187,15 +187,7 @@ impl<'s, 'l, 'm, L: Launcher> Decoding<'s, 'l, 'm, L> {
         k.embedding(l.embedding.at(w), &acts.inputs[0].ids, at.x(0), vocab, d)?;
         for (i, cache) in main.blocks.clone().zip(&self.caches) {
             let (block, a, x) = (&l.blocks[i], &acts.blocks[i], main.slot(i));
-            k.rms_norm(
-                at.x(x),
-                block.norm.at(w),
-                at.normed(i),
-                at.rstd(x),
-                d,
-                l.eps,
-            )?;
-            k.copy(at.x(x), at.x(x + 1), b * d)?;
+            k.enter_block(&at, block.norm.at(w), (i, x), l.eps)?;
             let p = match &block.body {
                 Body::Moe(experts) => {
                     let (scratch, layer) = (moe_scratch(acts)?, moe_layer(self.model, main, i)?);

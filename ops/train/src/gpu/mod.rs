@@ -535,6 +535,22 @@ struct Slots<'a, B> {
     hidden: usize,
 }
 
+impl<L: Launcher> Kernels<'_, L> {
+    /// Block `i`'s entry from residual slot `x`: its normed input (`normed(i)`, and the norm's
+    /// 1/rms) and the residual carried into slot `x + 1`, onto which the block adds its output.
+    fn enter_block(
+        &self,
+        at: &Slots<'_, L::Buffer>,
+        norm: Arg<'_, L::Buffer>,
+        (i, x): (usize, usize),
+        eps: f32,
+    ) -> Result<(), RunError> {
+        let d = at.hidden;
+        self.rms_norm(at.x(x), norm, at.normed(i), at.rstd(x), d, eps)?;
+        self.copy(at.x(x), at.x(x + 1), self.rows * d)
+    }
+}
+
 impl<'a, B> Slots<'a, B> {
     fn x(&self, i: usize) -> Arg<'a, B> {
         Arg::Ptr(&self.acts.xs, i * self.rows * self.hidden * 4)
@@ -931,15 +947,7 @@ impl<'l, L: Launcher> DeviceStep<'l, L> {
             for i in stack.blocks.clone() {
                 let (block, a, x) = (&l.blocks[i], &acts.blocks[i], stack.slot(i));
                 let (projected, mixed) = (Arg::Ptr(&a.projected, 0), Arg::Ptr(&a.mixed, 0));
-                k.rms_norm(
-                    at.x(x),
-                    block.norm.at(w),
-                    at.normed(i),
-                    at.rstd(x),
-                    d,
-                    l.eps,
-                )?;
-                k.copy(at.x(x), at.x(x + 1), rows * d)?;
+                k.enter_block(&at, block.norm.at(w), (i, x), l.eps)?;
                 let p = match &block.body {
                     Body::Projected(p) => p,
                     Body::Moe(experts) => {
