@@ -306,19 +306,14 @@ impl Params {
                 capacity: None,
             },
         };
-        let run = Run {
+        let rollouts = self.prompts_per_step * self.generations_per_prompt;
+        let run = Run::of(
+            &recipe.defaults,
             world,
-            tp,
-            pp,
-            ep,
-            etp: 1,
-            cp,
-            sp,
-            seq: self.sequence_length,
-            micro_batch: 1,
-            global_batch: self.prompts_per_step * self.generations_per_prompt,
-            steps: self.steps,
-        };
+            self.sequence_length,
+            (1, rollouts),
+            self.steps,
+        );
         let mut e = estimate::estimate(&recipe, &run);
         let weights = shape.parameters().total() * 2 / known.vllm_tp;
         let placement = match known.generation_nodes {

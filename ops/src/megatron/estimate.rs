@@ -464,6 +464,31 @@ pub struct Run {
 }
 
 impl Run {
+    /// A run of `world` ranks with `defaults`' parallelism, micro-batches of `micro_batch` ×
+    /// `seq` tokens and `global_batch` sequences a step.
+    pub fn of(
+        defaults: &Defaults,
+        world: u64,
+        seq: u64,
+        (micro_batch, global_batch): (u64, u64),
+        steps: u64,
+    ) -> Run {
+        let d = defaults;
+        Run {
+            world,
+            tp: d.tp,
+            pp: d.pp,
+            ep: d.ep,
+            etp: d.etp,
+            cp: d.cp,
+            sp: d.sp,
+            seq,
+            micro_batch,
+            global_batch,
+            steps,
+        }
+    }
+
     /// Data-parallel ranks of the dense weights and of the routed experts.
     fn data_parallel(&self) -> (u64, u64) {
         let dense = self.world / (self.tp * self.pp * self.cp).max(1);
@@ -751,20 +776,7 @@ mod tests {
     }
 
     fn run(recipe: &Recipe, world: u64, seq: u64, global_batch: u64) -> Run {
-        let d = recipe.defaults;
-        Run {
-            world,
-            tp: d.tp,
-            pp: d.pp,
-            ep: d.ep,
-            etp: d.etp,
-            cp: d.cp,
-            sp: d.sp,
-            seq,
-            micro_batch: 1,
-            global_batch,
-            steps: 10,
-        }
+        Run::of(&recipe.defaults, world, seq, (1, global_batch), 10)
     }
 
     /// Weights and optimizer per GPU, worked by hand with Megatron-LM's splitting rule: Nano's
