@@ -20,7 +20,7 @@
 //! the first), so a left-padded prompt decodes exactly as it would alone. The logits of a row
 //! that sat out are meaningless.
 //!
-//! **Prefill** ([`Model::prefill`]) feeds the prompts one token per step, left padded. That is
+//! **Prefill** (`sampling::prefill`) feeds the prompts one token per step, left padded. That is
 //! `O(T)` small forwards instead of one chunked one — fine for our tiny models, and it needs no
 //! second code path to keep equal to the first. MTP depths are training-only and not used here.
 
@@ -28,7 +28,7 @@ use super::layers::{KvCache, Layout, rms_norm};
 use super::mamba2::Mamba2Cache;
 use super::net::{Mixer, Model};
 use super::params::constant_f32;
-use candle_core::{DType, Device, Result, Tensor};
+use candle_core::{Device, Result, Tensor};
 
 /// What one block of the main stack keeps between steps.
 pub enum BlockCache {
@@ -180,26 +180,6 @@ impl Model {
         let logits = self.head(&rms_norm(&x, &self.final_norm, eps)?)?;
         logits.squeeze(1)
     }
-
-    /// Start a decode state and feed it `prompts`, left padded to the longest (padding steps
-    /// are `None`, so they leave no trace). Returns the state and the logits of each row's
-    /// first new token, `(B, vocab)`. Every prompt needs at least one token.
-    pub fn prefill(&self, prompts: &[Vec<u32>]) -> Result<(DecodeState, Tensor)> {
-        if let Some(r) = prompts.iter().position(Vec::is_empty) {
-            candle_core::bail!("prompt {r} is empty: decoding needs at least one token")
-        }
-        let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
-        let mut state = self.start_decode(prompts.len())?;
-        let mut logits = Tensor::zeros((prompts.len(), self.vocab), DType::F32, &Device::Cpu)?;
-        for s in 0..longest {
-            let ids: Vec<Option<u32>> = prompts
-                .iter()
-                .map(|p| (s + p.len()).checked_sub(longest).map(|i| p[i]))
-                .collect();
-            logits = self.decode_step(&mut state, &ids)?;
-        }
-        Ok((state, logits))
-    }
 }
 
 /// Per row: `new` where `active` (B, 1, 1) is set, `old` elsewhere.
@@ -329,6 +309,7 @@ mod tests {
         let mut state = model.start_decode(2).unwrap();
         assert!(model.decode_step(&mut state, &[Some(1)]).is_err());
         assert!(model.decode_step(&mut state, &[Some(1), Some(40)]).is_err());
-        assert!(model.prefill(&[vec![1], vec![]]).is_err());
+        let mut decoder = crate::sampling::CpuDecoder::new(&model, 2).unwrap();
+        assert!(crate::sampling::prefill(&mut decoder, &[vec![1], vec![]]).is_err());
     }
 }

@@ -197,9 +197,28 @@ pub fn generate_until(
     generate_with(&mut decoder, prompts, sampling, stop_ids, rngs, done)
 }
 
+/// Feeds `prompts` to a fresh `decoder`, one token a step, left padded to the longest
+/// (padding steps are `None`, so they leave no trace); returns each row's logits of its first
+/// new token. Every prompt needs at least one token.
+pub fn prefill(decoder: &mut dyn Decoder, prompts: &[Vec<u32>]) -> Result<Vec<Vec<f32>>> {
+    if let Some(r) = prompts.iter().position(Vec::is_empty) {
+        candle_core::bail!("prompt {r} is empty: decoding needs at least one token")
+    }
+    let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
+    let mut rows = Vec::new();
+    for s in 0..longest {
+        let ids: Vec<Option<u32>> = prompts
+            .iter()
+            .map(|p| (s + p.len()).checked_sub(longest).map(|i| p[i]))
+            .collect();
+        rows = decoder.step(&ids)?;
+    }
+    Ok(rows)
+}
+
 /// [`generate_until`] on any [`Decoder`] of `prompts.len()` rows, fresh (nothing fed yet) and
-/// long enough for the longest prompt plus `max_tokens` ([`decode_length`]). The prompts are
-/// fed one token a step, left padded, as [`Model::prefill`] does.
+/// long enough for the longest prompt plus `max_tokens` ([`decode_length`]); the prompts go in
+/// through [`prefill`].
 pub fn generate_with(
     decoder: &mut dyn Decoder,
     prompts: &[Vec<u32>],
@@ -226,18 +245,7 @@ pub fn generate_with(
     if b == 0 || sampling.max_tokens == 0 {
         return Ok(out);
     }
-    if let Some(r) = prompts.iter().position(Vec::is_empty) {
-        candle_core::bail!("prompt {r} is empty: decoding needs at least one token")
-    }
-    let longest = prompts.iter().map(Vec::len).max().unwrap_or(0);
-    let mut rows = Vec::new();
-    for s in 0..longest {
-        let ids: Vec<Option<u32>> = prompts
-            .iter()
-            .map(|p| (s + p.len()).checked_sub(longest).map(|i| p[i]))
-            .collect();
-        rows = decoder.step(&ids)?;
-    }
+    let mut rows = prefill(decoder, prompts)?;
     let mut finished = vec![false; b];
     loop {
         let mut next = vec![None; b];
