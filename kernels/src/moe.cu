@@ -88,7 +88,8 @@ extern "C" __global__ void moe_gather_f32(const float* x, const int* routes, con
 
 // out[t] = base[t] + Σ w · yp[p] over the token's permuted rows p (ascending), w =
 // gates[slot_p] (or 1 when gates is null), base 0 when null and out itself to add in place;
-// one addition at a time, as the CPU's index_add makes them.
+// one addition at a time, as the CPU's index_add makes them: __fmul_rn and __fadd_rn, which
+// NVRTC never contracts into one fused multiply-add, so the GPU rounds the product as the CPU.
 extern "C" __global__ void moe_combine_f32(const float* yp, const int* pos, const int* slots,
                                            const float* gates, const float* base, float* out,
                                            int rows, int k, int d) {
@@ -100,7 +101,7 @@ extern "C" __global__ void moe_combine_f32(const float* yp, const int* pos, cons
         for (int j = 0; j < k; ++j) {
             const int p = pos[t * k + j];
             const float v = yp[size_t(p) * d + c];
-            acc = acc + (gates ? gates[slots[p]] * v : v);
+            acc = __fadd_rn(acc, gates ? __fmul_rn(gates[slots[p]], v) : v);
         }
         out[e] = acc;
     }
