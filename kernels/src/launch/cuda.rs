@@ -173,6 +173,14 @@ impl Launcher for Cuda {
             .map_err(driver("cuMemcpyHtoD"))
     }
 
+    /// On the device (cuMemsetD8Async), not by copying zeros from the host: the trainer zeroes
+    /// its gradients every step, and a pageable copy of them is as big as the model.
+    fn zero(&self, buffer: &mut CudaSlice<u8>) -> Result<()> {
+        self.stream
+            .memset_zeros(buffer)
+            .map_err(driver("cuMemsetD8Async"))
+    }
+
     fn read(&self, buffer: &CudaSlice<u8>, offset: usize, len: usize) -> Result<Vec<u8>> {
         in_bounds("read", offset, len, buffer.len())?;
         let mut out = vec![0u8; len];

@@ -108,6 +108,12 @@ pub trait Launcher {
     /// Copies `data` into `buffer` at `offset` bytes.
     fn write(&self, buffer: &mut Self::Buffer, offset: usize, data: &[u8]) -> Result<()>;
 
+    /// Sets every byte of `buffer` to zero, in issue order with the launches.
+    fn zero(&self, buffer: &mut Self::Buffer) -> Result<()> {
+        let len = self.len(buffer);
+        self.write(buffer, 0, &vec![0u8; len])
+    }
+
     /// `len` bytes of `buffer` from `offset`, once every launch before has finished.
     fn read(&self, buffer: &Self::Buffer, offset: usize, len: usize) -> Result<Vec<u8>>;
 

@@ -1280,10 +1280,7 @@ impl<'l, L: Launcher> DeviceStep<'l, L> {
 
     /// Sets every gradient to zero, before a step's first micro-batch.
     fn zero_grads(&mut self) -> Result<(), RunError> {
-        let len = self.launcher.len(&self.grads);
-        self.launcher
-            .write(&mut self.grads, 0, &vec![0u8; len])
-            .map_err(device)
+        self.launcher.zero(&mut self.grads).map_err(device)
     }
 
     /// The global L2 norm of the gradients (f64 partials summed in block order), and the
