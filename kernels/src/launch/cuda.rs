@@ -2,7 +2,8 @@
 //! architecture (through the on-disk kernel cache), loaded as a module, launched on one stream.
 
 use std::collections::HashMap;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
 use cudarc::driver::{
     CudaContext, CudaFunction, CudaSlice, CudaStream, DevicePtr, LaunchConfig, PushKernelArg,
@@ -10,7 +11,9 @@ use cudarc::driver::{
 use cudarc::nvrtc::Ptx;
 
 use super::cublaslt::CublasLt;
-use super::{Arg, Geometry, LaunchError, Launcher, Result, in_bounds};
+use super::{
+    Arg, Geometry, KERNEL_TIMES_VAR, KernelTime, LaunchError, Launcher, Result, in_bounds,
+};
 use crate::cuda::kernel_names::kernel_names;
 use crate::cuda::{CudaLibrary, Gpu, KernelCache, Nvrtc, SOURCES};
 use crate::linear::{Gemm, Precision};
@@ -24,6 +27,8 @@ pub struct Cuda {
     functions: HashMap<String, CudaFunction>,
     /// bf16 products' tensor cores, or why they run on linear.cu's kernel instead.
     cublaslt: std::result::Result<CublasLt, String>,
+    /// Launches and seconds by kernel, when launches are timed ([`KERNEL_TIMES_VAR`]).
+    times: Option<Mutex<HashMap<String, (u64, f64)>>>,
 }
 
 fn driver(call: &str) -> impl Fn(cudarc::driver::DriverError) -> LaunchError + '_ {
@@ -62,6 +67,9 @@ impl Cuda {
             stream: context.default_stream(),
             functions,
             cublaslt: Err(String::new()),
+            times: std::env::var(KERNEL_TIMES_VAR)
+                .is_ok_and(|v| !v.is_empty() && v != "0")
+                .then(Mutex::default),
         };
         cuda.cublaslt = if CudaLibrary::CublasLt.is_present() {
             context
@@ -138,6 +146,32 @@ impl Cuda {
             .map_err(|e| LaunchError(format!("launching {name}: {e}")))
     }
 
+    /// Issues `launch`; when launches are timed, waits for the stream before and after it and
+    /// adds the time between to `name`'s: the kernel's time on the device and one launch's
+    /// latency. Waiting at every launch makes a step slower: timed figures are for shares, not
+    /// for rates.
+    fn timed(
+        &self,
+        name: impl FnOnce() -> String,
+        launch: impl FnOnce() -> Result<()>,
+    ) -> Result<()> {
+        let Some(times) = &self.times else {
+            return launch();
+        };
+        self.synchronize()?;
+        let clock = Instant::now();
+        launch()?;
+        self.synchronize()?;
+        let seconds = clock.elapsed().as_secs_f64();
+        let mut times = times
+            .lock()
+            .map_err(|_| LaunchError("kernel times: a thread panicked holding them".into()))?;
+        let entry = times.entry(name()).or_default();
+        entry.0 += 1;
+        entry.1 += seconds;
+        Ok(())
+    }
+
     fn function(&self, name: &str) -> Result<&CudaFunction> {
         self.functions
             .get(name)
@@ -209,7 +243,10 @@ impl Launcher for Cuda {
             .map(|a| a.slot(pointer))
             .collect::<Result<Vec<u64>>>()?;
         // SAFETY: passed on from the caller.
-        unsafe { self.launch_slots(name, geometry, &slots) }
+        self.timed(
+            || name.to_string(),
+            || unsafe { self.launch_slots(name, geometry, &slots) },
+        )
     }
 
     fn len(&self, buffer: &CudaSlice<u8>) -> usize {
@@ -236,6 +273,22 @@ impl Launcher for Cuda {
         self.without_cublaslt()
     }
 
+    fn take_kernel_times(&self) -> Vec<KernelTime> {
+        let Some(Ok(mut times)) = self.times.as_ref().map(Mutex::lock) else {
+            return Vec::new();
+        };
+        let mut taken: Vec<KernelTime> = times
+            .drain()
+            .map(|(name, (launches, seconds))| KernelTime {
+                name,
+                launches,
+                seconds,
+            })
+            .collect();
+        taken.sort_by(|a, b| b.seconds.total_cmp(&a.seconds).then(a.name.cmp(&b.name)));
+        taken
+    }
+
     fn gemm_backend(&self, precision: Precision) -> String {
         match (&self.cublaslt, precision) {
             (Ok(_), Precision::Bf16) => "cuBLASLt".to_string(),
@@ -260,8 +313,14 @@ impl Launcher for Cuda {
                     Ok(self.address(buffer) + offset as u64)
                 };
                 let [a, b, c] = [a, b, c].map(|arg| arg.slot(pointer));
+                let (a, b, c) = (a?, b?, c?);
+                let layout = |t| if t { 'T' } else { 'N' };
+                let name = || {
+                    let (ta, tb) = (layout(gemm.trans_a), layout(gemm.trans_b));
+                    format!("cuBLASLt {}x{}x{} {ta}{tb}", gemm.m, gemm.n, gemm.k)
+                };
                 // SAFETY: passed on from the caller.
-                unsafe { blas.matmul(self, gemm, (a?, b?, c?)) }
+                self.timed(name, || unsafe { blas.matmul(self, gemm, (a, b, c)) })
             }
             // SAFETY: passed on from the caller; the arguments are the kernel's, in order.
             _ => unsafe { self.launch(gemm.kernel(), geometry, &gemm.args(a, b, c)) },

@@ -94,6 +94,20 @@ impl Geometry {
     }
 }
 
+/// The time one kernel (or one product shape) took over the launches since the last
+/// [`Launcher::take_kernel_times`].
+#[derive(Clone, Debug, PartialEq)]
+pub struct KernelTime {
+    /// The kernel's name, or `cuBLASLt m×n×k` and its operands' layouts for a product.
+    pub name: String,
+    pub launches: u64,
+    /// Wall time from its launch to the stream's end, added over its launches.
+    pub seconds: f64,
+}
+
+/// The variable that makes [`Cuda`] time each launch (any value but empty or `0`).
+pub const KERNEL_TIMES_VAR: &str = "NEMO_DAG_KERNEL_TIMES";
+
 /// Device memory and kernel launches on one device, in issue order.
 pub trait Launcher {
     /// A device allocation.
@@ -150,6 +164,12 @@ pub trait Launcher {
     /// without), or `None`.
     fn lacks(&self) -> Option<&str> {
         None
+    }
+
+    /// The time each kernel took since the last call, longest first, where this executor
+    /// times its launches ([`Cuda`] under [`KERNEL_TIMES_VAR`]); empty where it does not.
+    fn take_kernel_times(&self) -> Vec<KernelTime> {
+        Vec::new()
     }
 
     /// What runs a product at `precision`, for reports: a linear.cu kernel, or a library.

@@ -27,7 +27,7 @@
 
 use super::{DeviceStep, TRAINING_PRECISION};
 use crate::{BatchSource, NextToken, Objective, Schedule, Trainer, dpo, grpo};
-use kernels::launch::{Arg, Launcher};
+use kernels::launch::{Arg, KernelTime, Launcher};
 use kernels::linear::{Gemm, Precision, gemm_reference};
 use model::config::ModelConfig;
 use model::layers::Layout;
@@ -940,9 +940,13 @@ fn flops_per_token(t: &Trainer, len: usize) -> f64 {
     6.0 * params + 12.0 * layers * (cfg.heads * cfg.head_dim * len) as f64
 }
 
+/// The CPU trainer's steps the speed part times, at most: a step of GPT-2 small's 8,192 tokens
+/// takes the CPU about ten seconds even on sixteen cores, and its rate is only there to compare.
+const CPU_SPEED_STEPS: u64 = 2;
+
 /// Tokens per second of the device, its matmuls at `precision` and (for comparison) at f32,
-/// and of the CPU trainer, `steps` steps each after a warm-up step on the device, with the
-/// device's model TFLOP/s.
+/// `steps` steps each after a warm-up step, and of the CPU trainer over at most
+/// [`CPU_SPEED_STEPS`] steps, with the device's model TFLOP/s.
 fn speed<L: Launcher>(
     launcher: &L,
     m: &SpeedModel,
@@ -959,51 +963,104 @@ fn speed<L: Launcher>(
     let tokens_per_step = m.rows * m.len;
     let tokens = (tokens_per_step as u64 * steps) as f64;
     let fresh = || trainer(m.pattern, m.activation, m.tied, size, &(m.overrides)());
-    let on_device = |precision| -> Result<f64, RunError> {
+    let on_device = |precision| -> Result<(f64, Vec<KernelTime>), RunError> {
         let mut t = fresh()?;
         let mut step = DeviceStep::upload(launcher, &t)?.with_precision(precision);
         let mut data = source();
         step.step(&mut t, &mut data)?; // warm-up: allocations, first launches
         t.step = 0;
+        launcher.take_kernel_times();
         let clock = Instant::now();
         for _ in 0..steps {
             step.step(&mut t, &mut data)?;
         }
-        Ok(tokens / clock.elapsed().as_secs_f64().max(1e-9))
+        let rate = tokens / clock.elapsed().as_secs_f64().max(1e-9);
+        Ok((rate, launcher.take_kernel_times()))
     };
-    let device_rate = on_device(precision)?;
+    let (device_rate, times) = on_device(precision)?;
     let f32_rate = match precision {
         Precision::F32 => device_rate,
-        _ => on_device(Precision::F32)?,
+        _ => on_device(Precision::F32)?.0,
     };
     let mut cpu = fresh()?;
     let (flops, parameters) = (flops_per_token(&cpu, m.len), cpu.model.params.count());
     let mut data = source();
     let mut objective = NextToken::new(&mut data);
+    let cpu_steps = steps.min(CPU_SPEED_STEPS);
     let clock = Instant::now();
-    for _ in 0..steps {
+    for _ in 0..cpu_steps {
         cpu.step(&mut objective)?;
     }
-    let cpu_rate = tokens / clock.elapsed().as_secs_f64().max(1e-9);
+    let cpu_rate =
+        (tokens_per_step as u64 * cpu_steps) as f64 / clock.elapsed().as_secs_f64().max(1e-9);
     let tflops = device_rate * flops / 1e12;
     writeln!(
         out,
         "speed        {}, vocab {}, {tokens_per_step} tokens a step, {steps} steps: device \
          ({} matmuls) {device_rate:.0} tokens/s ({tflops:.1} model TFLOP/s; f32 matmuls \
-         {f32_rate:.0}, {:.2}x), CPU trainer {cpu_rate:.0} tokens/s ({:.2}x)",
+         {f32_rate:.0}, {:.2}x), CPU trainer {cpu_rate:.0} tokens/s over {cpu_steps} steps \
+         ({:.2}x)",
         m.name,
         size.vocab,
         precision.name(),
         device_rate / f32_rate,
         device_rate / cpu_rate
     )?;
+    kernel_times(&times, steps, tokens_per_step as f64 / device_rate, out)?;
     Ok(json!({
         "model": m.name, "pattern": m.pattern, "parameters": parameters,
         "tokens_per_step": tokens_per_step, "steps": steps, "precision": precision.name(),
         "device_tokens_per_s": device_rate, "device_f32_tokens_per_s": f32_rate,
-        "cpu_tokens_per_s": cpu_rate,
+        "cpu_tokens_per_s": cpu_rate, "cpu_steps": cpu_steps,
         "flops_per_token": flops, "device_model_tflops": tflops
     }))
+}
+
+/// Where a step's time went, when the launcher timed its launches over `steps` steps of
+/// `step_seconds` each (`NEMO_DAG_KERNEL_TIMES`): the launches' share of the step (the rest is
+/// the host's: copies, the objective, waiting), then the kernels and product shapes that took
+/// the most, per step, with their shares of the launches' time.
+fn kernel_times(
+    times: &[KernelTime],
+    steps: u64,
+    step_seconds: f64,
+    out: &mut dyn Write,
+) -> Result<(), RunError> {
+    const SHOWN: usize = 16;
+    if times.is_empty() {
+        return Ok(());
+    }
+    let per_step = |seconds: f64| 1e3 * seconds / steps.max(1) as f64;
+    let total: f64 = times.iter().map(|t| t.seconds).sum();
+    let share = |seconds: f64| 100.0 * seconds / total.max(1e-12);
+    writeln!(
+        out,
+        "  time       a step {:.3} ms, its launches (waited for one by one) {:.3} ms ({:.1}%)",
+        1e3 * step_seconds,
+        per_step(total),
+        100.0 * per_step(total) / (1e3 * step_seconds).max(1e-12)
+    )?;
+    for t in times.iter().take(SHOWN) {
+        writeln!(
+            out,
+            "  time       {:>5.1}%  {:>9.3} ms  {:>6} launches  {}",
+            share(t.seconds),
+            per_step(t.seconds),
+            t.launches / steps.max(1),
+            t.name
+        )?;
+    }
+    if times.len() > SHOWN {
+        let rest: f64 = times[SHOWN..].iter().map(|t| t.seconds).sum();
+        let others = times.len() - SHOWN;
+        writeln!(
+            out,
+            "  time       {:>5.1}%  {:>9.3} ms  {others} others",
+            share(rest),
+            per_step(rest)
+        )?;
+    }
+    Ok(())
 }
 
 /// The decoding the speed part times: (rows, prompt tokens, new tokens), as a GRPO step's
@@ -1082,6 +1139,45 @@ fn decoding_speed<L: Launcher>(
 mod tests {
     use super::*;
     use kernels::launch::Shim;
+
+    /// A timed step's report: the launches' share of the step first, then per kernel its time
+    /// per step and share of the launches, longest first, the rest on one line.
+    #[test]
+    fn kernel_times_are_per_step_shares_of_the_launches() {
+        let time = |name: &str, launches, seconds| KernelTime {
+            name: name.to_string(),
+            launches,
+            seconds,
+        };
+        let mut times = vec![
+            time("adamw_f32", 30, 0.006),
+            time("cuBLASLt 8x8x8 NN", 8, 0.002),
+        ];
+        times.extend((0..16).map(|i| time(&format!("k{i}"), 2, 0.0001)));
+        let mut out = Vec::new();
+        // Two steps of 20 ms: 9.6 ms of launches, 4.8 ms a step.
+        kernel_times(&times, 2, 0.020, &mut out).unwrap();
+        let text = String::from_utf8(out).unwrap();
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(lines.len(), 1 + 16 + 1, "{text}");
+        assert!(lines[0].contains("a step 20.000 ms") && lines[0].contains("4.800 ms (24.0%)"));
+        assert!(
+            lines[1].contains("62.5%") && lines[1].contains("3.000 ms"),
+            "{}",
+            lines[1]
+        );
+        assert!(lines[1].contains("15 launches  adamw_f32"), "{}", lines[1]);
+        assert!(
+            lines[17].contains("2 others") && lines[17].contains("0.100 ms"),
+            "{text}"
+        );
+        let mut none = Vec::new();
+        kernel_times(&[], 2, 0.020, &mut none).unwrap();
+        assert!(
+            none.is_empty(),
+            "an executor that times nothing prints nothing"
+        );
+    }
 
     /// The decoding speed, which only a GPU times, runs through on the shim for a small model:
     /// one line, and both rates positive.
