@@ -4,6 +4,8 @@ same GPU, in the same run.
 
     cargo build --profile dist -p nemo-dag        # on any x86-64 machine; carry the binary
     python3 bench/gpu_bench.py --bin target/dist/nemo-dag [--steps 20] [--no-compile]
+    python3 bench/gpu_bench.py --report check.json     # nemo-dag's figures from an earlier
+                                                       # `gpu-check --json` on this machine
 
 Needs a CUDA GPU, PyTorch with CUDA, NVRTC and cuBLASLt (libnvrtc.so.13 and libcublasLt.so.13
 on LD_LIBRARY_PATH) and the CUDA headers (NEMO_DAG_CUDA_HOME or /usr/local/cuda), as
@@ -41,7 +43,6 @@ peak), and nemo-dag's ratio to each.
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -78,7 +79,9 @@ MODELS = {
 PEAK_BF16 = {"H100 80GB HBM3": 989.4, "H100 PCIe": 756.0, "H100 NVL": 835.0, "H200": 989.4}
 
 
-def nemo_dag_rates(binary, steps):
+def nemo_dag_rates(binary, steps, report=None):
+    if report:
+        return {s["pattern"]: s for s in json.loads(Path(report).read_text())["speed"]}
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "gpu-check.json"
         out = subprocess.run(
@@ -131,8 +134,9 @@ def main():
     p.add_argument("--bin", default=str(ROOT / "target" / "dist" / "nemo-dag"))
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--no-compile", action="store_true", help="leave out torch.compile")
+    p.add_argument("--report", help="nemo-dag's figures from this `gpu-check --json` report")
     a = p.parse_args()
-    ours = nemo_dag_rates(a.bin, a.steps)
+    ours = nemo_dag_rates(a.bin, a.steps, a.report)
     import torch
 
     gpu = torch.cuda.get_device_name()
@@ -159,5 +163,6 @@ def main():
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("PYTHONUNBUFFERED", "1")
+    # A line at a time, so that what was measured is in the log even if a time limit kills it.
+    sys.stdout.reconfigure(line_buffering=True)
     main()

@@ -236,7 +236,7 @@ class Moe(nn.Module):
             start += n
             rows = slot // k
             y = self.experts[e](xs[rows]) * gates[slot, None]
-            out = out.index_add(0, rows, y)
+            out = out.index_add(0, rows, y.to(out.dtype))  # autocast: bf16 shared, f32 gates
         return out.reshape(b, t, hidden)
 
     @torch.no_grad()
