@@ -3,7 +3,7 @@
 
 use kernels::launch::{Cuda, Shim};
 use std::io::Write;
-pub use train::gpu::check::Report;
+pub use train::gpu::check::{Report, Speed};
 
 /// Where the check runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -17,13 +17,13 @@ pub enum Target {
 /// Runs the check, writing its report to `out`: every part's figures and whether all passed,
 /// or `Err` when it could not run (no GPU, NVRTC missing, a kernel that does not compile: the
 /// reason).
-pub fn run(target: Target, speed_steps: u64, out: &mut dyn Write) -> Result<Report, String> {
+pub fn run(target: Target, speed: Speed, out: &mut dyn Write) -> Result<Report, String> {
     let ok = match target {
         Target::Cuda(ordinal) => {
             let cuda = Cuda::new(ordinal).map_err(|e| format!("cuda:{ordinal}: {e}"))?;
-            train::gpu::check::run(&cuda, speed_steps, out)
+            train::gpu::check::run(&cuda, speed, out)
         }
-        Target::Shim => train::gpu::check::run(&Shim::default(), 0, out),
+        Target::Shim => train::gpu::check::run(&Shim::default(), Speed::NONE, out),
     };
     ok.map_err(|e| e.to_string())
 }

@@ -98,7 +98,9 @@ impl Geometry {
 /// [`Launcher::take_kernel_times`].
 #[derive(Clone, Debug, PartialEq)]
 pub struct KernelTime {
-    /// The kernel's name, or `cuBLASLt m×n×k` and its operands' layouts for a product.
+    /// The kernel's name, or `cuBLASLt m×n×k` and its operands' layouts for a bf16 product
+    /// (its two casts included, and linear.cu's kernel where cuBLASLt has no algorithm for the
+    /// shape).
     pub name: String,
     pub launches: u64,
     /// Wall time from its launch to the stream's end, added over its launches.

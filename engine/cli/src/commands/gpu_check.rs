@@ -3,7 +3,7 @@
 use nemo_dag_engine::diag::{Failure, InputError, Result, io_err};
 use nemo_dag_engine::store::write_atomic;
 use nemo_dag_op::Device;
-use nemo_dag_ops::gpu_check::{self, Target};
+use nemo_dag_ops::gpu_check::{self, Speed, Target};
 use std::path::PathBuf;
 
 #[derive(clap::Args, Debug)]
@@ -17,6 +17,10 @@ pub struct Args {
     /// Optimizer steps of the speed comparison (0: none)
     #[arg(long, default_value_t = 3)]
     speed_steps: u64,
+    /// The CPU trainer's steps timed beside the device's, after a warm-up step (0: the CPU is
+    /// not timed)
+    #[arg(long, default_value_t = 2)]
+    speed_cpu_steps: u64,
     /// Also write every part's figures to this JSON file (written whole, or not at all)
     #[arg(long, value_name = "PATH")]
     json: Option<PathBuf>,
@@ -37,7 +41,11 @@ pub fn exec(a: Args) -> Result<()> {
         }
     };
     let mut out = std::io::stdout();
-    let report = gpu_check::run(target, a.speed_steps, &mut out)
+    let speed = Speed {
+        steps: a.speed_steps,
+        cpu_steps: a.speed_cpu_steps,
+    };
+    let report = gpu_check::run(target, speed, &mut out)
         .map_err(|why| Failure::Stage(format!("gpu-check cannot run: {why}")))?;
     if let Some(path) = &a.json {
         // Through a temporary file and a rename: a reader sees the whole report or none.

@@ -18,7 +18,7 @@
 //!    Then **decoding**: the device decoder's logits ([`super::Decoding`], KV and SSM caches)
 //!    against the CPU decoder's, step by step, within [`DECODE_TOLERANCE`] (f32 matmuls).
 //! 5. **Determinism.** The same steps twice on the device, bf16 matmuls: the same weight bytes.
-//! 6. **Speed** (`speed_steps` > 0): tokens per second of the device (bf16 matmuls) and of the
+//! 6. **Speed** ([`Speed::steps`] > 0): tokens per second of the device (bf16 matmuls) and of the
 //!    CPU trainer on three models (four MLP blocks; a dense transformer of GPT-2 small's size;
 //!    a tiny hybrid), side by side, with the ratio and the device's model TFLOP/s; then the
 //!    tiny hybrid's decoding, new tokens per second on the device and on the CPU ([`DECODE`]).
@@ -153,10 +153,11 @@ pub struct Report {
     pub json: Value,
 }
 
-/// Runs the check on `launcher`, writing a line per part to `out`.
+/// Runs the check on `launcher` with the speed part `timing` asks for, writing a line per part
+/// to `out`.
 pub fn run<L: Launcher>(
     launcher: &L,
-    speed_steps: u64,
+    timing: Speed,
     out: &mut dyn Write,
 ) -> Result<Report, RunError> {
     writeln!(out, "device       {}", launcher.describe())?;
@@ -305,16 +306,11 @@ pub fn run<L: Launcher>(
     )?;
     let mut speeds = Vec::new();
     let mut decode_speed = Value::Null;
-    if speed_steps > 0 {
+    if timing.steps > 0 {
         for model in &SPEED_MODELS {
-            speeds.push(speed(
-                launcher,
-                model,
-                (speed_steps, TRAINING_PRECISION),
-                out,
-            )?);
+            speeds.push(speed(launcher, model, (timing, TRAINING_PRECISION), out)?);
         }
-        decode_speed = decoding_speed(launcher, &SPEED_MODELS[2], DECODE, out)?;
+        decode_speed = decoding_speed(launcher, &SPEED_MODELS[2], DECODE, timing, out)?;
     }
     writeln!(out, "result       {}", if ok { "ok" } else { "FAILED" })?;
     let json = json!({
@@ -940,17 +936,32 @@ fn flops_per_token(t: &Trainer, len: usize) -> f64 {
     6.0 * params + 12.0 * layers * (cfg.heads * cfg.head_dim * len) as f64
 }
 
-/// The CPU trainer's steps the speed part times, at most: a step of GPT-2 small's 8,192 tokens
-/// takes the CPU about ten seconds even on sixteen cores, and its rate is only there to compare.
-const CPU_SPEED_STEPS: u64 = 2;
+/// What the speed part times.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Speed {
+    /// The device's optimizer steps per model, after a warm-up step (0: no speed part).
+    pub steps: u64,
+    /// The CPU trainer's, after its own warm-up step, for comparison (0: the CPU is not
+    /// timed). A step of GPT-2 small's 8,192 tokens takes the CPU about twenty seconds on
+    /// sixteen cores, so a GPU session times it over few.
+    pub cpu_steps: u64,
+}
+
+impl Speed {
+    /// No speed part.
+    pub const NONE: Speed = Speed {
+        steps: 0,
+        cpu_steps: 0,
+    };
+}
 
 /// Tokens per second of the device, its matmuls at `precision` and (for comparison) at f32,
-/// `steps` steps each after a warm-up step, and of the CPU trainer over at most
-/// [`CPU_SPEED_STEPS`] steps, with the device's model TFLOP/s.
+/// `speed.steps` steps each after a warm-up step, and of the CPU trainer over
+/// `speed.cpu_steps` after its own warm-up, with the device's model TFLOP/s.
 fn speed<L: Launcher>(
     launcher: &L,
     m: &SpeedModel,
-    (steps, precision): (u64, Precision),
+    (Speed { steps, cpu_steps }, precision): (Speed, Precision),
     out: &mut dyn Write,
 ) -> Result<Value, RunError> {
     let size = Size { steps, ..m.size };
@@ -984,27 +995,36 @@ fn speed<L: Launcher>(
     };
     let mut cpu = fresh()?;
     let (flops, parameters) = (flops_per_token(&cpu, m.len), cpu.model.params.count());
-    let mut data = source();
-    let mut objective = NextToken::new(&mut data);
-    let cpu_steps = steps.min(CPU_SPEED_STEPS);
-    let clock = Instant::now();
-    for _ in 0..cpu_steps {
-        cpu.step(&mut objective)?;
-    }
-    let cpu_rate =
-        (tokens_per_step as u64 * cpu_steps) as f64 / clock.elapsed().as_secs_f64().max(1e-9);
+    let cpu_rate = if cpu_steps > 0 {
+        let mut data = source();
+        let mut objective = NextToken::new(&mut data);
+        cpu.step(&mut objective)?; // warm-up, as the device's
+        let clock = Instant::now();
+        for _ in 0..cpu_steps {
+            cpu.step(&mut objective)?;
+        }
+        let tokens = (tokens_per_step as u64 * cpu_steps) as f64;
+        Some(tokens / clock.elapsed().as_secs_f64().max(1e-9))
+    } else {
+        None
+    };
     let tflops = device_rate * flops / 1e12;
+    let cpu_text = match cpu_rate {
+        Some(rate) => format!(
+            "CPU trainer {rate:.0} tokens/s over {cpu_steps} steps ({:.2}x)",
+            device_rate / rate
+        ),
+        None => "CPU trainer not timed".to_string(),
+    };
     writeln!(
         out,
         "speed        {}, vocab {}, {tokens_per_step} tokens a step, {steps} steps: device \
          ({} matmuls) {device_rate:.0} tokens/s ({tflops:.1} model TFLOP/s; f32 matmuls \
-         {f32_rate:.0}, {:.2}x), CPU trainer {cpu_rate:.0} tokens/s over {cpu_steps} steps \
-         ({:.2}x)",
+         {f32_rate:.0}, {:.2}x), {cpu_text}",
         m.name,
         size.vocab,
         precision.name(),
         device_rate / f32_rate,
-        device_rate / cpu_rate
     )?;
     kernel_times(&times, steps, tokens_per_step as f64 / device_rate, out)?;
     Ok(json!({
@@ -1074,6 +1094,7 @@ fn decoding_speed<L: Launcher>(
     launcher: &L,
     m: &SpeedModel,
     (rows, prompt, new): (usize, usize, usize),
+    speed: Speed,
     out: &mut dyn Write,
 ) -> Result<Value, RunError> {
     use model::sampling::{Sampling, generate_split, generate_with};
@@ -1116,16 +1137,25 @@ fn decoding_speed<L: Launcher>(
     };
     on_device()?; // warm-up: the first launches
     let device_rate = on_device()?;
-    on_cpu()?;
-    let cpu_rate = on_cpu()?;
+    let cpu_rate = if speed.cpu_steps > 0 {
+        on_cpu()?;
+        Some(on_cpu()?)
+    } else {
+        None
+    };
+    let cpu_text = match cpu_rate {
+        Some(rate) => format!(
+            "CPU ({threads} threads) {rate:.0} ({:.2}x)",
+            device_rate / rate
+        ),
+        None => "CPU not timed".to_string(),
+    };
     writeln!(
         out,
         "decode       {}, {rows} rows, {prompt} prompt + {new} new tokens, greedy: device \
-         ({} matmuls) {device_rate:.0} new tokens/s, CPU ({threads} threads) {cpu_rate:.0} \
-         ({:.2}x)",
+         ({} matmuls) {device_rate:.0} new tokens/s, {cpu_text}",
         m.name,
         TRAINING_PRECISION.name(),
-        device_rate / cpu_rate
     )?;
     Ok(json!({
         "model": m.name, "pattern": m.pattern, "rows": rows, "prompt_tokens": prompt,
@@ -1194,7 +1224,11 @@ mod tests {
             overrides: || Value::Null,
         };
         let mut out = Vec::new();
-        let json = decoding_speed(&Shim::default(), &model, (3, 4, 2), &mut out).unwrap();
+        let timed = Speed {
+            steps: 1,
+            cpu_steps: 1,
+        };
+        let json = decoding_speed(&Shim::default(), &model, (3, 4, 2), timed, &mut out).unwrap();
         let text = String::from_utf8(out).unwrap();
         assert!(text.starts_with("decode       small, 3 rows"), "{text}");
         for rate in ["device_new_tokens_per_s", "cpu_new_tokens_per_s"] {
@@ -1203,6 +1237,16 @@ mod tests {
                 "{rate}: {json}"
             );
         }
+        // Without CPU steps the CPU is not timed, and the line and the JSON say so.
+        let mut out = Vec::new();
+        let device_only = Speed {
+            cpu_steps: 0,
+            ..timed
+        };
+        let json = decoding_speed(&Shim::default(), &model, (3, 4, 2), device_only, &mut out);
+        let (json, text) = (json.unwrap(), String::from_utf8(out).unwrap());
+        assert!(text.trim_end().ends_with("CPU not timed"), "{text}");
+        assert!(json["cpu_new_tokens_per_s"].is_null(), "{json}");
     }
 
     /// The speed part, which only a GPU times, runs through on the shim for a small model:
@@ -1222,12 +1266,17 @@ mod tests {
             overrides: || Value::Null,
         };
         let mut out = Vec::new();
-        let json = speed(&Shim::default(), &model, (1, Precision::Bf16), &mut out).unwrap();
+        let timed = Speed {
+            steps: 1,
+            cpu_steps: 1,
+        };
+        let json = speed(&Shim::default(), &model, (timed, Precision::Bf16), &mut out).unwrap();
         let text = String::from_utf8(out).unwrap();
         assert!(
             text.starts_with("speed        small") && text.contains("f32 matmuls"),
             "{text}"
         );
+        assert!(text.contains("over 1 steps"), "{text}");
         assert_eq!(json["precision"], "bf16", "{json}");
         for rate in [
             "device_tokens_per_s",
@@ -1239,5 +1288,19 @@ mod tests {
                 "{rate}: {json}"
             );
         }
+        let mut out = Vec::new();
+        let device_only = Speed {
+            cpu_steps: 0,
+            ..timed
+        };
+        let json = speed(
+            &Shim::default(),
+            &model,
+            (device_only, Precision::Bf16),
+            &mut out,
+        );
+        let (json, text) = (json.unwrap(), String::from_utf8(out).unwrap());
+        assert!(text.trim_end().ends_with("CPU trainer not timed"), "{text}");
+        assert!(json["cpu_tokens_per_s"].is_null(), "{json}");
     }
 }
