@@ -81,7 +81,10 @@ PEAK_BF16 = {"H100 80GB HBM3": 989.4, "H100 PCIe": 756.0, "H100 NVL": 835.0, "H2
 
 def nemo_dag_rates(binary, steps, report=None):
     if report:
-        return {s["pattern"]: s for s in json.loads(Path(report).read_text())["speed"]}
+        speed = json.loads(Path(report).read_text()).get("speed") or []
+        if not speed:
+            sys.exit(f"{report} has no speed figures: write it with gpu-check --speed-steps N --json")
+        return {s["pattern"]: s for s in speed}
     with tempfile.TemporaryDirectory() as tmp:
         report = Path(tmp) / "gpu-check.json"
         out = subprocess.run(
@@ -134,32 +137,48 @@ def main():
     p.add_argument("--bin", default=str(ROOT / "target" / "dist" / "nemo-dag"))
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--no-compile", action="store_true", help="leave out torch.compile")
-    p.add_argument("--report", help="nemo-dag's figures from this `gpu-check --json` report")
+    p.add_argument("--report", help="nemo-dag's figures from this `gpu-check --json` report (--bin unused)")
     a = p.parse_args()
     ours = nemo_dag_rates(a.bin, a.steps, a.report)
     import torch
 
     gpu = torch.cuda.get_device_name()
     peak = next((v for k, v in PEAK_BF16.items() if k in gpu), None)
-    print(f"\n{gpu}, torch {torch.__version__}, {a.steps} timed steps")
+    print(f"\n{gpu}, torch {torch.__version__}, PyTorch timed over {a.steps} steps")
     for pattern, (config, rows, length) in MODELS.items():
-        mine = ours[pattern]
+        mine = ours.get(pattern)
+        if mine is None:
+            print(f"\n{pattern}: not in nemo-dag's report; skipped")
+            continue
         flops = mine["flops_per_token"]
-        runs = [("nemo-dag CPU trainer", mine["cpu_tokens_per_s"])]
-        for precision in ("f32", "tf32", "bf16"):
-            runs.append((f"torch {precision}", torch_rate(config, rows, length, a.steps, precision)))
-        if not a.no_compile:
-            runs.append(("torch bf16 compiled", torch_rate(config, rows, length, a.steps, "bf16", True)))
         rate = mine["device_tokens_per_s"]
-        print(f"\n{mine['model']}: {mine['parameters']:,} parameters, {rows * length} tokens a step")
         mfu = lambda r: f"{100 * r * flops / 1e12 / peak:5.1f}%" if peak else "    -"
+
+        # Each row as soon as it is measured, so that a time limit or a failing twin loses
+        # only what comes after it.
+        def row(name, r):
+            ratio = f"  {rate / r:.2f}x" if name != ours_name else ""
+            print(f"{name:24}{r:12.0f}{r * flops / 1e12:9.1f}{mfu(r):>7}{ratio}")
+
+        print(
+            f"\n{mine['model']}: {mine['parameters']:,} parameters, {rows * length} tokens a step, "
+            f"nemo-dag timed over {mine['steps']} steps"
+        )
         print(f"{'':24}{'tokens/s':>12}{'TFLOP/s':>9}{'MFU':>7}  nemo-dag GPU / this")
         ours_name = f"nemo-dag GPU ({mine.get('precision', 'f32')})"
-        print(f"{ours_name:24}{rate:12.0f}{rate * flops / 1e12:9.1f}{mfu(rate):>7}")
-        if "device_f32_tokens_per_s" in mine and mine.get("precision") != "f32":
-            runs.insert(0, ("nemo-dag GPU (f32)", mine["device_f32_tokens_per_s"]))
-        for name, r in runs:
-            print(f"{name:24}{r:12.0f}{r * flops / 1e12:9.1f}{mfu(r):>7}  {rate / r:.2f}x")
+        row(ours_name, rate)
+        if mine.get("precision") != "f32" and mine.get("device_f32_tokens_per_s"):
+            row("nemo-dag GPU (f32)", mine["device_f32_tokens_per_s"])
+        if mine.get("cpu_tokens_per_s"):
+            row("nemo-dag CPU trainer", mine["cpu_tokens_per_s"])
+        twins = [(f"torch {precision}", precision, False) for precision in ("f32", "tf32", "bf16")]
+        if not a.no_compile:
+            twins.append(("torch bf16 compiled", "bf16", True))
+        for name, precision, compiled in twins:
+            try:
+                row(name, torch_rate(config, rows, length, a.steps, precision, compiled))
+            except Exception as e:  # one twin failing leaves the others' figures
+                print(f"{name:24}  failed: {type(e).__name__}: {e}")
 
 
 if __name__ == "__main__":
