@@ -1026,7 +1026,12 @@ fn speed<L: Launcher>(
         precision.name(),
         device_rate / f32_rate,
     )?;
-    kernel_times(&times, steps, tokens_per_step as f64 / device_rate, out)?;
+    kernel_times(
+        &times,
+        ("a step", steps),
+        tokens_per_step as f64 / device_rate,
+        out,
+    )?;
     Ok(json!({
         "model": m.name, "pattern": m.pattern, "parameters": parameters,
         "tokens_per_step": tokens_per_step, "steps": steps, "precision": precision.name(),
@@ -1036,13 +1041,14 @@ fn speed<L: Launcher>(
     }))
 }
 
-/// Where a step's time went, when the launcher timed its launches over `steps` steps of
-/// `step_seconds` each (`NEMO_DAG_KERNEL_TIMES`): the launches' share of the step (the rest is
-/// the host's: copies, the objective, waiting), then the kernels and product shapes that took
-/// the most, per step, with their shares of the launches' time.
+/// Where the time of `what` (a training step, a generation) went, when the launcher timed its
+/// launches over `steps` of them of `step_seconds` each (`NEMO_DAG_KERNEL_TIMES`): the
+/// launches' share (the rest is the host's: copies, the objective, sampling, waiting), then the
+/// kernels and product shapes that took the most, per step, with their shares of the launches'
+/// time.
 fn kernel_times(
     times: &[KernelTime],
-    steps: u64,
+    (what, steps): (&str, u64),
     step_seconds: f64,
     out: &mut dyn Write,
 ) -> Result<(), RunError> {
@@ -1055,7 +1061,7 @@ fn kernel_times(
     let share = |seconds: f64| 100.0 * seconds / total.max(1e-12);
     writeln!(
         out,
-        "  time       a step {:.3} ms, its launches (waited for one by one) {:.3} ms ({:.1}%)",
+        "  time       {what} {:.3} ms, its launches (waited for one by one) {:.3} ms ({:.1}%)",
         1e3 * step_seconds,
         per_step(total),
         100.0 * per_step(total) / (1e3 * step_seconds).max(1e-12)
@@ -1111,13 +1117,20 @@ fn decoding_speed<L: Launcher>(
     let rngs = || vec![model::params::Rng::new(0); rows];
     let weights =
         DeviceStep::upload_for_scoring(launcher, &t.model)?.with_precision(TRAINING_PRECISION);
-    let on_device = || -> Result<f64, RunError> {
+    // New tokens a second, the wall clock and the launches' times of one generation.
+    let on_device = || -> Result<(f64, f64, Vec<KernelTime>), RunError> {
         let mut decoder = super::Decoding::start(&weights, &t.model, rows, prompt + new)?;
+        launcher.take_kernel_times();
         let clock = Instant::now();
         let done = |_: usize, _: &[u32]| false;
         generate_with(&mut decoder, &prompts, &sampling, &[], &mut rngs(), done)
             .map_err(crate::err)?;
-        Ok((rows * new) as f64 / clock.elapsed().as_secs_f64().max(1e-9))
+        let seconds = clock.elapsed().as_secs_f64().max(1e-9);
+        Ok((
+            (rows * new) as f64 / seconds,
+            seconds,
+            launcher.take_kernel_times(),
+        ))
     };
     let threads = kernels::workers::threads();
     let on_cpu = || -> Result<f64, RunError> {
@@ -1136,7 +1149,7 @@ fn decoding_speed<L: Launcher>(
         Ok((rows * new) as f64 / clock.elapsed().as_secs_f64().max(1e-9))
     };
     on_device()?; // warm-up: the first launches
-    let device_rate = on_device()?;
+    let (device_rate, seconds, times) = on_device()?;
     let cpu_rate = if speed.cpu_steps > 0 {
         on_cpu()?;
         Some(on_cpu()?)
@@ -1157,6 +1170,7 @@ fn decoding_speed<L: Launcher>(
         m.name,
         TRAINING_PRECISION.name(),
     )?;
+    kernel_times(&times, ("a generation", 1), seconds, out)?;
     Ok(json!({
         "model": m.name, "pattern": m.pattern, "rows": rows, "prompt_tokens": prompt,
         "new_tokens": new, "precision": TRAINING_PRECISION.name(),
@@ -1186,7 +1200,7 @@ mod tests {
         times.extend((0..16).map(|i| time(&format!("k{i}"), 2, 0.0001)));
         let mut out = Vec::new();
         // Two steps of 20 ms: 9.6 ms of launches, 4.8 ms a step.
-        kernel_times(&times, 2, 0.020, &mut out).unwrap();
+        kernel_times(&times, ("a step", 2), 0.020, &mut out).unwrap();
         let text = String::from_utf8(out).unwrap();
         let lines: Vec<&str> = text.lines().collect();
         assert_eq!(lines.len(), 1 + 16 + 1, "{text}");
@@ -1202,7 +1216,7 @@ mod tests {
             "{text}"
         );
         let mut none = Vec::new();
-        kernel_times(&[], 2, 0.020, &mut none).unwrap();
+        kernel_times(&[], ("a step", 2), 0.020, &mut none).unwrap();
         assert!(
             none.is_empty(),
             "an executor that times nothing prints nothing"
