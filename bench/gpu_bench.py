@@ -81,6 +81,8 @@ PEAK_BF16 = {"H100 80GB HBM3": 989.4, "H100 PCIe": 756.0, "H100 NVL": 835.0, "H2
 
 def nemo_dag_rates(binary, steps, report=None):
     if report:
+        if not Path(report).is_file():
+            sys.exit(f"{report}: no such report (did gpu-check finish?)")
         speed = json.loads(Path(report).read_text()).get("speed") or []
         if not speed:
             sys.exit(f"{report} has no speed figures: write it with gpu-check --speed-steps N --json")

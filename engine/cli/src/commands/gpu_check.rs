@@ -17,8 +17,8 @@ pub struct Args {
     /// Optimizer steps of the speed comparison (0: none)
     #[arg(long, default_value_t = 3)]
     speed_steps: u64,
-    /// The CPU trainer's steps timed beside the device's, after a warm-up step (0: the CPU is
-    /// not timed)
+    /// The CPU trainer's steps timed beside the device's, after a warm-up step; above 0 the
+    /// CPU's decoding is timed too (0: the CPU is not timed)
     #[arg(long, default_value_t = 2)]
     speed_cpu_steps: u64,
     /// Also write every part's figures to this JSON file (written whole, or not at all)

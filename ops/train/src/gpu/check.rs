@@ -941,9 +941,10 @@ fn flops_per_token(t: &Trainer, len: usize) -> f64 {
 pub struct Speed {
     /// The device's optimizer steps per model, after a warm-up step (0: no speed part).
     pub steps: u64,
-    /// The CPU trainer's, after its own warm-up step, for comparison (0: the CPU is not
-    /// timed). A step of GPT-2 small's 8,192 tokens takes the CPU about twenty seconds on
-    /// sixteen cores, so a GPU session times it over few.
+    /// The CPU trainer's, after its own warm-up step, for comparison; above 0 the CPU's
+    /// decoding is timed too, once after a warm-up run (0: the CPU is not timed at all). A
+    /// step of GPT-2 small's 8,192 tokens takes the CPU about twenty seconds on sixteen cores,
+    /// so a GPU session times it over few.
     pub cpu_steps: u64,
 }
 
@@ -1011,18 +1012,20 @@ fn speed<L: Launcher>(
     let tflops = device_rate * flops / 1e12;
     let cpu_text = match cpu_rate {
         Some(rate) => format!(
-            "CPU trainer {rate:.0} tokens/s over {cpu_steps} steps ({:.2}x)",
+            "CPU trainer {rate:.0} tokens/s over {} ({:.2}x)",
+            counted(cpu_steps, "step", "steps"),
             device_rate / rate
         ),
         None => "CPU trainer not timed".to_string(),
     };
     writeln!(
         out,
-        "speed        {}, vocab {}, {tokens_per_step} tokens a step, {steps} steps: device \
+        "speed        {}, vocab {}, {tokens_per_step} tokens a step, {}: device \
          ({} matmuls) {device_rate:.0} tokens/s ({tflops:.1} model TFLOP/s; f32 matmuls \
          {f32_rate:.0}, {:.2}x), {cpu_text}",
         m.name,
         size.vocab,
+        counted(steps, "step", "steps"),
         precision.name(),
         device_rate / f32_rate,
     )?;
@@ -1039,6 +1042,11 @@ fn speed<L: Launcher>(
         "cpu_tokens_per_s": cpu_rate, "cpu_steps": cpu_steps,
         "flops_per_token": flops, "device_model_tflops": tflops
     }))
+}
+
+/// `n` and its noun: `1 step`, `2 steps`.
+fn counted(n: u64, one: &str, many: &str) -> String {
+    format!("{n} {}", if n == 1 { one } else { many })
 }
 
 /// Where the time of `what` (a training step, a generation) went, when the launcher timed its
@@ -1066,13 +1074,21 @@ fn kernel_times(
         per_step(total),
         100.0 * per_step(total) / (1e3 * step_seconds).max(1e-12)
     )?;
+    // Launches a step: whole unless they vary from step to step (an MoE expert's products).
+    let launches = |n: u64| {
+        let steps = steps.max(1);
+        match n % steps {
+            0 => counted(n / steps, "launch", "launches"),
+            _ => format!("{:.1} launches", n as f64 / steps as f64),
+        }
+    };
     for t in times.iter().take(SHOWN) {
         writeln!(
             out,
-            "  time       {:>5.1}%  {:>9.3} ms  {:>6} launches  {}",
+            "  time       {:>5.1}%  {:>9.3} ms  {:>15}  {}",
             share(t.seconds),
             per_step(t.seconds),
-            t.launches / steps.max(1),
+            launches(t.launches),
             t.name
         )?;
     }
@@ -1094,8 +1110,9 @@ fn kernel_times(
 const DECODE: (usize, usize, usize) = (64, 32, 64);
 
 /// New tokens per second of greedy decoding, `rows` random prompts of `prompt` tokens and
-/// `new` tokens each (no stop), on the device (bf16 matmuls, as the training ops decode) and on
-/// the CPU (the workers GRPO's rollouts use there), each after a warm-up run.
+/// `new` tokens each (no stop), on the device (bf16 matmuls, as the training ops decode) and,
+/// unless `speed.cpu_steps` is 0, on the CPU (the workers GRPO's rollouts use there), each
+/// once after a warm-up run.
 fn decoding_speed<L: Launcher>(
     launcher: &L,
     m: &SpeedModel,
@@ -1195,7 +1212,7 @@ mod tests {
         };
         let mut times = vec![
             time("adamw_f32", 30, 0.006),
-            time("cuBLASLt 8x8x8 NN", 8, 0.002),
+            time("cuBLASLt 8x8x8 NN", 7, 0.002),
         ];
         times.extend((0..16).map(|i| time(&format!("k{i}"), 2, 0.0001)));
         let mut out = Vec::new();
@@ -1211,6 +1228,8 @@ mod tests {
             lines[1]
         );
         assert!(lines[1].contains("15 launches  adamw_f32"), "{}", lines[1]);
+        // 7 launches over 2 steps (an MoE expert's products vary from step to step).
+        assert!(lines[2].contains("3.5 launches  cuBLASLt"), "{}", lines[2]);
         assert!(
             lines[17].contains("2 others") && lines[17].contains("0.100 ms"),
             "{text}"
@@ -1290,7 +1309,10 @@ mod tests {
             text.starts_with("speed        small") && text.contains("f32 matmuls"),
             "{text}"
         );
-        assert!(text.contains("over 1 steps"), "{text}");
+        assert!(
+            text.contains("1 step: device") && text.contains("over 1 step ("),
+            "{text}"
+        );
         assert_eq!(json["precision"], "bf16", "{json}");
         for rate in [
             "device_tokens_per_s",
