@@ -154,6 +154,7 @@ def main():
             continue
         flops = mine["flops_per_token"]
         rate = mine["device_tokens_per_s"]
+        ours_name = f"nemo-dag GPU ({mine.get('precision', 'f32')})"
         mfu = lambda r: f"{100 * r * flops / 1e12 / peak:5.1f}%" if peak else "    -"
 
         # Each row as soon as it is measured, so that a time limit or a failing twin loses
@@ -167,7 +168,6 @@ def main():
             f"nemo-dag timed over {mine['steps']} steps"
         )
         print(f"{'':24}{'tokens/s':>12}{'TFLOP/s':>9}{'MFU':>7}  nemo-dag GPU / this")
-        ours_name = f"nemo-dag GPU ({mine.get('precision', 'f32')})"
         row(ours_name, rate)
         if mine.get("precision") != "f32" and mine.get("device_f32_tokens_per_s"):
             row("nemo-dag GPU (f32)", mine["device_f32_tokens_per_s"])

@@ -88,12 +88,11 @@ step memcheck 40 compute-sanitizer --tool memcheck --report-api-errors no --erro
 step racecheck 90 compute-sanitizer --tool racecheck --report-api-errors no --error-exitcode 4 \
     "$bin" gpu-check --speed-steps 0
 # Two stores: the device is not part of a key, so one store would find the GPU run cached.
-ops=$work
-mkdir "$ops/cpu" "$ops/gpu"
-cp bench/gpu_ops.yaml "$ops/cpu/ops.yaml"
-cp bench/gpu_ops.yaml "$ops/gpu/ops.yaml"
+mkdir "$work/cpu" "$work/gpu"
+cp bench/gpu_ops.yaml "$work/cpu/ops.yaml"
+cp bench/gpu_ops.yaml "$work/gpu/ops.yaml"
 # Each run prints its stages' losses and the eval's perplexity, to be read side by side.
-step ops 15 bash -c "set -e; cd '$ops/cpu'; '$bin' run ops.yaml; cd '$ops/gpu'
+step ops 15 bash -c "set -e; cd '$work/cpu'; '$bin' run ops.yaml; cd '$work/gpu'
     '$bin' run ops.yaml vars.device=cuda; grep -h 'device' .nemo-dag/artifacts/*/log.txt"
 echo "== summary"
 cat "$out/summary.txt"

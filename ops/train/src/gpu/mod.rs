@@ -623,20 +623,18 @@ impl<'l, L: Launcher> DeviceStep<'l, L> {
         let weights = model.params.values().map_err(crate::err)?;
         let weights = launcher.upload_f32(&weights.concat()).map_err(device)?;
         let trains = optimizer.is_some();
-        let floats = |n: usize| {
-            launcher
-                .alloc(if trains { n * 4 } else { 0 })
-                .map_err(device)
-        };
+        // Training's buffers, or empty ones for a step that never trains.
+        let bytes = |n: usize| launcher.alloc(if trains { n } else { 0 }).map_err(device);
         let (m, v) = match optimizer {
             Some(moments) => moments,
-            None => (floats(0)?, floats(0)?),
+            None => (bytes(0)?, bytes(0)?),
         };
         Ok(DeviceStep {
             launcher,
-            grads: floats(layout.total)?,
-            norm_partial: floats(norm_blocks(layout.total) as usize * 2)?,
-            norm: floats(2)?,
+            grads: bytes(layout.total * 4)?,
+            // f64 partials, one a block, and the f64 norm.
+            norm_partial: bytes(norm_blocks(layout.total) as usize * 8)?,
+            norm: bytes(8)?,
             layout,
             weights,
             m,
