@@ -27,3 +27,7 @@ inline float __bfloat162float(__nv_bfloat16 b) {
     std::memcpy(&f, &u, 4);
     return f;
 }
+
+inline unsigned short __bfloat16_as_ushort(__nv_bfloat16 b) { return b.bits; }
+
+inline __nv_bfloat16 __ushort_as_bfloat16(unsigned short bits) { return {bits}; }

@@ -21,6 +21,7 @@ namespace {
 
 constexpr size_t kStackBytes = 256 * 1024;
 constexpr int kWarp = 32;
+constexpr int kMmaWords = 6;  // a lane's A (4 words) and B (2 words) of one mma
 
 enum class State { Ready, AtBlockBarrier, AtWarpBarrier, Done };
 
@@ -41,6 +42,7 @@ struct Launch {
     ucontext_t scheduler;
     Fiber* current;
     std::vector<uint32_t> words;  // one exchange slot per thread
+    std::vector<uint32_t> frags;  // kMmaWords a thread, for mma_m16n8k16_bf16
     std::string error;
 };
 
@@ -232,6 +234,59 @@ uint32_t exchange(unsigned mask, uint32_t word, int (*source)(int, int, int), in
     return got;
 }
 
+namespace {
+
+// The bf16 value in half `half` (0: the low 16 bits) of `word`, as an f32.
+float bf16_at(uint32_t word, int half) {
+    uint32_t bits = (word >> (16 * half) & 0xffffu) << 16;
+    float f;
+    std::memcpy(&f, &bits, 4);
+    return f;
+}
+
+}  // namespace
+
+void mma_m16n8k16_bf16(float d[4], const uint32_t a[4], const uint32_t b[2]) {
+    Fiber& me = current_fiber();
+    unsigned warp_start = me.linear / kWarp * kWarp;
+    if (warp_start + kWarp > active->fibers.size()) {
+        misuse("mma.sync in a partial warp: it needs all 32 lanes");
+    }
+    uint32_t* mine = &active->frags[size_t(me.linear) * kMmaWords];
+    std::memcpy(mine, a, 4 * sizeof(uint32_t));
+    std::memcpy(mine + 4, b, 2 * sizeof(uint32_t));
+    wait(State::AtWarpBarrier);
+    // The warp's A (16 × 16) and B (16 × 8) from the lanes' fragments, as PTX lays them out
+    // for mma.m16n8k16 with 16-bit operands: lane = 4·group + t; A's words hold (row, col)
+    // pairs (group, 2t), (group + 8, 2t), (group, 2t + 8), (group + 8, 2t + 8) and the next
+    // column; B's words hold (2t, group), (2t + 8, group) and the next row.
+    float A[16][16], B[16][8];
+    for (int lane = 0; lane < kWarp; ++lane) {
+        const uint32_t* f = &active->frags[size_t(warp_start + lane) * kMmaWords];
+        int g = lane / 4, t = lane % 4;
+        for (int h = 0; h < 2; ++h) {
+            A[g][2 * t + h] = bf16_at(f[0], h);
+            A[g + 8][2 * t + h] = bf16_at(f[1], h);
+            A[g][2 * t + 8 + h] = bf16_at(f[2], h);
+            A[g + 8][2 * t + 8 + h] = bf16_at(f[3], h);
+            B[2 * t + h][g] = bf16_at(f[4], h);
+            B[2 * t + 8 + h][g] = bf16_at(f[5], h);
+        }
+    }
+    wait(State::AtWarpBarrier);  // every lane has read before any writes again
+    // This lane's part of D = A·B + C: (group, 2t), (group, 2t + 1), (group + 8, 2t),
+    // (group + 8, 2t + 1). Each product of two bf16 values is exact in f32.
+    int lane = int(me.linear % kWarp), g = lane / 4, t = lane % 4;
+    for (int i = 0; i < 4; ++i) {
+        int row = g + 8 * (i / 2), col = 2 * t + i % 2;
+        float sum = d[i];
+        for (int k = 0; k < 16; ++k) {
+            sum += A[row][k] * B[k][col];
+        }
+        d[i] = sum;
+    }
+}
+
 int launch(dim3 grid, dim3 block, bool reverse, const std::function<void()>& kernel) {
     size_t threads = size_t(block.x) * block.y * block.z;
     if (threads == 0 || threads > 1024 || grid.x == 0 || grid.y == 0 || grid.z == 0) {
@@ -247,6 +302,7 @@ int launch(dim3 grid, dim3 block, bool reverse, const std::function<void()>& ker
         f.stack.reset(new char[kStackBytes]);
     }
     l.words.assign(threads, 0);
+    l.frags.assign(threads * kMmaWords, 0);
     l.current = nullptr;
     bool ok = true;
     for (unsigned z = 0; z < grid.z && ok; ++z) {

@@ -11,8 +11,12 @@
 // lanes of the warp returned. Fibers run in thread order or in reverse (`reverse` of
 // simt::launch): a kernel whose result depends on the order has a race.
 //
-// What it cannot check: inline PTX (mma, cp.async, TMA), the memory model, timing. Fast-math
-// intrinsics (__expf, rsqrtf) are libm calls here, a few ulp from the GPU's.
+// One PTX instruction is modelled, because the tensor-core kernels are written with it:
+// mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 (mma_m16n8k16_bf16), a warp-wide
+// rendezvous that multiplies the lanes' fragments laid out as the PTX ISA documents them, so
+// a kernel that puts a value in the wrong lane or register gets a wrong product here too.
+// What it cannot check: other inline PTX (ldmatrix, cp.async, TMA), the memory model, timing.
+// Fast-math intrinsics (__expf, rsqrtf) are libm calls here, a few ulp from the GPU's.
 #pragma once
 
 #include <cmath>
@@ -62,6 +66,11 @@ T shuffle(unsigned mask, T value, int (*source)(int, int, int), int arg, int wid
     std::memcpy(&value, words, sizeof(T));
     return value;
 }
+
+// D += A·B for one warp, as mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32: each lane
+// passes its A fragment (four words of two bf16 values), its B fragment (two words) and its
+// four f32 accumulators. Every lane of a full warp must call it.
+void mma_m16n8k16_bf16(float d[4], const uint32_t a[4], const uint32_t b[2]);
 
 // Run `kernel` over `grid` blocks of `block` threads. Returns 0, or 1 with the reason in
 // last_error().
