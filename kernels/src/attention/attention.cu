@@ -497,3 +497,673 @@ extern "C" __global__ void __launch_bounds__(ATTN_MAX_THREADS)
         __syncthreads();  // k_s and v_s are loaded again for the next item
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// The same attention on the tensor cores, for steps whose products are bf16 (Precision::Bf16):
+// FlashAttention-2's loops (Dao, 2023, arXiv:2307.08691) with each product on
+// mma.sync.m16n8k16 (bf16 operands, f32 sums). Same arguments, masks, RoPE and outputs as the
+// f32 kernels above; q, k, v, p, dy and ds are rounded to bf16 where they enter a product, as
+// FlashAttention does, and every softmax statistic (max, sum, lse, delta) stays f32.
+//
+// A warp owns 16 rows of a product: in the forward and dq, 16 query rows (a block 16 per
+// warp, key tiles of TC_KEYS); in dkv, 16 keys (query tiles of TC_QROWS). Scores stay in the
+// mma's accumulator registers, where the PTX ISA says a lane holds rows group and group + 8,
+// columns 2t and 2t + 1 of each 8-wide tile (lane = 4·group + t): the online softmax reduces
+// a row over the four lanes of its group, and an accumulator turns into the next product's A
+// fragment without leaving the registers. Tiles go through shared memory as bf16 bits.
+// dq and dk are turned back by RoPE in registers: dimension j + d/2 is the same lane's.
+//
+// Limits: head_dim 16, 32, 64 or 128, each its own kernels (`attention_fwd_bf16_d64`, …; the
+// launcher sends other widths to the f32 kernels); blockDim.x 32, 64, 96 or 128.
+
+constexpr int TC_MAX_WARPS = 4;
+constexpr int TC_KEYS = 32;                        // keys a tile (forward, dq)
+constexpr int TC_QROWS = 32;                       // query rows a tile (dkv), at most
+constexpr int TC_ROWS = 16 * TC_MAX_WARPS;         // a block's rows (forward, dq) or keys (dkv)
+
+// D += A·B over one warp: A 16 × 16 and B 16 × 8 in bf16, D 16 × 8 in f32.
+static __device__ __forceinline__ void mma_bf16(float d[4], const unsigned a[4],
+                                                const unsigned b[2]) {
+#ifdef __CUDA_ARCH__
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, "
+        "{%4, %5, %6, %7}, {%8, %9}, {%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
+#else
+    simt::mma_m16n8k16_bf16(d, a, b);
+#endif
+}
+
+static __device__ __forceinline__ unsigned short bf16_bits(float x) {
+    return __bfloat16_as_ushort(__float2bfloat16(x));
+}
+
+// Two bf16 values in a word, `lo` in the low half: an mma operand register.
+static __device__ __forceinline__ unsigned pack(unsigned short lo, unsigned short hi) {
+    return unsigned(lo) | (unsigned(hi) << 16);
+}
+
+static __device__ __forceinline__ unsigned pack_f32(float lo, float hi) {
+    return pack(bf16_bits(lo), bf16_bits(hi));
+}
+
+// The A fragment of the 16 × 16 tile whose element (r, c) is s[r·rs + c·cs].
+static __device__ __forceinline__ void load_a(unsigned a[4], const unsigned short* s, int rs,
+                                              int cs) {
+    const int g = threadIdx.x % 32 / 4;
+    const int c = 2 * (threadIdx.x % 4);
+    a[0] = pack(s[g * rs + c * cs], s[g * rs + (c + 1) * cs]);
+    a[1] = pack(s[(g + 8) * rs + c * cs], s[(g + 8) * rs + (c + 1) * cs]);
+    a[2] = pack(s[g * rs + (c + 8) * cs], s[g * rs + (c + 9) * cs]);
+    a[3] = pack(s[(g + 8) * rs + (c + 8) * cs], s[(g + 8) * rs + (c + 9) * cs]);
+}
+
+// The B fragment of the 16 × 8 tile (k × n) whose element (k, n) is s[k·ks + n·ns].
+static __device__ __forceinline__ void load_b(unsigned b[2], const unsigned short* s, int ks,
+                                              int ns) {
+    const int g = threadIdx.x % 32 / 4;
+    const int k = 2 * (threadIdx.x % 4);
+    b[0] = pack(s[k * ks + g * ns], s[(k + 1) * ks + g * ns]);
+    b[1] = pack(s[(k + 8) * ks + g * ns], s[(k + 9) * ks + g * ns]);
+}
+
+// Accumulators n0 and n0 + 1 (16 rows × 16 columns) as the A fragment of the next product.
+static __device__ __forceinline__ void acc_to_a(unsigned a[4], const float (*acc)[4], int n0) {
+    a[0] = pack_f32(acc[n0][0], acc[n0][1]);
+    a[1] = pack_f32(acc[n0][2], acc[n0][3]);
+    a[2] = pack_f32(acc[n0 + 1][0], acc[n0 + 1][1]);
+    a[3] = pack_f32(acc[n0 + 1][2], acc[n0 + 1][3]);
+}
+
+// load_tile, rounded to bf16 (RoPE applied in f32 first).
+static __device__ void load_tile_bf16(unsigned short* tile, int stride, const float* x,
+                                      const float* cos, const float* sin, int b, int r0,
+                                      int count, int len, int width, int col, int d) {
+    const int half = d / 2;
+    for (int e = threadIdx.x; e < count * d; e += blockDim.x) {
+        const int i = e / d;
+        const int j = e % d;
+        const int r = r0 + i;
+        float v = 0.0f;
+        if (r < len) {
+            const size_t row = size_t(b) * len + r;
+            const float* xr = x + row * width + col;
+            v = xr[j];
+            if (cos != nullptr) {
+                const float* c = cos + row * d;
+                const float* s = sin + row * d;
+                v = j < half ? xr[j] * c[j] - xr[j + half] * s[j]
+                             : xr[j] * c[j] + xr[j - half] * s[j];
+            }
+        }
+        tile[i * stride + j] = bf16_bits(v);
+    }
+}
+
+// Accumulator element e of n-tile `n` of a 16-row product: its row (0–15) and column.
+static __device__ __forceinline__ int acc_row(int e) { return threadIdx.x % 32 / 4 + 8 * (e / 2); }
+static __device__ __forceinline__ int acc_col(int n, int e) {
+    return 8 * n + 2 * (threadIdx.x % 4) + e % 2;
+}
+
+// RoPE's transpose of a lane's gradient g[D / 8][4] (16 rows of one head) for element e of
+// n-tile n at token `row`: dimension j + D/2 is n-tile n + D/16, in the same lane.
+template <int D>
+static __device__ __forceinline__ float unrotate_acc(const float (*g)[4], int n, int e,
+                                                     const float* cos, const float* sin,
+                                                     size_t row) {
+    if (cos == nullptr) {
+        return g[n][e];
+    }
+    constexpr int HALF_TILES = D / 16;
+    const int j = acc_col(n, e);
+    const float* c = cos + row * D;
+    const float* s = sin + row * D;
+    return n < HALF_TILES ? g[n][e] * c[j] + g[n + HALF_TILES][e] * s[j + D / 2]
+                          : g[n][e] * c[j] - g[n - HALF_TILES][e] * s[j - D / 2];
+}
+
+// The forward for head width D: one item (batch row, head, tile of 16·warps query rows) at a
+// time, grid-stride.
+template <int D>
+static __device__ void attention_fwd_tc(const AttnDims n, const float* qkv, const float* cos,
+                                        const float* sin, const int* segments, float* y,
+                                        float* lse, int causal) {
+    constexpr int KD = D / 16;        // k-steps over the head
+    constexpr int ST = D + 8;  // a tile row in shared memory, in bf16s (padded)
+    constexpr int ND = D / 8;         // n-tiles over the head
+    constexpr int NK = TC_KEYS / 8;   // n-tiles over a key tile
+    __shared__ unsigned short q_s[TC_ROWS * ST];
+    __shared__ unsigned short k_s[TC_KEYS * ST];
+    __shared__ unsigned short v_s[TC_KEYS * ST];
+    const int warp = threadIdx.x / 32;
+    const int t = threadIdx.x % 4;
+    const int rows = 16 * (blockDim.x / 32);
+    const int tiles = (n.len + rows - 1) / rows;
+    const float scale = 1.0f / sqrtf(float(D));
+    const long long items = (long long)n.batch * n.heads * tiles;
+    for (long long item = blockIdx.x; item < items; item += gridDim.x) {
+        const int head = int(item / tiles % n.heads);
+        const int b = int(item / tiles / n.heads);
+        const int kv = head / n.group();
+        const int r0 = int(item % tiles) * rows;
+        const int w0 = r0 + 16 * warp;  // this warp's first row
+        const int* seg = segments == nullptr ? nullptr : segments + size_t(b) * n.len;
+        load_tile_bf16(q_s, ST, qkv, cos, sin, b, r0, rows, n.len, n.width(), head * D, D);
+        __syncthreads();
+        unsigned qa[KD][4];
+        #pragma unroll
+        for (int kk = 0; kk < KD; ++kk) {
+            load_a(qa[kk], q_s + 16 * warp * ST + 16 * kk, ST, 1);
+        }
+        float o[ND][4] = {};
+        float m[2] = {-CUDART_INF_F, -CUDART_INF_F};
+        float l[2] = {0.0f, 0.0f};
+        const int key_end = causal ? min(n.len, r0 + rows) : n.len;
+        for (int c0 = 0; c0 < key_end; c0 += TC_KEYS) {
+            __syncthreads();  // every warp is done with the last tile
+            load_tile_bf16(k_s, ST, qkv, cos, sin, b, c0, TC_KEYS, n.len, n.width(),
+                           n.key_col(kv), D);
+            load_tile_bf16(v_s, ST, qkv, nullptr, nullptr, b, c0, TC_KEYS, n.len, n.width(),
+                           n.value_col(kv), D);
+            __syncthreads();
+            if (causal && c0 > w0 + 15) {
+                continue;  // none of the warp's rows sees this tile
+            }
+            float s[NK][4] = {};
+            #pragma unroll
+            for (int kk = 0; kk < KD; ++kk) {
+                #pragma unroll
+                for (int j = 0; j < NK; ++j) {
+                    unsigned kb[2];
+                    load_b(kb, k_s + 8 * j * ST + 16 * kk, 1, ST);
+                    mma_bf16(s[j], qa[kk], kb);
+                }
+            }
+            // The online softmax of the warp's two rows per lane (h = 0: row group, 1: + 8).
+            #pragma unroll
+            for (int h = 0; h < 2; ++h) {
+                float mx = -CUDART_INF_F;
+                #pragma unroll
+                for (int j = 0; j < NK; ++j) {
+                    #pragma unroll
+                    for (int e = 2 * h; e < 2 * h + 2; ++e) {
+                        const bool sees = visible(seg, causal, w0 + acc_row(e), c0 + acc_col(j, e),
+                                                  n.len);
+                        s[j][e] = sees ? s[j][e] * scale : -CUDART_INF_F;
+                        mx = fmaxf(mx, s[j][e]);
+                    }
+                }
+                mx = fmaxf(mx, __shfl_xor_sync(FULL, mx, 1));
+                mx = fmaxf(mx, __shfl_xor_sync(FULL, mx, 2));
+                const float m_new = fmaxf(m[h], mx);
+                const bool none = m_new == -CUDART_INF_F;
+                const float alpha = none ? 1.0f : expf(m[h] - m_new);
+                float sum = 0.0f;
+                #pragma unroll
+                for (int j = 0; j < NK; ++j) {
+                    #pragma unroll
+                    for (int e = 2 * h; e < 2 * h + 2; ++e) {
+                        s[j][e] = none ? 0.0f : expf(s[j][e] - m_new);
+                        sum += s[j][e];
+                    }
+                }
+                sum += __shfl_xor_sync(FULL, sum, 1);
+                sum += __shfl_xor_sync(FULL, sum, 2);
+                l[h] = l[h] * alpha + sum;
+                m[h] = m_new;
+                #pragma unroll
+                for (int j = 0; j < ND; ++j) {
+                    o[j][2 * h] *= alpha;
+                    o[j][2 * h + 1] *= alpha;
+                }
+            }
+            // o += p·v, the probabilities straight from the scores' registers.
+            #pragma unroll
+            for (int kk = 0; kk < TC_KEYS / 16; ++kk) {
+                unsigned pa[4];
+                acc_to_a(pa, s, 2 * kk);
+                #pragma unroll
+                for (int j = 0; j < ND; ++j) {
+                    unsigned vb[2];
+                    load_b(vb, v_s + 16 * kk * ST + 8 * j, ST, 1);
+                    mma_bf16(o[j], pa, vb);
+                }
+            }
+        }
+        #pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int r = w0 + acc_row(2 * h);
+            if (r >= n.len) {
+                continue;
+            }
+            const float inv = l[h] > 0.0f ? 1.0f / l[h] : 0.0f;
+            float* yr = y + (size_t(b) * n.len + r) * n.heads * D + head * D;
+            #pragma unroll
+            for (int j = 0; j < ND; ++j) {
+                yr[acc_col(j, 2 * h)] = o[j][2 * h] * inv;
+                yr[acc_col(j, 2 * h + 1)] = o[j][2 * h + 1] * inv;
+            }
+            if (t == 0) {
+                lse[(size_t(b) * n.heads + head) * n.len + r] =
+                    l[h] > 0.0f ? m[h] + logf(l[h]) : -CUDART_INF_F;
+            }
+        }
+        __syncthreads();  // q_s is loaded again for the next item
+    }
+}
+
+
+// dq for head width D: one item (batch row, head, tile of 16·warps query rows) at a time.
+// Per key tile: s = q·kᵀ and dp = dy·vᵀ on the tensor cores, p = exp(scale·s − lse),
+// ds = scale·p·(dp − delta) in registers, dq += ds·k.
+template <int D>
+static __device__ void attention_dq_tc(const AttnDims n, const float* qkv, const float* cos,
+                                       const float* sin, const int* segments, const float* dy,
+                                       const float* lse, const float* delta, float* dqkv,
+                                       int causal) {
+    constexpr int KD = D / 16;
+    constexpr int ST = D + 8;  // a tile row in shared memory, in bf16s (padded)
+    constexpr int ND = D / 8;
+    constexpr int NK = TC_KEYS / 8;
+    __shared__ unsigned short stage[TC_ROWS * ST];
+    __shared__ unsigned short k_s[TC_KEYS * ST];
+    __shared__ unsigned short v_s[TC_KEYS * ST];
+    const int warp = threadIdx.x / 32;
+    const int rows = 16 * (blockDim.x / 32);
+    const int tiles = (n.len + rows - 1) / rows;
+    const float scale = 1.0f / sqrtf(float(D));
+    const long long items = (long long)n.batch * n.heads * tiles;
+    for (long long item = blockIdx.x; item < items; item += gridDim.x) {
+        const int head = int(item / tiles % n.heads);
+        const int b = int(item / tiles / n.heads);
+        const int kv = head / n.group();
+        const int r0 = int(item % tiles) * rows;
+        const int w0 = r0 + 16 * warp;
+        const int* seg = segments == nullptr ? nullptr : segments + size_t(b) * n.len;
+        // q, then dy, through the one staging tile into registers.
+        unsigned qa[KD][4];
+        unsigned da[KD][4];
+        load_tile_bf16(stage, ST, qkv, cos, sin, b, r0, rows, n.len, n.width(), head * D, D);
+        __syncthreads();
+        #pragma unroll
+        for (int kk = 0; kk < KD; ++kk) {
+            load_a(qa[kk], stage + 16 * warp * ST + 16 * kk, ST, 1);
+        }
+        __syncthreads();
+        load_tile_bf16(stage, ST, dy, nullptr, nullptr, b, r0, rows, n.len, n.heads * D,
+                       head * D, D);
+        __syncthreads();
+        #pragma unroll
+        for (int kk = 0; kk < KD; ++kk) {
+            load_a(da[kk], stage + 16 * warp * ST + 16 * kk, ST, 1);
+        }
+        float row_lse[2];
+        float row_delta[2];
+        #pragma unroll
+        for (int h = 0; h < 2; ++h) {
+            const int r = w0 + acc_row(2 * h);
+            const size_t at = (size_t(b) * n.heads + head) * n.len + r;
+            row_lse[h] = r < n.len ? lse[at] : 0.0f;
+            row_delta[h] = r < n.len ? delta[at] : 0.0f;
+        }
+        float dq[ND][4] = {};
+        const int key_end = causal ? min(n.len, r0 + rows) : n.len;
+        for (int c0 = 0; c0 < key_end; c0 += TC_KEYS) {
+            __syncthreads();  // every warp is done with the last tile (and the staging tile)
+            load_tile_bf16(k_s, ST, qkv, cos, sin, b, c0, TC_KEYS, n.len, n.width(),
+                           n.key_col(kv), D);
+            load_tile_bf16(v_s, ST, qkv, nullptr, nullptr, b, c0, TC_KEYS, n.len, n.width(),
+                           n.value_col(kv), D);
+            __syncthreads();
+            if (causal && c0 > w0 + 15) {
+                continue;
+            }
+            float s[NK][4] = {};
+            float dp[NK][4] = {};
+            #pragma unroll
+            for (int kk = 0; kk < KD; ++kk) {
+                #pragma unroll
+                for (int j = 0; j < NK; ++j) {
+                    unsigned kb[2];
+                    unsigned vb[2];
+                    load_b(kb, k_s + 8 * j * ST + 16 * kk, 1, ST);
+                    load_b(vb, v_s + 8 * j * ST + 16 * kk, 1, ST);
+                    mma_bf16(s[j], qa[kk], kb);
+                    mma_bf16(dp[j], da[kk], vb);
+                }
+            }
+            #pragma unroll
+            for (int j = 0; j < NK; ++j) {
+                #pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    float ds = 0.0f;
+                    if (visible(seg, causal, w0 + acc_row(e), c0 + acc_col(j, e), n.len)) {
+                        const float p = expf(s[j][e] * scale - row_lse[e / 2]);
+                        ds = scale * p * (dp[j][e] - row_delta[e / 2]);
+                    }
+                    s[j][e] = ds;
+                }
+            }
+            #pragma unroll
+            for (int kk = 0; kk < TC_KEYS / 16; ++kk) {
+                unsigned dsa[4];
+                acc_to_a(dsa, s, 2 * kk);
+                #pragma unroll
+                for (int j = 0; j < ND; ++j) {
+                    unsigned kb[2];
+                    load_b(kb, k_s + 16 * kk * ST + 8 * j, ST, 1);
+                    mma_bf16(dq[j], dsa, kb);
+                }
+            }
+        }
+        #pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int r = w0 + acc_row(e);
+            if (r >= n.len) {
+                continue;
+            }
+            const size_t row = size_t(b) * n.len + r;
+            #pragma unroll
+            for (int j = 0; j < ND; ++j) {
+                dqkv[row * n.width() + head * D + acc_col(j, e)] =
+                    unrotate_acc<D>(dq, j, e, cos, sin, row);
+            }
+        }
+        __syncthreads();  // the staging tile is loaded again for the next item
+    }
+}
+
+
+// dk and dv for head width D: one item (batch row, kv head, tile of 16·warps keys) at a time,
+// summing over the group's query heads and their query tiles in order. Per query tile:
+// sᵀ = k·qᵀ and dpᵀ = v·dyᵀ on the tensor cores, pᵀ and dsᵀ in registers, dv += pᵀ·dy and
+// dk += dsᵀ·q.
+template <int D>
+static __device__ void attention_dkv_tc(const AttnDims n, const float* qkv, const float* cos,
+                                        const float* sin, const int* segments, const float* dy,
+                                        const float* lse, const float* delta, float* dqkv,
+                                        int causal) {
+    constexpr int KD = D / 16;
+    constexpr int ST = D + 8;  // a tile row in shared memory, in bf16s (padded)
+    constexpr int ND = D / 8;
+    // Query rows a tile: 16 for the widest heads, which would spill at 32.
+    constexpr int QR = D > 64 ? 16 : TC_QROWS;
+    constexpr int NQ = QR / 8;
+    __shared__ unsigned short stage[TC_ROWS * ST];
+    __shared__ unsigned short q_s[QR * ST];
+    __shared__ unsigned short dy_s[QR * ST];
+    __shared__ float lse_s[QR];
+    __shared__ float delta_s[QR];
+    const int warp = threadIdx.x / 32;
+    const int keys = 16 * (blockDim.x / 32);
+    const int tiles = (n.len + keys - 1) / keys;
+    const float scale = 1.0f / sqrtf(float(D));
+    const long long items = (long long)n.batch * n.kv_heads * tiles;
+    for (long long item = blockIdx.x; item < items; item += gridDim.x) {
+        const int kv = int(item / tiles % n.kv_heads);
+        const int b = int(item / tiles / n.kv_heads);
+        const int c0 = int(item % tiles) * keys;
+        const int w0 = c0 + 16 * warp;  // this warp's first key
+        const int* seg = segments == nullptr ? nullptr : segments + size_t(b) * n.len;
+        unsigned ka[KD][4];
+        unsigned va[KD][4];
+        load_tile_bf16(stage, ST, qkv, cos, sin, b, c0, keys, n.len, n.width(), n.key_col(kv), D);
+        __syncthreads();
+        #pragma unroll
+        for (int kk = 0; kk < KD; ++kk) {
+            load_a(ka[kk], stage + 16 * warp * ST + 16 * kk, ST, 1);
+        }
+        __syncthreads();
+        load_tile_bf16(stage, ST, qkv, nullptr, nullptr, b, c0, keys, n.len, n.width(),
+                       n.value_col(kv), D);
+        __syncthreads();
+        #pragma unroll
+        for (int kk = 0; kk < KD; ++kk) {
+            load_a(va[kk], stage + 16 * warp * ST + 16 * kk, ST, 1);
+        }
+        float dk[ND][4] = {};
+        float dv[ND][4] = {};
+        // Causal: no query row before the tile's first key sees it.
+        const int first_row = causal ? c0 / QR * QR : 0;
+        for (int g = 0; g < n.group(); ++g) {
+            const int head = kv * n.group() + g;
+            for (int r0 = first_row; r0 < n.len; r0 += QR) {
+                __syncthreads();  // every warp is done with the last query tile
+                load_tile_bf16(q_s, ST, qkv, cos, sin, b, r0, QR, n.len, n.width(), head * D, D);
+                load_tile_bf16(dy_s, ST, dy, nullptr, nullptr, b, r0, QR, n.len, n.heads * D,
+                               head * D, D);
+                for (int i = threadIdx.x; i < QR; i += blockDim.x) {
+                    const int r = r0 + i;
+                    const size_t at = (size_t(b) * n.heads + head) * n.len + r;
+                    lse_s[i] = r < n.len ? lse[at] : 0.0f;
+                    delta_s[i] = r < n.len ? delta[at] : 0.0f;
+                }
+                __syncthreads();
+                if (causal && r0 + QR - 1 < w0) {
+                    continue;  // every query row of the tile comes before the warp's keys
+                }
+                float s[NQ][4] = {};
+                float dp[NQ][4] = {};
+                #pragma unroll
+                for (int kk = 0; kk < KD; ++kk) {
+                    #pragma unroll
+                    for (int j = 0; j < NQ; ++j) {
+                        unsigned qb[2];
+                        unsigned db[2];
+                        load_b(qb, q_s + 8 * j * ST + 16 * kk, 1, ST);
+                        load_b(db, dy_s + 8 * j * ST + 16 * kk, 1, ST);
+                        mma_bf16(s[j], ka[kk], qb);
+                        mma_bf16(dp[j], va[kk], db);
+                    }
+                }
+                #pragma unroll
+                for (int j = 0; j < NQ; ++j) {
+                    #pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int i = acc_col(j, e);  // the query row within the tile
+                        float p = 0.0f;
+                        float ds = 0.0f;
+                        if (visible(seg, causal, r0 + i, w0 + acc_row(e), n.len)) {
+                            p = expf(s[j][e] * scale - lse_s[i]);
+                            ds = scale * p * (dp[j][e] - delta_s[i]);
+                        }
+                        s[j][e] = p;
+                        dp[j][e] = ds;
+                    }
+                }
+                #pragma unroll
+                for (int kk = 0; kk < QR / 16; ++kk) {
+                    unsigned pa[4];
+                    unsigned dsa[4];
+                    acc_to_a(pa, s, 2 * kk);
+                    acc_to_a(dsa, dp, 2 * kk);
+                    #pragma unroll
+                    for (int j = 0; j < ND; ++j) {
+                        unsigned db[2];
+                        unsigned qb[2];
+                        load_b(db, dy_s + 16 * kk * ST + 8 * j, ST, 1);
+                        load_b(qb, q_s + 16 * kk * ST + 8 * j, ST, 1);
+                        mma_bf16(dv[j], pa, db);
+                        mma_bf16(dk[j], dsa, qb);
+                    }
+                }
+            }
+        }
+        #pragma unroll
+        for (int e = 0; e < 4; ++e) {
+            const int c = w0 + acc_row(e);
+            if (c >= n.len) {
+                continue;
+            }
+            const size_t row = size_t(b) * n.len + c;
+            #pragma unroll
+            for (int j = 0; j < ND; ++j) {
+                dqkv[row * n.width() + n.value_col(kv) + acc_col(j, e)] = dv[j][e];
+                dqkv[row * n.width() + n.key_col(kv) + acc_col(j, e)] =
+                    unrotate_acc<D>(dk, j, e, cos, sin, row);
+            }
+        }
+        __syncthreads();  // the staging tile is loaded again for the next item
+    }
+}
+
+// The kernels, one for each head width (registers and shared memory are a kernel's, sized for
+// its own width). A launch with another head_dim gets NaN outputs.
+
+extern "C" __global__ void __launch_bounds__(ATTN_MAX_THREADS)
+    attention_fwd_bf16_d16(const float* qkv, const float* cos, const float* sin,
+                           const int* segments, float* y, float* lse, int batch, int len,
+                           int heads, int kv_heads, int head_dim, int causal) {
+    const AttnDims n{batch, len, heads, kv_heads, head_dim};
+    if (head_dim != 16) {
+        fill_nan(y, size_t(batch) * len * heads * head_dim);
+        fill_nan(lse, size_t(batch) * heads * len);
+        return;
+    }
+    attention_fwd_tc<16>(n, qkv, cos, sin, segments, y, lse, causal);
+}
+
+extern "C" __global__ void __launch_bounds__(ATTN_MAX_THREADS)
+    attention_bwd_dq_bf16_d16(const float* qkv, const float* cos, const float* sin,
+                              const int* segments, const float* dy, const float* lse,
+                              const float* delta, float* dqkv, int batch, int len, int heads,
+                              int kv_heads, int head_dim, int causal) {
+    const AttnDims n{batch, len, heads, kv_heads, head_dim};
+    if (head_dim != 16) {
+        fill_nan(dqkv, size_t(batch) * len * n.width());
+        return;
+    }
+    attention_dq_tc<16>(n, qkv, cos, sin, segments, dy, lse, delta, dqkv, causal);
+}
+
+extern "C" __global__ void __launch_bounds__(ATTN_MAX_THREADS)
+    attention_bwd_dkv_bf16_d16(const float* qkv, const float* cos, const float* sin,
+                               const int* segments, const float* dy, const float* lse,
+                               const float* delta, float* dqkv, int batch, int len, int heads,
+                               int kv_heads, int head_dim, int causal) {
+    const AttnDims n{batch, len, heads, kv_heads, head_dim};
+    if (head_dim != 16) {
+        fill_nan(dqkv, size_t(batch) * len * n.width());
+        return;
+    }
+    attention_dkv_tc<16>(n, qkv, cos, sin, segments, dy, lse, delta, dqkv, causal);
+}
+
+extern "C" __global__ void __launch_bounds__(ATTN_MAX_THREADS)
+    attention_fwd_bf16_d32(const float* qkv, const float* cos, const float* sin,
+                           const int* segments, float* y, float* lse, int batch, int len,
+                           int heads, int kv_heads, int head_dim, int causal) {
+    const AttnDims n{batch, len, heads, kv_heads, head_dim};
+    if (head_dim != 32) {
+        fill_nan(y, size_t(batch) * len * heads * head_dim);
+        fill_nan(lse, size_t(batch) * heads * len);
+        return;
+    }
+    attention_fwd_tc<32>(n, qkv, cos, sin, segments, y, lse, causal);
+}
+
+extern "C" __global__ void __launch_bounds__(ATTN_MAX_THREADS)
+    attention_bwd_dq_bf16_d32(const float* qkv, const float* cos, const float* sin,
+                              const int* segments, const float* dy, const float* lse,
+                              const float* delta, float* dqkv, int batch, int len, int heads,
+                              int kv_heads, int head_dim, int causal) {
+    const AttnDims n{batch, len, heads, kv_heads, head_dim};
+    if (head_dim != 32) {
+        fill_nan(dqkv, size_t(batch) * len * n.width());
+        return;
+    }
+    attention_dq_tc<32>(n, qkv, cos, sin, segments, dy, lse, delta, dqkv, causal);
+}
+
+extern "C" __global__ void __launch_bounds__(ATTN_MAX_THREADS)
+    attention_bwd_dkv_bf16_d32(const float* qkv, const float* cos, const float* sin,
+                               const int* segments, const float* dy, const float* lse,
+                               const float* delta, float* dqkv, int batch, int len, int heads,
+                               int kv_heads, int head_dim, int causal) {
+    const AttnDims n{batch, len, heads, kv_heads, head_dim};
+    if (head_dim != 32) {
+        fill_nan(dqkv, size_t(batch) * len * n.width());
+        return;
+    }
+    attention_dkv_tc<32>(n, qkv, cos, sin, segments, dy, lse, delta, dqkv, causal);
+}
+
+extern "C" __global__ void __launch_bounds__(ATTN_MAX_THREADS)
+    attention_fwd_bf16_d64(const float* qkv, const float* cos, const float* sin,
+                           const int* segments, float* y, float* lse, int batch, int len,
+                           int heads, int kv_heads, int head_dim, int causal) {
+    const AttnDims n{batch, len, heads, kv_heads, head_dim};
+    if (head_dim != 64) {
+        fill_nan(y, size_t(batch) * len * heads * head_dim);
+        fill_nan(lse, size_t(batch) * heads * len);
+        return;
+    }
+    attention_fwd_tc<64>(n, qkv, cos, sin, segments, y, lse, causal);
+}
+
+extern "C" __global__ void __launch_bounds__(ATTN_MAX_THREADS)
+    attention_bwd_dq_bf16_d64(const float* qkv, const float* cos, const float* sin,
+                              const int* segments, const float* dy, const float* lse,
+                              const float* delta, float* dqkv, int batch, int len, int heads,
+                              int kv_heads, int head_dim, int causal) {
+    const AttnDims n{batch, len, heads, kv_heads, head_dim};
+    if (head_dim != 64) {
+        fill_nan(dqkv, size_t(batch) * len * n.width());
+        return;
+    }
+    attention_dq_tc<64>(n, qkv, cos, sin, segments, dy, lse, delta, dqkv, causal);
+}
+
+extern "C" __global__ void __launch_bounds__(ATTN_MAX_THREADS)
+    attention_bwd_dkv_bf16_d64(const float* qkv, const float* cos, const float* sin,
+                               const int* segments, const float* dy, const float* lse,
+                               const float* delta, float* dqkv, int batch, int len, int heads,
+                               int kv_heads, int head_dim, int causal) {
+    const AttnDims n{batch, len, heads, kv_heads, head_dim};
+    if (head_dim != 64) {
+        fill_nan(dqkv, size_t(batch) * len * n.width());
+        return;
+    }
+    attention_dkv_tc<64>(n, qkv, cos, sin, segments, dy, lse, delta, dqkv, causal);
+}
+
+extern "C" __global__ void __launch_bounds__(ATTN_MAX_THREADS)
+    attention_fwd_bf16_d128(const float* qkv, const float* cos, const float* sin,
+                           const int* segments, float* y, float* lse, int batch, int len,
+                           int heads, int kv_heads, int head_dim, int causal) {
+    const AttnDims n{batch, len, heads, kv_heads, head_dim};
+    if (head_dim != 128) {
+        fill_nan(y, size_t(batch) * len * heads * head_dim);
+        fill_nan(lse, size_t(batch) * heads * len);
+        return;
+    }
+    attention_fwd_tc<128>(n, qkv, cos, sin, segments, y, lse, causal);
+}
+
+extern "C" __global__ void __launch_bounds__(ATTN_MAX_THREADS)
+    attention_bwd_dq_bf16_d128(const float* qkv, const float* cos, const float* sin,
+                              const int* segments, const float* dy, const float* lse,
+                              const float* delta, float* dqkv, int batch, int len, int heads,
+                              int kv_heads, int head_dim, int causal) {
+    const AttnDims n{batch, len, heads, kv_heads, head_dim};
+    if (head_dim != 128) {
+        fill_nan(dqkv, size_t(batch) * len * n.width());
+        return;
+    }
+    attention_dq_tc<128>(n, qkv, cos, sin, segments, dy, lse, delta, dqkv, causal);
+}
+
+extern "C" __global__ void __launch_bounds__(ATTN_MAX_THREADS)
+    attention_bwd_dkv_bf16_d128(const float* qkv, const float* cos, const float* sin,
+                               const int* segments, const float* dy, const float* lse,
+                               const float* delta, float* dqkv, int batch, int len, int heads,
+                               int kv_heads, int head_dim, int causal) {
+    const AttnDims n{batch, len, heads, kv_heads, head_dim};
+    if (head_dim != 128) {
+        fill_nan(dqkv, size_t(batch) * len * n.width());
+        return;
+    }
+    attention_dkv_tc<128>(n, qkv, cos, sin, segments, dy, lse, delta, dqkv, causal);
+}

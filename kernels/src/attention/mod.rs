@@ -598,6 +598,17 @@ pub fn attention(
     attention_cpu(qkv, mask, rope, heads, kv_heads, head_dim)
 }
 
+/// The tensor-core kernel of attention.cu for `stage` (`attention_fwd`, `attention_bwd_dq` or
+/// `attention_bwd_dkv`) and heads `head_dim` wide: `attention_fwd_bf16_d64`, …; `None` for a
+/// width it has no kernel for (the f32 kernels take those).
+pub fn tensor_core_kernel(stage: &str, head_dim: usize) -> Option<String> {
+    matches!(head_dim, 16 | 32 | 64 | 128).then(|| format!("{stage}_bf16_d{head_dim}"))
+}
+
+/// Query rows (forward, dq) or keys (dkv) a warp of the tensor-core kernels owns: a block of
+/// `w` warps takes `16·w` of them.
+pub const TENSOR_CORE_ROWS_PER_WARP: usize = 16;
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -735,9 +746,49 @@ mod tests {
         causal: bool,
     }
 
+    /// Which of attention.cu's kernels: the f32 ones, or the tensor cores' for heads this wide.
+    #[derive(Clone, Copy, Debug, PartialEq)]
+    enum Family {
+        F32,
+        Bf16(usize),
+    }
+
+    impl Family {
+        /// `(query tiles, key tiles)` of a launch of `warps` warps a block.
+        fn tiles(self, n: Sizes, warps: usize) -> (usize, usize) {
+            let (query_rows, keys) = match self {
+                Family::F32 => (2 * warps, 4 * warps),
+                Family::Bf16(_) => (16 * warps, 16 * warps),
+            };
+            (
+                n.b * n.h * n.t.div_ceil(query_rows),
+                n.b * n.k * n.t.div_ceil(keys),
+            )
+        }
+
+        fn kernel(self, name: &str) -> String {
+            match self {
+                Family::F32 => format!("{name}_f32"),
+                Family::Bf16(d) => tensor_core_kernel(name, d).unwrap(),
+            }
+        }
+    }
+
     /// attention.cu through the SIMT shim: `[y, lse, dqkv]` for `qkv` and the upstream
     /// gradient `dy`, every kernel on blocks of `block` threads.
     fn cuda(
+        (qkv, dy): (&[f32], &[f32]),
+        n: Sizes,
+        masking: &Masking,
+        (grid, block): (Grid, u32),
+        schedule: Schedule,
+    ) -> Vec<Vec<f32>> {
+        cuda_of(Family::F32, (qkv, dy), n, masking, (grid, block), schedule)
+    }
+
+    /// [`cuda`] with the kernels of `family` for the forward, dq and dkv.
+    fn cuda_of(
+        family: Family,
         (qkv, dy): (&[f32], &[f32]),
         n: Sizes,
         masking: &Masking,
@@ -763,8 +814,7 @@ mod tests {
             dqkv.as_mut_ptr(),
         );
         let warps = block as usize / 32;
-        let query_tiles = b * h * t.div_ceil(2 * warps);
-        let key_tiles = b * k * t.div_ceil(4 * warps);
+        let (query_tiles, key_tiles) = family.tiles(n, warps);
         let launch = |name: &str, items: usize, params: &[*mut std::ffi::c_void]| {
             // SAFETY: every buffer holds what the kernel indexes for these sizes: qkv and dqkv
             // B·T·(h + 2k)·d, y and dy B·T·h·d, lse and delta B·h·T, the tables B·T·d and
@@ -781,7 +831,7 @@ mod tests {
             arg(&causal),
         ];
         let fwd = [&common[..], &[arg(&yp), arg(&lp)], &sizes].concat();
-        launch("attention_fwd_f32", query_tiles, &fwd);
+        launch(&family.kernel("attention_fwd"), query_tiles, &fwd);
         let (yc, lc) = (yp.cast_const(), lp.cast_const());
         let delta_params = [
             arg(&yc),
@@ -804,8 +854,8 @@ mod tests {
             &sizes,
         ]
         .concat();
-        launch("attention_bwd_dq_f32", query_tiles, &bwd);
-        launch("attention_bwd_dkv_f32", key_tiles, &bwd);
+        launch(&family.kernel("attention_bwd_dq"), query_tiles, &bwd);
+        launch(&family.kernel("attention_bwd_dkv"), key_tiles, &bwd);
         vec![y, lse, dqkv]
     }
 
@@ -932,6 +982,86 @@ mod tests {
         eprintln!("largest gaps: y {}, dqkv {}", worst[0], worst[1]);
     }
 
+    /// attention.cu's tensor-core kernels, executed by the SIMT shim (which multiplies the
+    /// lanes' mma fragments as PTX lays them out), against `attention_plain` in f32: y and dqkv
+    /// within 2 % of the plain ops' largest value, the cost of rounding q, k, v, p, dy and ds
+    /// to bf16 (measured: 0.55 % and 0.75 %). The masks, RoPE, GQA groups and partial tiles of the
+    /// f32 kernels' test, every head width these kernels take, grids that loop or leave blocks
+    /// idle, blocks of one to four warps, and both schedules giving the same bytes.
+    #[test]
+    fn the_tensor_core_kernels_match_the_plain_ops_to_bf16() {
+        let b = 2;
+        let shapes = [
+            (2, 1, 16, 13),
+            (4, 2, 32, 45),
+            (3, 3, 64, 70),
+            (2, 1, 128, 33),
+        ];
+        let geometries = [
+            (Grid::One, 32),
+            (Grid::PerItem, 128),
+            (Grid::Spare, 64),
+            (Grid::PerItem, 96),
+        ];
+        let mut worst = [0f32; 2];
+        for (case, (h, k, d, t)) in shapes.into_iter().enumerate() {
+            let n = Sizes { b, t, h, k, d };
+            let segments = packed_segments(b, t);
+            let one_segment = vec![0i32; b * t];
+            let tables = rope_tables(d, &positions_of(&segments, b, t), b, t);
+            let plain_tables = rope_tables(d, &positions_of(&one_segment, b, t), b, t);
+            let mut rng = Rng::new((h * 1000 + k * 100 + d + t) as u64);
+            let qkv = Var::from_tensor(&randn(&mut rng, &[b, t, (h + 2 * k) * d], 1.0)).unwrap();
+            let g = randn(&mut rng, &[b, t, h * d], 1.0);
+            let (xv, gv) = (values(qkv.as_tensor()), values(&g));
+            for (m, mask) in ["packed", "causal", "segments", "none"]
+                .into_iter()
+                .enumerate()
+            {
+                for rope in [false, true] {
+                    let (seg, causal, table) = match mask {
+                        "packed" => (Some(&segments[..]), true, &tables),
+                        "causal" => (None, true, &plain_tables),
+                        "segments" => (Some(&segments[..]), false, &tables),
+                        _ => (None, false, &plain_tables),
+                    };
+                    let additive = match mask {
+                        "none" => None,
+                        _ => Some(mask_of(seg.unwrap_or(&one_segment), b, t, causal)),
+                    };
+                    let r = rope.then_some(table);
+                    let plain = attention_plain(qkv.as_tensor(), additive.as_ref(), r, h, k, d);
+                    let plain = plain.unwrap();
+                    let want = [values(&plain), plain_grads(&plain, &g, &[&qkv]).remove(0)];
+                    let masking = Masking {
+                        rope: r,
+                        segments: seg,
+                        causal,
+                    };
+                    let launch = geometries[(case + m * 2 + usize::from(rope)) % 4];
+                    let at = format!("{n:?} mask={mask} rope={rope} launch={launch:?}");
+                    let got = in_both_schedules(&at, |schedule| {
+                        cuda_of(Family::Bf16(d), (&xv, &gv), n, &masking, launch, schedule)
+                    });
+                    for (i, (what, got, want)) in
+                        [("y", &got[0], &want[0]), ("dqkv", &got[2], &want[1])]
+                            .into_iter()
+                            .enumerate()
+                    {
+                        let largest = want.iter().fold(0f32, |m, v| m.max(v.abs()));
+                        let gap = largest_gap(got, want) / largest;
+                        worst[i] = worst[i].max(gap);
+                        assert!(
+                            gap <= 2e-2,
+                            "{at}: {what} is {gap} of its largest value off"
+                        );
+                    }
+                }
+            }
+        }
+        eprintln!("largest gaps, relative: y {}, dqkv {}", worst[0], worst[1]);
+    }
+
     /// The CUDA forward keeps each row's log-sum-exp of its scaled, masked scores: what the
     /// backward recomputes the probabilities from.
     #[test]
@@ -986,32 +1116,37 @@ mod tests {
         }
     }
 
-    /// A head wider than the kernels hold (128) gives NaN everywhere, never a partial result.
+    /// A head the kernels do not hold gives NaN everywhere, never a partial result: wider than
+    /// 128 for the f32 kernels, another width than its own for a tensor-core kernel.
     #[test]
-    fn the_cuda_kernels_answer_a_head_wider_than_128_with_nan() {
-        let n = Sizes {
-            b: 1,
-            t: 3,
-            h: 1,
-            k: 1,
-            d: 130,
-        };
-        let qkv = vec![0.5f32; n.t * 3 * n.d];
-        let dy = vec![1f32; n.t * n.d];
-        let masking = Masking {
-            rope: None,
-            segments: None,
-            causal: true,
-        };
-        let got = cuda(
-            (&qkv, &dy),
-            n,
-            &masking,
-            (Grid::PerItem, 32),
-            Schedule::Forward,
-        );
-        for (what, v) in ["y", "lse", "dqkv"].iter().zip(&got) {
-            assert!(v.iter().all(|x| x.is_nan()), "{what}: {v:?}");
+    fn the_cuda_kernels_answer_a_head_they_do_not_hold_with_nan() {
+        for (family, d) in [
+            (Family::F32, 130),
+            (Family::Bf16(16), 24),
+            (Family::Bf16(64), 32),
+        ] {
+            let n = Sizes {
+                b: 1,
+                t: 3,
+                h: 1,
+                k: 1,
+                d,
+            };
+            let qkv = vec![0.5f32; n.t * 3 * n.d];
+            let dy = vec![1f32; n.t * n.d];
+            let masking = Masking {
+                rope: None,
+                segments: None,
+                causal: true,
+            };
+            let launch = (Grid::PerItem, 32);
+            let got = cuda_of(family, (&qkv, &dy), n, &masking, launch, Schedule::Forward);
+            for (what, v) in ["y", "lse", "dqkv"].iter().zip(&got) {
+                assert!(
+                    v.iter().all(|x| x.is_nan()),
+                    "{family:?} d={d} {what}: {v:?}"
+                );
+            }
         }
     }
 
