@@ -138,9 +138,11 @@ pub const OBJECTIVE_MODEL: &str = "M*E-/*";
 /// The objectives beside next-token cross-entropy that the GPU trainer minimises.
 pub const OBJECTIVES: [&str; 2] = ["dpo", "grpo"];
 
+// Heads 16 wide: attention has tensor-core kernels for that width, so the bf16 curve and the
+// determinism part run them.
 const SMALL: Size = Size {
     hidden: 32,
-    heads: (4, 2, 8),
+    heads: (4, 2, 16),
     ffn: 48,
     vocab: 32,
     steps: 4,

@@ -1,6 +1,7 @@
 //! The launches of one micro-batch, each with the geometry its `.cu` file documents.
 
 use super::{Activations, BlockActs, DeviceStep, Heads, Slot, device};
+use kernels::attention::{TENSOR_CORE_ROWS_PER_WARP, tensor_core_kernel};
 use kernels::launch::{Arg, Geometry, Launcher};
 use kernels::linear::{Gemm, Precision};
 use model::config::Activation;
@@ -309,10 +310,25 @@ impl<L: Launcher> Kernels<'_, L> {
         h: Heads,
         p: &Packed<'_, L::Buffer>,
     ) -> Result<(), RunError> {
-        let query_tiles = p.batch * h.heads * p.len.div_ceil(2 * ATTN_WARPS);
         let outputs = [y, Arg::Ptr(lse_of(a)?, 0)];
         let args = [&p.inputs(qkv)?[..], &outputs, &p.sizes(h)].concat();
-        self.run("attention_fwd_f32", attention_grid(query_tiles), &args)
+        let (kernel, rows) = self.attention_kernel("attention_fwd", h, 2);
+        let query_tiles = p.batch * h.heads * p.len.div_ceil(rows);
+        self.run(&kernel, attention_grid(query_tiles), &args)
+    }
+
+    /// attention.cu's kernel for `stage` at the step's precision, and the query rows or keys a
+    /// block takes: the tensor cores' for bf16 products where the head width has one, else the
+    /// f32 kernel, whose warps take `f32_per_warp` rows each.
+    fn attention_kernel(&self, stage: &str, h: Heads, f32_per_warp: usize) -> (String, usize) {
+        let tensor_cores = match self.precision {
+            Precision::Bf16 => tensor_core_kernel(stage, h.dim),
+            Precision::F32 => None,
+        };
+        match tensor_cores {
+            Some(kernel) => (kernel, TENSOR_CORE_ROWS_PER_WARP * ATTN_WARPS),
+            None => (format!("{stage}_f32"), f32_per_warp * ATTN_WARPS),
+        }
     }
 
     /// The gradient of `qkv` (`dqkv`, RoPE undone) from the gradient `dy` of the block's
@@ -344,10 +360,12 @@ impl<L: Launcher> Kernels<'_, L> {
         let grads = [dy, Arg::Ptr(lse_of(a)?, 0), Arg::Ptr(delta, 0), dqkv];
         let qkv = Arg::Ptr(&a.projected, 0);
         let args = [&p.inputs(qkv)?[..], &grads, &p.sizes(h)].concat();
-        let query_tiles = p.batch * h.heads * p.len.div_ceil(2 * ATTN_WARPS);
-        self.run("attention_bwd_dq_f32", attention_grid(query_tiles), &args)?;
-        let key_tiles = p.batch * h.kv_heads * p.len.div_ceil(4 * ATTN_WARPS);
-        self.run("attention_bwd_dkv_f32", attention_grid(key_tiles), &args)
+        let (dq, rows) = self.attention_kernel("attention_bwd_dq", h, 2);
+        let query_tiles = p.batch * h.heads * p.len.div_ceil(rows);
+        self.run(&dq, attention_grid(query_tiles), &args)?;
+        let (dkv, keys) = self.attention_kernel("attention_bwd_dkv", h, 4);
+        let key_tiles = p.batch * h.kv_heads * p.len.div_ceil(keys);
+        self.run(&dkv, attention_grid(key_tiles), &args)
     }
 
     /// `c = op(a) · op(b) + beta · c` for `(m, n, k)`, at the step's precision.
