@@ -14,8 +14,8 @@
 # wheels and under /usr/local/cuda; what is found is printed, what is missing fails the step
 # that needs it, with the reason.
 #
-# Steps, and their limits: 8 minutes together, 9 minutes 10 s with the 10 s each may take to
-# die after its limit, inside one call of at most 10 minutes. On 2026-11-28 an H100 ran
+# Steps, and their limits: 9 minutes together, 9 minutes 40 s with the 10 s each may take
+# to die after its limit, inside one call of at most 10 minutes. On 2026-11-28 an H100 ran
 # gpu-check in 116 s (the CPU trainer over 2 steps, without the warm-up step it has now), the
 # bench's PyTorch twins of two models in 22 s before the third failed, and kernels, memcheck
 # and ops in 2, 29 and 3 s; the profile (with the CPU timed) and racecheck (then over the
@@ -26,9 +26,13 @@
 #   profile     gpu-check's speed part for one step with every launch timed
 #               (NEMO_DAG_KERNEL_TIMES), the CPU not timed: where a step goes     80 s
 #   kernels     every kernel's unit tests on the GPU (NEMO_DAG_KERNEL_TESTS_ON)   15 s
+#   racecheck-attention  compute-sanitizer racecheck over the tensor-core attention's
+#               unit test on the GPU                                             60 s
 #   memcheck    compute-sanitizer memcheck over gpu-check without timing         40 s
 #   racecheck   compute-sanitizer racecheck over the same                        90 s
 #   ops         bench/gpu_ops.yaml on the CPU and with vars.device=cuda           15 s
+# STEPS="kernels gpu-check bench" runs only those steps, in the order above (bench reads
+# gpu-check's JSON, so it needs gpu-check before it).
 # At most 8 files come back from the machine: the JSON report stays there, its figures are in
 # gpu-check.log.
 set -uo pipefail
@@ -56,10 +60,14 @@ echo "NEMO_DAG_CUDA_HOME: ${NEMO_DAG_CUDA_HOME:-not found}" | tee -a "$out/summa
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader \
     | tee -a "$out/summary.txt"
 
-# step NAME SECONDS COMMAND...: runs it into OUT/NAME.log and records its exit status.
+# step NAME SECONDS COMMAND...: runs it into OUT/NAME.log and records its exit status (unless
+# STEPS leaves it out).
 step() {
     local name=$1 limit=$2
     shift 2
+    if [[ -n ${STEPS:-} && " $STEPS " != *" $name "* ]]; then
+        return
+    fi
     echo "== $name (at most ${limit}s): $*"
     local start=$SECONDS
     timeout --kill-after=10 "$limit" "$@" >"$out/$name.log" 2>&1
@@ -74,6 +82,11 @@ step bench 70 python3 bench/gpu_bench.py --report "$work/check.json" --steps 10 
 step profile 80 env NEMO_DAG_KERNEL_TIMES=1 "$bin" gpu-check --speed-steps 1 --speed-cpu-steps 0
 if [[ -n $kernel_tests ]]; then
     step kernels 15 env NEMO_DAG_KERNEL_TESTS_ON=cuda "$kernel_tests" --test-threads 1
+    # The tensor-core attention's unit test under racecheck: its tiles share memory between
+    # warps, and it is the newest kernel that does.
+    step racecheck-attention 60 env NEMO_DAG_KERNEL_TESTS_ON=cuda compute-sanitizer \
+        --tool racecheck --report-api-errors no --error-exitcode 4 \
+        "$kernel_tests" the_tensor_core --test-threads 1
 else
     echo "kernels: no kernels' test binary (KERNEL_TESTS)" | tee -a "$out/summary.txt"
 fi
