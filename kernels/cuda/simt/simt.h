@@ -111,6 +111,7 @@ using simt::uint3;
 #define __restrict__ __restrict
 #define __shared__ static thread_local
 #define __launch_bounds__(...)
+#define __align__(n) __attribute__((aligned(n)))
 
 #define threadIdx (::simt::thread_idx())
 #define blockIdx (::simt::block_idx())

@@ -501,25 +501,36 @@ extern "C" __global__ void __launch_bounds__(ATTN_MAX_THREADS)
 // ---------------------------------------------------------------------------------------------
 // The same attention on the tensor cores, for steps whose products are bf16 (Precision::Bf16):
 // FlashAttention-2's loops (Dao, 2023, arXiv:2307.08691) with each product on
-// mma.sync.m16n8k16 (bf16 operands, f32 sums). Same arguments, masks, RoPE and outputs as the
-// f32 kernels above; q, k, v, p, dy and ds are rounded to bf16 where they enter a product, as
+// mma.sync.m16n8k16 (bf16 operands, f32 sums). Same masks, RoPE and outputs as the f32
+// kernels above; q, k, v, p, dy and ds are rounded to bf16 where they enter a product, as
 // FlashAttention does, and every softmax statistic (max, sum, lse, delta) stays f32.
 //
-// A warp owns 16 rows of a product: in the forward and dq, 16 query rows (a block 16 per
-// warp, key tiles of TC_KEYS); in dkv, 16 keys (query tiles of TC_QROWS). Scores stay in the
-// mma's accumulator registers, where the PTX ISA says a lane holds rows group and group + 8,
-// columns 2t and 2t + 1 of each 8-wide tile (lane = 4·group + t): the online softmax reduces
-// a row over the four lanes of its group, and an accumulator turns into the next product's A
-// fragment without leaving the registers. Tiles go through shared memory as bf16 bits.
-// dq and dk are turned back by RoPE in registers: dimension j + d/2 is the same lane's.
+// attention_pack_bf16 first writes qkv (RoPE applied to q and k) and, for the backward, dy as
+// bf16 heads of contiguous rows, (B, heads, T, d): the kernels then copy a tile into shared
+// memory 16 bytes at a time, with no RoPE to compute, however many blocks read it.
+//
+// A warp owns 16 rows of a product: in the forward and dq, 16 query rows (key tiles of KT);
+// in dkv, 16 keys (query tiles of QR). Scores stay in the mma's accumulator registers, where
+// the PTX ISA says a lane holds rows group and group + 8, columns 2t and 2t + 1 of each
+// 8-wide tile (lane = 4·group + t): the online softmax reduces a row over the four lanes of
+// its group, and an accumulator turns into the next product's A fragment without leaving the
+// registers. dq and dk are turned back by RoPE in registers: dimension j + d/2 is the same
+// lane's.
 //
 // Limits: head_dim 16, 32, 64 or 128, each its own kernels (`attention_fwd_bf16_d64`, …; the
 // launcher sends other widths to the f32 kernels); blockDim.x 32, 64, 96 or 128.
 
 constexpr int TC_MAX_WARPS = 4;
-constexpr int TC_KEYS = 32;                        // keys a tile (forward, dq)
-constexpr int TC_QROWS = 32;                       // query rows a tile (dkv), at most
-constexpr int TC_ROWS = 16 * TC_MAX_WARPS;         // a block's rows (forward, dq) or keys (dkv)
+constexpr int TC_ROWS = 16 * TC_MAX_WARPS;  // a block's rows (forward, dq) or keys (dkv)
+
+// Keys a tile (forward, dq) and query rows a tile (dkv) for heads D wide: fewer for the widest
+// heads, whose accumulators would spill at 64.
+template <int D>
+struct TcTiles {
+    static constexpr int KT = D > 64 ? 32 : 64;
+    static constexpr int QR = D > 64 ? 16 : 32;
+    static constexpr int ST = D + 8;  // a tile row in shared memory, in bf16s (padded)
+};
 
 // D += A·B over one warp: A 16 × 16 and B 16 × 8 in bf16, D 16 × 8 in f32.
 static __device__ __forceinline__ void mma_bf16(float d[4], const unsigned a[4],
@@ -532,6 +543,26 @@ static __device__ __forceinline__ void mma_bf16(float d[4], const unsigned a[4],
         : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b[0]), "r"(b[1]));
 #else
     simt::mma_m16n8k16_bf16(d, a, b);
+#endif
+}
+
+// 16 bytes from `from` to `to`, both 16-byte aligned.
+static __device__ __forceinline__ void copy16(unsigned short* to, const unsigned short* from) {
+#ifdef __CUDA_ARCH__
+    *reinterpret_cast<uint4*>(to) = *reinterpret_cast<const uint4*>(from);
+#else
+    std::memcpy(to, from, 16);
+#endif
+}
+
+// The two bf16 values at p (4-byte aligned) as one word, p[0] in the low half.
+static __device__ __forceinline__ unsigned pair_at(const unsigned short* p) {
+#ifdef __CUDA_ARCH__
+    return *reinterpret_cast<const unsigned*>(p);
+#else
+    unsigned word;
+    std::memcpy(&word, p, 4);
+    return word;
 #endif
 }
 
@@ -548,24 +579,32 @@ static __device__ __forceinline__ unsigned pack_f32(float lo, float hi) {
     return pack(bf16_bits(lo), bf16_bits(hi));
 }
 
-// The A fragment of the 16 × 16 tile whose element (r, c) is s[r·rs + c·cs].
-static __device__ __forceinline__ void load_a(unsigned a[4], const unsigned short* s, int rs,
-                                              int cs) {
+// The A fragment of the 16 × 16 tile whose row r starts at s + r·rs (its columns contiguous).
+static __device__ __forceinline__ void load_a(unsigned a[4], const unsigned short* s, int rs) {
     const int g = threadIdx.x % 32 / 4;
     const int c = 2 * (threadIdx.x % 4);
-    a[0] = pack(s[g * rs + c * cs], s[g * rs + (c + 1) * cs]);
-    a[1] = pack(s[(g + 8) * rs + c * cs], s[(g + 8) * rs + (c + 1) * cs]);
-    a[2] = pack(s[g * rs + (c + 8) * cs], s[g * rs + (c + 9) * cs]);
-    a[3] = pack(s[(g + 8) * rs + (c + 8) * cs], s[(g + 8) * rs + (c + 9) * cs]);
+    a[0] = pair_at(s + g * rs + c);
+    a[1] = pair_at(s + (g + 8) * rs + c);
+    a[2] = pair_at(s + g * rs + c + 8);
+    a[3] = pair_at(s + (g + 8) * rs + c + 8);
 }
 
-// The B fragment of the 16 × 8 tile (k × n) whose element (k, n) is s[k·ks + n·ns].
-static __device__ __forceinline__ void load_b(unsigned b[2], const unsigned short* s, int ks,
-                                              int ns) {
+// The B fragment of the 16 × 8 tile (k × n) stored n-major: column n's k values at s + n·ns.
+static __device__ __forceinline__ void load_b_cols(unsigned b[2], const unsigned short* s,
+                                                   int ns) {
     const int g = threadIdx.x % 32 / 4;
     const int k = 2 * (threadIdx.x % 4);
-    b[0] = pack(s[k * ks + g * ns], s[(k + 1) * ks + g * ns]);
-    b[1] = pack(s[(k + 8) * ks + g * ns], s[(k + 9) * ks + g * ns]);
+    b[0] = pair_at(s + g * ns + k);
+    b[1] = pair_at(s + g * ns + k + 8);
+}
+
+// The B fragment of the 16 × 8 tile (k × n) stored k-major: row k's n values at s + k·ks.
+static __device__ __forceinline__ void load_b_rows(unsigned b[2], const unsigned short* s,
+                                                   int ks) {
+    const int g = threadIdx.x % 32 / 4;
+    const int k = 2 * (threadIdx.x % 4);
+    b[0] = pack(s[k * ks + g], s[(k + 1) * ks + g]);
+    b[1] = pack(s[(k + 8) * ks + g], s[(k + 9) * ks + g]);
 }
 
 // Accumulators n0 and n0 + 1 (16 rows × 16 columns) as the A fragment of the next product.
@@ -576,35 +615,78 @@ static __device__ __forceinline__ void acc_to_a(unsigned a[4], const float (*acc
     a[3] = pack_f32(acc[n0 + 1][2], acc[n0 + 1][3]);
 }
 
-// load_tile, rounded to bf16 (RoPE applied in f32 first).
-static __device__ void load_tile_bf16(unsigned short* tile, int stride, const float* x,
-                                      const float* cos, const float* sin, int b, int r0,
-                                      int count, int len, int width, int col, int d) {
-    const int half = d / 2;
-    for (int e = threadIdx.x; e < count * d; e += blockDim.x) {
-        const int i = e / d;
-        const int j = e % d;
-        const int r = r0 + i;
-        float v = 0.0f;
-        if (r < len) {
-            const size_t row = size_t(b) * len + r;
-            const float* xr = x + row * width + col;
-            v = xr[j];
-            if (cos != nullptr) {
-                const float* c = cos + row * d;
-                const float* s = sin + row * d;
-                v = j < half ? xr[j] * c[j] - xr[j + half] * s[j]
-                             : xr[j] * c[j] + xr[j - half] * s[j];
-            }
-        }
-        tile[i * stride + j] = bf16_bits(v);
-    }
-}
-
-// Accumulator element e of n-tile `n` of a 16-row product: its row (0–15) and column.
+// Accumulator element e of a 16-row product: its row (0–15), and its column in n-tile n.
 static __device__ __forceinline__ int acc_row(int e) { return threadIdx.x % 32 / 4 + 8 * (e / 2); }
 static __device__ __forceinline__ int acc_col(int n, int e) {
     return 8 * n + 2 * (threadIdx.x % 4) + e % 2;
+}
+
+// x (B, T, heads·d) as bf16 heads of contiguous rows, out (B, heads, T, d); the first
+// `rotated` heads turned by RoPE (cos, sin (B, T, d); null: none). One thread a pair of
+// values, grid-stride.
+extern "C" __global__ void attention_pack_bf16(const float* x, const float* cos,
+                                               const float* sin, unsigned short* out, int batch,
+                                               int len, int heads, int rotated, int head_dim) {
+    const int d = head_dim;
+    const int half = d / 2;
+    const size_t pairs = size_t(batch) * len * heads * d / 2;
+    const size_t stride = size_t(gridDim.x) * blockDim.x;
+    for (size_t p = size_t(blockIdx.x) * blockDim.x + threadIdx.x; p < pairs; p += stride) {
+        const size_t e = 2 * p;
+        const int j = int(e % d);
+        const size_t row = e / d / heads;  // b·len + t
+        const int head = int(e / d % heads);
+        const float* xr = x + row * heads * d + size_t(head) * d;
+        float v[2];
+        for (int u = 0; u < 2; ++u) {
+            const int i = j + u;
+            v[u] = xr[i];
+            if (cos != nullptr && head < rotated) {
+                const float* c = cos + row * d;
+                const float* s = sin + row * d;
+                v[u] = i < half ? xr[i] * c[i] - xr[i + half] * s[i]
+                                : xr[i] * c[i] + xr[i - half] * s[i];
+            }
+        }
+        const size_t b = row / len;
+        const size_t t = row % len;
+        unsigned short* o = out + ((b * heads + head) * len + t) * d + j;
+        o[0] = bf16_bits(v[0]);
+        o[1] = bf16_bits(v[1]);
+    }
+}
+
+// Rows [r0, r0 + count) of head `head` of a packed (B, heads, T, D) tensor into `tile` (rows
+// TcTiles<D>::ST apart), 16 bytes at a time; rows past the end are zeros.
+template <int D>
+static __device__ void load_packed(unsigned short* tile, const unsigned short* packed, int b,
+                                   int heads, int head, int r0, int count, int len) {
+    constexpr int CHUNKS = D / 8;
+    const unsigned short* from = packed + (size_t(b) * heads + head) * len * D;
+    for (int e = threadIdx.x; e < count * CHUNKS; e += blockDim.x) {
+        const int i = e / CHUNKS;
+        const int c = e % CHUNKS * 8;
+        unsigned short* to = tile + i * TcTiles<D>::ST + c;
+        if (r0 + i < len) {
+            copy16(to, from + size_t(r0 + i) * D + c);
+        } else {
+            const unsigned short zeros[8] = {};
+            copy16(to, zeros);
+        }
+    }
+}
+
+// The segment ids of rows [r0, r0 + count) into ids (−1 past the end; all 0 without segments).
+static __device__ void load_segments(int* ids, const int* seg, int r0, int count, int len) {
+    for (int i = threadIdx.x; i < count; i += blockDim.x) {
+        const int r = r0 + i;
+        ids[i] = r >= len ? -1 : (seg == nullptr ? 0 : seg[r]);
+    }
+}
+
+// Whether query r (segment sr) sees key c (segment sc); −1: past the end.
+static __device__ __forceinline__ bool sees(int causal, int r, int sr, int c, int sc) {
+    return sr >= 0 && sc >= 0 && sr == sc && !(causal && c > r);
 }
 
 // RoPE's transpose of a lane's gradient g[D / 8][4] (16 rows of one head) for element e of
@@ -624,19 +706,22 @@ static __device__ __forceinline__ float unrotate_acc(const float (*g)[4], int n,
                           : g[n][e] * c[j] - g[n - HALF_TILES][e] * s[j - D / 2];
 }
 
-// The forward for head width D: one item (batch row, head, tile of 16·warps query rows) at a
-// time, grid-stride.
+// The forward for heads D wide: one item (batch row, head, tile of 16·warps query rows) at a
+// time, grid-stride, from the packed qkv (B, h + 2k, T, D).
 template <int D>
-static __device__ void attention_fwd_tc(const AttnDims n, const float* qkv, const float* cos,
-                                        const float* sin, const int* segments, float* y,
-                                        float* lse, int causal) {
-    constexpr int KD = D / 16;        // k-steps over the head
-    constexpr int ST = D + 8;  // a tile row in shared memory, in bf16s (padded)
-    constexpr int ND = D / 8;         // n-tiles over the head
-    constexpr int NK = TC_KEYS / 8;   // n-tiles over a key tile
-    __shared__ unsigned short q_s[TC_ROWS * ST];
-    __shared__ unsigned short k_s[TC_KEYS * ST];
-    __shared__ unsigned short v_s[TC_KEYS * ST];
+static __device__ void attention_fwd_tc(const AttnDims n, const unsigned short* qkv,
+                                        const int* segments, float* y, float* lse, int causal) {
+    constexpr int KT = TcTiles<D>::KT;
+    constexpr int ST = TcTiles<D>::ST;
+    constexpr int KD = D / 16;  // k-steps over the head
+    constexpr int ND = D / 8;   // n-tiles over the head
+    constexpr int NK = KT / 8;  // n-tiles over a key tile
+    __shared__ __align__(16) unsigned short q_s[TC_ROWS * ST];
+    __shared__ __align__(16) unsigned short k_s[KT * ST];
+    __shared__ __align__(16) unsigned short v_s[KT * ST];
+    __shared__ int rseg_s[TC_ROWS];
+    __shared__ int kseg_s[KT];
+    const int all = n.heads + 2 * n.kv_heads;
     const int warp = threadIdx.x / 32;
     const int t = threadIdx.x % 4;
     const int rows = 16 * (blockDim.x / 32);
@@ -650,23 +735,24 @@ static __device__ void attention_fwd_tc(const AttnDims n, const float* qkv, cons
         const int r0 = int(item % tiles) * rows;
         const int w0 = r0 + 16 * warp;  // this warp's first row
         const int* seg = segments == nullptr ? nullptr : segments + size_t(b) * n.len;
-        load_tile_bf16(q_s, ST, qkv, cos, sin, b, r0, rows, n.len, n.width(), head * D, D);
+        load_packed<D>(q_s, qkv, b, all, head, r0, rows, n.len);
+        load_segments(rseg_s, seg, r0, rows, n.len);
         __syncthreads();
         unsigned qa[KD][4];
         #pragma unroll
         for (int kk = 0; kk < KD; ++kk) {
-            load_a(qa[kk], q_s + 16 * warp * ST + 16 * kk, ST, 1);
+            load_a(qa[kk], q_s + 16 * warp * ST + 16 * kk, ST);
         }
+        const int rseg[2] = {rseg_s[16 * warp + acc_row(0)], rseg_s[16 * warp + acc_row(2)]};
         float o[ND][4] = {};
         float m[2] = {-CUDART_INF_F, -CUDART_INF_F};
         float l[2] = {0.0f, 0.0f};
         const int key_end = causal ? min(n.len, r0 + rows) : n.len;
-        for (int c0 = 0; c0 < key_end; c0 += TC_KEYS) {
+        for (int c0 = 0; c0 < key_end; c0 += KT) {
             __syncthreads();  // every warp is done with the last tile
-            load_tile_bf16(k_s, ST, qkv, cos, sin, b, c0, TC_KEYS, n.len, n.width(),
-                           n.key_col(kv), D);
-            load_tile_bf16(v_s, ST, qkv, nullptr, nullptr, b, c0, TC_KEYS, n.len, n.width(),
-                           n.value_col(kv), D);
+            load_packed<D>(k_s, qkv, b, all, n.heads + kv, c0, KT, n.len);
+            load_packed<D>(v_s, qkv, b, all, n.heads + n.kv_heads + kv, c0, KT, n.len);
+            load_segments(kseg_s, seg, c0, KT, n.len);
             __syncthreads();
             if (causal && c0 > w0 + 15) {
                 continue;  // none of the warp's rows sees this tile
@@ -677,7 +763,7 @@ static __device__ void attention_fwd_tc(const AttnDims n, const float* qkv, cons
                 #pragma unroll
                 for (int j = 0; j < NK; ++j) {
                     unsigned kb[2];
-                    load_b(kb, k_s + 8 * j * ST + 16 * kk, 1, ST);
+                    load_b_cols(kb, k_s + 8 * j * ST + 16 * kk, ST);
                     mma_bf16(s[j], qa[kk], kb);
                 }
             }
@@ -689,9 +775,9 @@ static __device__ void attention_fwd_tc(const AttnDims n, const float* qkv, cons
                 for (int j = 0; j < NK; ++j) {
                     #pragma unroll
                     for (int e = 2 * h; e < 2 * h + 2; ++e) {
-                        const bool sees = visible(seg, causal, w0 + acc_row(e), c0 + acc_col(j, e),
-                                                  n.len);
-                        s[j][e] = sees ? s[j][e] * scale : -CUDART_INF_F;
+                        const int c = acc_col(j, e);
+                        const bool open = sees(causal, w0 + acc_row(e), rseg[h], c0 + c, kseg_s[c]);
+                        s[j][e] = open ? s[j][e] * scale : -CUDART_INF_F;
                         mx = fmaxf(mx, s[j][e]);
                     }
                 }
@@ -721,13 +807,13 @@ static __device__ void attention_fwd_tc(const AttnDims n, const float* qkv, cons
             }
             // o += p·v, the probabilities straight from the scores' registers.
             #pragma unroll
-            for (int kk = 0; kk < TC_KEYS / 16; ++kk) {
+            for (int kk = 0; kk < KT / 16; ++kk) {
                 unsigned pa[4];
                 acc_to_a(pa, s, 2 * kk);
                 #pragma unroll
                 for (int j = 0; j < ND; ++j) {
                     unsigned vb[2];
-                    load_b(vb, v_s + 16 * kk * ST + 8 * j, ST, 1);
+                    load_b_rows(vb, v_s + 16 * kk * ST + 8 * j, ST);
                     mma_bf16(o[j], pa, vb);
                 }
             }
@@ -754,22 +840,25 @@ static __device__ void attention_fwd_tc(const AttnDims n, const float* qkv, cons
     }
 }
 
-
-// dq for head width D: one item (batch row, head, tile of 16·warps query rows) at a time.
-// Per key tile: s = q·kᵀ and dp = dy·vᵀ on the tensor cores, p = exp(scale·s − lse),
-// ds = scale·p·(dp − delta) in registers, dq += ds·k.
+// dq for heads D wide: one item (batch row, head, tile of 16·warps query rows) at a time, from
+// the packed qkv and dy (B, h, T, D). Per key tile: s = q·kᵀ and dp = dy·vᵀ on the tensor
+// cores, p = exp(scale·s − lse) and ds = scale·p·(dp − delta) in registers, dq += ds·k.
 template <int D>
-static __device__ void attention_dq_tc(const AttnDims n, const float* qkv, const float* cos,
-                                       const float* sin, const int* segments, const float* dy,
-                                       const float* lse, const float* delta, float* dqkv,
-                                       int causal) {
+static __device__ void attention_dq_tc(const AttnDims n, const unsigned short* qkv,
+                                       const float* cos, const float* sin, const int* segments,
+                                       const unsigned short* dy, const float* lse,
+                                       const float* delta, float* dqkv, int causal) {
+    constexpr int KT = TcTiles<D>::KT;
+    constexpr int ST = TcTiles<D>::ST;
     constexpr int KD = D / 16;
-    constexpr int ST = D + 8;  // a tile row in shared memory, in bf16s (padded)
     constexpr int ND = D / 8;
-    constexpr int NK = TC_KEYS / 8;
-    __shared__ unsigned short stage[TC_ROWS * ST];
-    __shared__ unsigned short k_s[TC_KEYS * ST];
-    __shared__ unsigned short v_s[TC_KEYS * ST];
+    constexpr int NK = KT / 8;
+    __shared__ __align__(16) unsigned short stage[TC_ROWS * ST];
+    __shared__ __align__(16) unsigned short k_s[KT * ST];
+    __shared__ __align__(16) unsigned short v_s[KT * ST];
+    __shared__ int rseg_s[TC_ROWS];
+    __shared__ int kseg_s[KT];
+    const int all = n.heads + 2 * n.kv_heads;
     const int warp = threadIdx.x / 32;
     const int rows = 16 * (blockDim.x / 32);
     const int tiles = (n.len + rows - 1) / rows;
@@ -785,20 +874,21 @@ static __device__ void attention_dq_tc(const AttnDims n, const float* qkv, const
         // q, then dy, through the one staging tile into registers.
         unsigned qa[KD][4];
         unsigned da[KD][4];
-        load_tile_bf16(stage, ST, qkv, cos, sin, b, r0, rows, n.len, n.width(), head * D, D);
+        load_packed<D>(stage, qkv, b, all, head, r0, rows, n.len);
+        load_segments(rseg_s, seg, r0, rows, n.len);
         __syncthreads();
         #pragma unroll
         for (int kk = 0; kk < KD; ++kk) {
-            load_a(qa[kk], stage + 16 * warp * ST + 16 * kk, ST, 1);
+            load_a(qa[kk], stage + 16 * warp * ST + 16 * kk, ST);
         }
         __syncthreads();
-        load_tile_bf16(stage, ST, dy, nullptr, nullptr, b, r0, rows, n.len, n.heads * D,
-                       head * D, D);
+        load_packed<D>(stage, dy, b, n.heads, head, r0, rows, n.len);
         __syncthreads();
         #pragma unroll
         for (int kk = 0; kk < KD; ++kk) {
-            load_a(da[kk], stage + 16 * warp * ST + 16 * kk, ST, 1);
+            load_a(da[kk], stage + 16 * warp * ST + 16 * kk, ST);
         }
+        const int rseg[2] = {rseg_s[16 * warp + acc_row(0)], rseg_s[16 * warp + acc_row(2)]};
         float row_lse[2];
         float row_delta[2];
         #pragma unroll
@@ -810,12 +900,11 @@ static __device__ void attention_dq_tc(const AttnDims n, const float* qkv, const
         }
         float dq[ND][4] = {};
         const int key_end = causal ? min(n.len, r0 + rows) : n.len;
-        for (int c0 = 0; c0 < key_end; c0 += TC_KEYS) {
+        for (int c0 = 0; c0 < key_end; c0 += KT) {
             __syncthreads();  // every warp is done with the last tile (and the staging tile)
-            load_tile_bf16(k_s, ST, qkv, cos, sin, b, c0, TC_KEYS, n.len, n.width(),
-                           n.key_col(kv), D);
-            load_tile_bf16(v_s, ST, qkv, nullptr, nullptr, b, c0, TC_KEYS, n.len, n.width(),
-                           n.value_col(kv), D);
+            load_packed<D>(k_s, qkv, b, all, n.heads + kv, c0, KT, n.len);
+            load_packed<D>(v_s, qkv, b, all, n.heads + n.kv_heads + kv, c0, KT, n.len);
+            load_segments(kseg_s, seg, c0, KT, n.len);
             __syncthreads();
             if (causal && c0 > w0 + 15) {
                 continue;
@@ -828,8 +917,8 @@ static __device__ void attention_dq_tc(const AttnDims n, const float* qkv, const
                 for (int j = 0; j < NK; ++j) {
                     unsigned kb[2];
                     unsigned vb[2];
-                    load_b(kb, k_s + 8 * j * ST + 16 * kk, 1, ST);
-                    load_b(vb, v_s + 8 * j * ST + 16 * kk, 1, ST);
+                    load_b_cols(kb, k_s + 8 * j * ST + 16 * kk, ST);
+                    load_b_cols(vb, v_s + 8 * j * ST + 16 * kk, ST);
                     mma_bf16(s[j], qa[kk], kb);
                     mma_bf16(dp[j], da[kk], vb);
                 }
@@ -838,8 +927,9 @@ static __device__ void attention_dq_tc(const AttnDims n, const float* qkv, const
             for (int j = 0; j < NK; ++j) {
                 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
+                    const int c = acc_col(j, e);
                     float ds = 0.0f;
-                    if (visible(seg, causal, w0 + acc_row(e), c0 + acc_col(j, e), n.len)) {
+                    if (sees(causal, w0 + acc_row(e), rseg[e / 2], c0 + c, kseg_s[c])) {
                         const float p = expf(s[j][e] * scale - row_lse[e / 2]);
                         ds = scale * p * (dp[j][e] - row_delta[e / 2]);
                     }
@@ -847,13 +937,13 @@ static __device__ void attention_dq_tc(const AttnDims n, const float* qkv, const
                 }
             }
             #pragma unroll
-            for (int kk = 0; kk < TC_KEYS / 16; ++kk) {
+            for (int kk = 0; kk < KT / 16; ++kk) {
                 unsigned dsa[4];
                 acc_to_a(dsa, s, 2 * kk);
                 #pragma unroll
                 for (int j = 0; j < ND; ++j) {
                     unsigned kb[2];
-                    load_b(kb, k_s + 16 * kk * ST + 8 * j, ST, 1);
+                    load_b_rows(kb, k_s + 16 * kk * ST + 8 * j, ST);
                     mma_bf16(dq[j], dsa, kb);
                 }
             }
@@ -875,27 +965,32 @@ static __device__ void attention_dq_tc(const AttnDims n, const float* qkv, const
     }
 }
 
-
-// dk and dv for head width D: one item (batch row, kv head, tile of 16·warps keys) at a time,
+// dk and dv for heads D wide: one item (batch row, kv head, tile of 16·warps keys) at a time,
 // summing over the group's query heads and their query tiles in order. Per query tile:
 // sᵀ = k·qᵀ and dpᵀ = v·dyᵀ on the tensor cores, pᵀ and dsᵀ in registers, dv += pᵀ·dy and
 // dk += dsᵀ·q.
 template <int D>
-static __device__ void attention_dkv_tc(const AttnDims n, const float* qkv, const float* cos,
-                                        const float* sin, const int* segments, const float* dy,
-                                        const float* lse, const float* delta, float* dqkv,
-                                        int causal) {
+static __device__ void attention_dkv_tc(const AttnDims n, const unsigned short* qkv,
+                                        const float* cos, const float* sin, const int* segments,
+                                        const unsigned short* dy, const float* lse,
+                                        const float* delta, float* dqkv, int causal) {
+    constexpr int QR = TcTiles<D>::QR;
+    constexpr int ST = TcTiles<D>::ST;
     constexpr int KD = D / 16;
-    constexpr int ST = D + 8;  // a tile row in shared memory, in bf16s (padded)
     constexpr int ND = D / 8;
-    // Query rows a tile: 16 for the widest heads, which would spill at 32.
-    constexpr int QR = D > 64 ? 16 : TC_QROWS;
     constexpr int NQ = QR / 8;
-    __shared__ unsigned short stage[TC_ROWS * ST];
-    __shared__ unsigned short q_s[QR * ST];
-    __shared__ unsigned short dy_s[QR * ST];
+    // v's fragments stay in registers, except for the widest heads, which would spill: there
+    // they are read from v's own tile at each use.
+    constexpr bool V_SHARED = D > 64;
+    __shared__ __align__(16) unsigned short stage[TC_ROWS * ST];
+    __shared__ __align__(16) unsigned short v_s[V_SHARED ? TC_ROWS * ST : 8];
+    __shared__ __align__(16) unsigned short q_s[QR * ST];
+    __shared__ __align__(16) unsigned short dy_s[QR * ST];
     __shared__ float lse_s[QR];
     __shared__ float delta_s[QR];
+    __shared__ int kseg_s[TC_ROWS];
+    __shared__ int qseg_s[QR];
+    const int all = n.heads + 2 * n.kv_heads;
     const int warp = threadIdx.x / 32;
     const int keys = 16 * (blockDim.x / 32);
     const int tiles = (n.len + keys - 1) / keys;
@@ -908,21 +1003,25 @@ static __device__ void attention_dkv_tc(const AttnDims n, const float* qkv, cons
         const int w0 = c0 + 16 * warp;  // this warp's first key
         const int* seg = segments == nullptr ? nullptr : segments + size_t(b) * n.len;
         unsigned ka[KD][4];
-        unsigned va[KD][4];
-        load_tile_bf16(stage, ST, qkv, cos, sin, b, c0, keys, n.len, n.width(), n.key_col(kv), D);
+        unsigned va[V_SHARED ? 1 : KD][4];
+        load_packed<D>(stage, qkv, b, all, n.heads + kv, c0, keys, n.len);
+        load_segments(kseg_s, seg, c0, keys, n.len);
         __syncthreads();
         #pragma unroll
         for (int kk = 0; kk < KD; ++kk) {
-            load_a(ka[kk], stage + 16 * warp * ST + 16 * kk, ST, 1);
+            load_a(ka[kk], stage + 16 * warp * ST + 16 * kk, ST);
         }
         __syncthreads();
-        load_tile_bf16(stage, ST, qkv, nullptr, nullptr, b, c0, keys, n.len, n.width(),
-                       n.value_col(kv), D);
+        unsigned short* v_tile = V_SHARED ? v_s : stage;
+        load_packed<D>(v_tile, qkv, b, all, n.heads + n.kv_heads + kv, c0, keys, n.len);
         __syncthreads();
-        #pragma unroll
-        for (int kk = 0; kk < KD; ++kk) {
-            load_a(va[kk], stage + 16 * warp * ST + 16 * kk, ST, 1);
+        if constexpr (!V_SHARED) {
+            #pragma unroll
+            for (int kk = 0; kk < KD; ++kk) {
+                load_a(va[kk], stage + 16 * warp * ST + 16 * kk, ST);
+            }
         }
+        const int kseg[2] = {kseg_s[16 * warp + acc_row(0)], kseg_s[16 * warp + acc_row(2)]};
         float dk[ND][4] = {};
         float dv[ND][4] = {};
         // Causal: no query row before the tile's first key sees it.
@@ -931,9 +1030,9 @@ static __device__ void attention_dkv_tc(const AttnDims n, const float* qkv, cons
             const int head = kv * n.group() + g;
             for (int r0 = first_row; r0 < n.len; r0 += QR) {
                 __syncthreads();  // every warp is done with the last query tile
-                load_tile_bf16(q_s, ST, qkv, cos, sin, b, r0, QR, n.len, n.width(), head * D, D);
-                load_tile_bf16(dy_s, ST, dy, nullptr, nullptr, b, r0, QR, n.len, n.heads * D,
-                               head * D, D);
+                load_packed<D>(q_s, qkv, b, all, head, r0, QR, n.len);
+                load_packed<D>(dy_s, dy, b, n.heads, head, r0, QR, n.len);
+                load_segments(qseg_s, seg, r0, QR, n.len);
                 for (int i = threadIdx.x; i < QR; i += blockDim.x) {
                     const int r = r0 + i;
                     const size_t at = (size_t(b) * n.heads + head) * n.len + r;
@@ -944,6 +1043,7 @@ static __device__ void attention_dkv_tc(const AttnDims n, const float* qkv, cons
                 if (causal && r0 + QR - 1 < w0) {
                     continue;  // every query row of the tile comes before the warp's keys
                 }
+                // One product after the other, each fragment live only for its own.
                 float s[NQ][4] = {};
                 float dp[NQ][4] = {};
                 #pragma unroll
@@ -951,11 +1051,21 @@ static __device__ void attention_dkv_tc(const AttnDims n, const float* qkv, cons
                     #pragma unroll
                     for (int j = 0; j < NQ; ++j) {
                         unsigned qb[2];
-                        unsigned db[2];
-                        load_b(qb, q_s + 8 * j * ST + 16 * kk, 1, ST);
-                        load_b(db, dy_s + 8 * j * ST + 16 * kk, 1, ST);
+                        load_b_cols(qb, q_s + 8 * j * ST + 16 * kk, ST);
                         mma_bf16(s[j], ka[kk], qb);
-                        mma_bf16(dp[j], va[kk], db);
+                    }
+                }
+                #pragma unroll
+                for (int kk = 0; kk < KD; ++kk) {
+                    unsigned* v = va[V_SHARED ? 0 : kk];
+                    if constexpr (V_SHARED) {
+                        load_a(v, v_s + 16 * warp * ST + 16 * kk, ST);
+                    }
+                    #pragma unroll
+                    for (int j = 0; j < NQ; ++j) {
+                        unsigned db[2];
+                        load_b_cols(db, dy_s + 8 * j * ST + 16 * kk, ST);
+                        mma_bf16(dp[j], v, db);
                     }
                 }
                 #pragma unroll
@@ -965,7 +1075,7 @@ static __device__ void attention_dkv_tc(const AttnDims n, const float* qkv, cons
                         const int i = acc_col(j, e);  // the query row within the tile
                         float p = 0.0f;
                         float ds = 0.0f;
-                        if (visible(seg, causal, r0 + i, w0 + acc_row(e), n.len)) {
+                        if (sees(causal, r0 + i, qseg_s[i], w0 + acc_row(e), kseg[e / 2])) {
                             p = expf(s[j][e] * scale - lse_s[i]);
                             ds = scale * p * (dp[j][e] - delta_s[i]);
                         }
@@ -976,16 +1086,22 @@ static __device__ void attention_dkv_tc(const AttnDims n, const float* qkv, cons
                 #pragma unroll
                 for (int kk = 0; kk < QR / 16; ++kk) {
                     unsigned pa[4];
-                    unsigned dsa[4];
                     acc_to_a(pa, s, 2 * kk);
-                    acc_to_a(dsa, dp, 2 * kk);
                     #pragma unroll
                     for (int j = 0; j < ND; ++j) {
                         unsigned db[2];
-                        unsigned qb[2];
-                        load_b(db, dy_s + 16 * kk * ST + 8 * j, ST, 1);
-                        load_b(qb, q_s + 16 * kk * ST + 8 * j, ST, 1);
+                        load_b_rows(db, dy_s + 16 * kk * ST + 8 * j, ST);
                         mma_bf16(dv[j], pa, db);
+                    }
+                }
+                #pragma unroll
+                for (int kk = 0; kk < QR / 16; ++kk) {
+                    unsigned dsa[4];
+                    acc_to_a(dsa, dp, 2 * kk);
+                    #pragma unroll
+                    for (int j = 0; j < ND; ++j) {
+                        unsigned qb[2];
+                        load_b_rows(qb, q_s + 16 * kk * ST + 8 * j, ST);
                         mma_bf16(dk[j], dsa, qb);
                     }
                 }
@@ -1010,24 +1126,25 @@ static __device__ void attention_dkv_tc(const AttnDims n, const float* qkv, cons
 }
 
 // The kernels, one for each head width (registers and shared memory are a kernel's, sized for
-// its own width). A launch with another head_dim gets NaN outputs.
+// its own width). `qkv` and `dy` are attention_pack_bf16's; a launch with another head_dim
+// gets NaN outputs.
 
 extern "C" __global__ void __launch_bounds__(ATTN_MAX_THREADS)
-    attention_fwd_bf16_d16(const float* qkv, const float* cos, const float* sin,
-                           const int* segments, float* y, float* lse, int batch, int len,
-                           int heads, int kv_heads, int head_dim, int causal) {
-    const AttnDims n{batch, len, heads, kv_heads, head_dim};
+    attention_fwd_bf16_d16(const unsigned short* qkv, const int* segments, float* y,
+                           float* lse, int batch, int len, int heads, int kv_heads,
+                           int head_dim, int causal) {
     if (head_dim != 16) {
         fill_nan(y, size_t(batch) * len * heads * head_dim);
         fill_nan(lse, size_t(batch) * heads * len);
         return;
     }
-    attention_fwd_tc<16>(n, qkv, cos, sin, segments, y, lse, causal);
+    const AttnDims n{batch, len, heads, kv_heads, head_dim};
+    attention_fwd_tc<16>(n, qkv, segments, y, lse, causal);
 }
 
 extern "C" __global__ void __launch_bounds__(ATTN_MAX_THREADS)
-    attention_bwd_dq_bf16_d16(const float* qkv, const float* cos, const float* sin,
-                              const int* segments, const float* dy, const float* lse,
+    attention_bwd_dq_bf16_d16(const unsigned short* qkv, const float* cos, const float* sin,
+                              const int* segments, const unsigned short* dy, const float* lse,
                               const float* delta, float* dqkv, int batch, int len, int heads,
                               int kv_heads, int head_dim, int causal) {
     const AttnDims n{batch, len, heads, kv_heads, head_dim};
@@ -1039,8 +1156,8 @@ extern "C" __global__ void __launch_bounds__(ATTN_MAX_THREADS)
 }
 
 extern "C" __global__ void __launch_bounds__(ATTN_MAX_THREADS)
-    attention_bwd_dkv_bf16_d16(const float* qkv, const float* cos, const float* sin,
-                               const int* segments, const float* dy, const float* lse,
+    attention_bwd_dkv_bf16_d16(const unsigned short* qkv, const float* cos, const float* sin,
+                               const int* segments, const unsigned short* dy, const float* lse,
                                const float* delta, float* dqkv, int batch, int len, int heads,
                                int kv_heads, int head_dim, int causal) {
     const AttnDims n{batch, len, heads, kv_heads, head_dim};
@@ -1052,21 +1169,21 @@ extern "C" __global__ void __launch_bounds__(ATTN_MAX_THREADS)
 }
 
 extern "C" __global__ void __launch_bounds__(ATTN_MAX_THREADS)
-    attention_fwd_bf16_d32(const float* qkv, const float* cos, const float* sin,
-                           const int* segments, float* y, float* lse, int batch, int len,
-                           int heads, int kv_heads, int head_dim, int causal) {
-    const AttnDims n{batch, len, heads, kv_heads, head_dim};
+    attention_fwd_bf16_d32(const unsigned short* qkv, const int* segments, float* y,
+                           float* lse, int batch, int len, int heads, int kv_heads,
+                           int head_dim, int causal) {
     if (head_dim != 32) {
         fill_nan(y, size_t(batch) * len * heads * head_dim);
         fill_nan(lse, size_t(batch) * heads * len);
         return;
     }
-    attention_fwd_tc<32>(n, qkv, cos, sin, segments, y, lse, causal);
+    const AttnDims n{batch, len, heads, kv_heads, head_dim};
+    attention_fwd_tc<32>(n, qkv, segments, y, lse, causal);
 }
 
 extern "C" __global__ void __launch_bounds__(ATTN_MAX_THREADS)
-    attention_bwd_dq_bf16_d32(const float* qkv, const float* cos, const float* sin,
-                              const int* segments, const float* dy, const float* lse,
+    attention_bwd_dq_bf16_d32(const unsigned short* qkv, const float* cos, const float* sin,
+                              const int* segments, const unsigned short* dy, const float* lse,
                               const float* delta, float* dqkv, int batch, int len, int heads,
                               int kv_heads, int head_dim, int causal) {
     const AttnDims n{batch, len, heads, kv_heads, head_dim};
@@ -1078,8 +1195,8 @@ extern "C" __global__ void __launch_bounds__(ATTN_MAX_THREADS)
 }
 
 extern "C" __global__ void __launch_bounds__(ATTN_MAX_THREADS)
-    attention_bwd_dkv_bf16_d32(const float* qkv, const float* cos, const float* sin,
-                               const int* segments, const float* dy, const float* lse,
+    attention_bwd_dkv_bf16_d32(const unsigned short* qkv, const float* cos, const float* sin,
+                               const int* segments, const unsigned short* dy, const float* lse,
                                const float* delta, float* dqkv, int batch, int len, int heads,
                                int kv_heads, int head_dim, int causal) {
     const AttnDims n{batch, len, heads, kv_heads, head_dim};
@@ -1091,21 +1208,21 @@ extern "C" __global__ void __launch_bounds__(ATTN_MAX_THREADS)
 }
 
 extern "C" __global__ void __launch_bounds__(ATTN_MAX_THREADS)
-    attention_fwd_bf16_d64(const float* qkv, const float* cos, const float* sin,
-                           const int* segments, float* y, float* lse, int batch, int len,
-                           int heads, int kv_heads, int head_dim, int causal) {
-    const AttnDims n{batch, len, heads, kv_heads, head_dim};
+    attention_fwd_bf16_d64(const unsigned short* qkv, const int* segments, float* y,
+                           float* lse, int batch, int len, int heads, int kv_heads,
+                           int head_dim, int causal) {
     if (head_dim != 64) {
         fill_nan(y, size_t(batch) * len * heads * head_dim);
         fill_nan(lse, size_t(batch) * heads * len);
         return;
     }
-    attention_fwd_tc<64>(n, qkv, cos, sin, segments, y, lse, causal);
+    const AttnDims n{batch, len, heads, kv_heads, head_dim};
+    attention_fwd_tc<64>(n, qkv, segments, y, lse, causal);
 }
 
 extern "C" __global__ void __launch_bounds__(ATTN_MAX_THREADS)
-    attention_bwd_dq_bf16_d64(const float* qkv, const float* cos, const float* sin,
-                              const int* segments, const float* dy, const float* lse,
+    attention_bwd_dq_bf16_d64(const unsigned short* qkv, const float* cos, const float* sin,
+                              const int* segments, const unsigned short* dy, const float* lse,
                               const float* delta, float* dqkv, int batch, int len, int heads,
                               int kv_heads, int head_dim, int causal) {
     const AttnDims n{batch, len, heads, kv_heads, head_dim};
@@ -1117,8 +1234,8 @@ extern "C" __global__ void __launch_bounds__(ATTN_MAX_THREADS)
 }
 
 extern "C" __global__ void __launch_bounds__(ATTN_MAX_THREADS)
-    attention_bwd_dkv_bf16_d64(const float* qkv, const float* cos, const float* sin,
-                               const int* segments, const float* dy, const float* lse,
+    attention_bwd_dkv_bf16_d64(const unsigned short* qkv, const float* cos, const float* sin,
+                               const int* segments, const unsigned short* dy, const float* lse,
                                const float* delta, float* dqkv, int batch, int len, int heads,
                                int kv_heads, int head_dim, int causal) {
     const AttnDims n{batch, len, heads, kv_heads, head_dim};
@@ -1130,21 +1247,21 @@ extern "C" __global__ void __launch_bounds__(ATTN_MAX_THREADS)
 }
 
 extern "C" __global__ void __launch_bounds__(ATTN_MAX_THREADS)
-    attention_fwd_bf16_d128(const float* qkv, const float* cos, const float* sin,
-                           const int* segments, float* y, float* lse, int batch, int len,
-                           int heads, int kv_heads, int head_dim, int causal) {
-    const AttnDims n{batch, len, heads, kv_heads, head_dim};
+    attention_fwd_bf16_d128(const unsigned short* qkv, const int* segments, float* y,
+                           float* lse, int batch, int len, int heads, int kv_heads,
+                           int head_dim, int causal) {
     if (head_dim != 128) {
         fill_nan(y, size_t(batch) * len * heads * head_dim);
         fill_nan(lse, size_t(batch) * heads * len);
         return;
     }
-    attention_fwd_tc<128>(n, qkv, cos, sin, segments, y, lse, causal);
+    const AttnDims n{batch, len, heads, kv_heads, head_dim};
+    attention_fwd_tc<128>(n, qkv, segments, y, lse, causal);
 }
 
 extern "C" __global__ void __launch_bounds__(ATTN_MAX_THREADS)
-    attention_bwd_dq_bf16_d128(const float* qkv, const float* cos, const float* sin,
-                              const int* segments, const float* dy, const float* lse,
+    attention_bwd_dq_bf16_d128(const unsigned short* qkv, const float* cos, const float* sin,
+                              const int* segments, const unsigned short* dy, const float* lse,
                               const float* delta, float* dqkv, int batch, int len, int heads,
                               int kv_heads, int head_dim, int causal) {
     const AttnDims n{batch, len, heads, kv_heads, head_dim};
@@ -1156,8 +1273,8 @@ extern "C" __global__ void __launch_bounds__(ATTN_MAX_THREADS)
 }
 
 extern "C" __global__ void __launch_bounds__(ATTN_MAX_THREADS)
-    attention_bwd_dkv_bf16_d128(const float* qkv, const float* cos, const float* sin,
-                               const int* segments, const float* dy, const float* lse,
+    attention_bwd_dkv_bf16_d128(const unsigned short* qkv, const float* cos, const float* sin,
+                               const int* segments, const unsigned short* dy, const float* lse,
                                const float* delta, float* dqkv, int batch, int len, int heads,
                                int kv_heads, int head_dim, int causal) {
     const AttnDims n{batch, len, heads, kv_heads, head_dim};

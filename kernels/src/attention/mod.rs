@@ -806,6 +806,7 @@ mod tests {
         let segments = masking.segments.map_or(std::ptr::null(), <[i32]>::as_ptr);
         let (bi, ti, hi, ki, di) = (b as i32, t as i32, h as i32, k as i32, d as i32);
         let causal = i32::from(masking.causal);
+        let qkv_len = qkv.len();
         let (qkv, dy) = (qkv.as_ptr(), dy.as_ptr());
         let (yp, lp, dp, gp) = (
             y.as_mut_ptr(),
@@ -816,12 +817,11 @@ mod tests {
         let warps = block as usize / 32;
         let (query_tiles, key_tiles) = family.tiles(n, warps);
         let launch = |name: &str, items: usize, params: &[*mut std::ffi::c_void]| {
-            // SAFETY: every buffer holds what the kernel indexes for these sizes: qkv and dqkv
-            // B·T·(h + 2k)·d, y and dy B·T·h·d, lse and delta B·h·T, the tables B·T·d and
-            // the segments B·T.
+            // SAFETY: every buffer holds what the kernel indexes for these sizes: qkv, its
+            // packed copy and dqkv B·T·(h + 2k)·d, y, dy and its packed copy B·T·h·d, lse and
+            // delta B·h·T, the tables B·T·d and the segments B·T.
             unsafe { launch_1d(name, grid.blocks(items), block, schedule, params) }.unwrap()
         };
-        let common = [arg(&qkv), arg(&cos), arg(&sin), arg(&segments)];
         let sizes = [
             arg(&bi),
             arg(&ti),
@@ -830,7 +830,54 @@ mod tests {
             arg(&di),
             arg(&causal),
         ];
-        let fwd = [&common[..], &[arg(&yp), arg(&lp)], &sizes].concat();
+        // The tensor-core kernels read qkv and dy as attention_pack_bf16 writes them.
+        let (mut packed_qkv, mut packed_dy) = (vec![0u16; qkv_len], vec![0u16; b * t * h * d]);
+        let (pq, pd) = (packed_qkv.as_mut_ptr(), packed_dy.as_mut_ptr());
+        if let Family::Bf16(_) = family {
+            let (all, rotated, none) = ((h + 2 * k) as i32, (h + k) as i32, 0i32);
+            let qkv_pack = [
+                arg(&qkv),
+                arg(&cos),
+                arg(&sin),
+                arg(&pq),
+                arg(&bi),
+                arg(&ti),
+                arg(&all),
+                arg(&rotated),
+                arg(&di),
+            ];
+            launch("attention_pack_bf16", qkv_len.div_ceil(64), &qkv_pack);
+            let dy_pack = [
+                arg(&dy),
+                arg(&null),
+                arg(&null),
+                arg(&pd),
+                arg(&bi),
+                arg(&ti),
+                arg(&hi),
+                arg(&none),
+                arg(&di),
+            ];
+            launch(
+                "attention_pack_bf16",
+                (b * t * h * d).div_ceil(64),
+                &dy_pack,
+            );
+        }
+        let (pq, pd) = (pq.cast_const(), pd.cast_const());
+        let (qkv_in, dy_in) = match family {
+            Family::F32 => (arg(&qkv), arg(&dy)),
+            Family::Bf16(_) => (arg(&pq), arg(&pd)),
+        };
+        let fwd = match family {
+            Family::F32 => [
+                &[qkv_in, arg(&cos), arg(&sin), arg(&segments)][..],
+                &[arg(&yp), arg(&lp)],
+                &sizes,
+            ]
+            .concat(),
+            Family::Bf16(_) => [&[qkv_in, arg(&segments), arg(&yp), arg(&lp)][..], &sizes].concat(),
+        };
         launch(&family.kernel("attention_fwd"), query_tiles, &fwd);
         let (yc, lc) = (yp.cast_const(), lp.cast_const());
         let delta_params = [
@@ -849,13 +896,14 @@ mod tests {
         );
         let dc = dp.cast_const();
         let bwd = [
-            &common[..],
-            &[arg(&dy), arg(&lc), arg(&dc), arg(&gp)],
+            &[qkv_in, arg(&cos), arg(&sin), arg(&segments)][..],
+            &[dy_in, arg(&lc), arg(&dc), arg(&gp)],
             &sizes,
         ]
         .concat();
         launch(&family.kernel("attention_bwd_dq"), query_tiles, &bwd);
         launch(&family.kernel("attention_bwd_dkv"), key_tiles, &bwd);
+        drop((packed_qkv, packed_dy)); // alive until the last launch read them
         vec![y, lse, dqkv]
     }
 

@@ -1,7 +1,7 @@
 //! The launches of one micro-batch, each with the geometry its `.cu` file documents.
 
 use super::{Activations, BlockActs, DeviceStep, Heads, Slot, device};
-use kernels::attention::{TENSOR_CORE_ROWS_PER_WARP, tensor_core_kernel};
+use kernels::attention::{TENSOR_CORE_ROWS_PER_WARP as TENSOR_CORE_ROWS, tensor_core_kernel};
 use kernels::launch::{Arg, Geometry, Launcher};
 use kernels::linear::{Gemm, Precision};
 use model::config::Activation;
@@ -302,6 +302,8 @@ impl<L: Launcher> Kernels<'_, L> {
 
     /// Causal attention of every head over the packed segments: `y` (`rows × heads·dim`) from
     /// `qkv` (`rows × (heads + 2·kv_heads)·dim`), and each row's log-sum-exp for the backward.
+    /// At bf16 precision, where the head width has them, on the tensor cores (from `qkv` as
+    /// bf16 heads); else attention.cu's f32 kernel.
     pub(super) fn attention(
         &self,
         qkv: Arg<'_, L::Buffer>,
@@ -311,29 +313,72 @@ impl<L: Launcher> Kernels<'_, L> {
         p: &Packed<'_, L::Buffer>,
     ) -> Result<(), RunError> {
         let outputs = [y, Arg::Ptr(lse_of(a)?, 0)];
-        let args = [&p.inputs(qkv)?[..], &outputs, &p.sizes(h)].concat();
-        let (kernel, rows) = self.attention_kernel("attention_fwd", h, 2);
-        let query_tiles = p.batch * h.heads * p.len.div_ceil(rows);
+        let Some(kernel) = self.tensor_cores("attention_fwd", h) else {
+            let args = [&p.inputs(qkv)?[..], &outputs, &p.sizes(h)].concat();
+            let query_tiles = p.batch * h.heads * p.len.div_ceil(2 * ATTN_WARPS);
+            return self.run("attention_fwd_f32", attention_grid(query_tiles), &args);
+        };
+        let packed = self.pack_heads(qkv, None, h, p)?;
+        let segments = p.inputs(qkv)?[3];
+        let args = [&[Arg::Ptr(packed, 0), segments][..], &outputs, &p.sizes(h)].concat();
+        let query_tiles = p.batch * h.heads * p.len.div_ceil(TENSOR_CORE_ROWS * ATTN_WARPS);
         self.run(&kernel, attention_grid(query_tiles), &args)
     }
 
-    /// attention.cu's kernel for `stage` at the step's precision, and the query rows or keys a
-    /// block takes: the tensor cores' for bf16 products where the head width has one, else the
-    /// f32 kernel, whose warps take `f32_per_warp` rows each.
-    fn attention_kernel(&self, stage: &str, h: Heads, f32_per_warp: usize) -> (String, usize) {
-        let tensor_cores = match self.precision {
+    /// The tensor-core kernel of attention.cu for `stage`, where the step multiplies in bf16
+    /// and the head width has one.
+    fn tensor_cores(&self, stage: &str, h: Heads) -> Option<String> {
+        match self.precision {
             Precision::Bf16 => tensor_core_kernel(stage, h.dim),
             Precision::F32 => None,
-        };
-        match tensor_cores {
-            Some(kernel) => (kernel, TENSOR_CORE_ROWS_PER_WARP * ATTN_WARPS),
-            None => (format!("{stage}_f32"), f32_per_warp * ATTN_WARPS),
         }
+    }
+
+    /// `qkv` (RoPE applied to q and k) and, for the backward, `dy` as bf16 heads of contiguous
+    /// rows in the step's packed-heads buffer (attention_pack_bf16): dy after qkv.
+    fn pack_heads<'p>(
+        &self,
+        qkv: Arg<'_, L::Buffer>,
+        dy: Option<Arg<'_, L::Buffer>>,
+        h: Heads,
+        p: &'p Packed<'_, L::Buffer>,
+    ) -> Result<&'p L::Buffer, RunError> {
+        let packed = p.acts.packed_heads.as_ref().ok_or_else(|| {
+            RunError::new("GPU trainer: attention without its packed-heads buffer".to_string())
+        })?;
+        let [_, cos, sin, _] = p.inputs(qkv)?;
+        let (batch, len) = (Arg::I32(p.batch as i32), Arg::I32(p.len as i32));
+        let all = h.heads + 2 * h.kv_heads;
+        let pack = |x, (cos, sin), at, heads: usize, rotated: usize| {
+            let args = [
+                x,
+                cos,
+                sin,
+                Arg::Ptr(packed, at),
+                batch,
+                len,
+                Arg::I32(heads as i32),
+                Arg::I32(rotated as i32),
+                Arg::I32(h.dim as i32),
+            ];
+            let pairs = self.rows * heads * h.dim / 2;
+            self.run(
+                "attention_pack_bf16",
+                Geometry::linear(elementwise_grid(pairs), 256),
+                &args,
+            )
+        };
+        pack(qkv, (cos, sin), 0, all, h.heads + h.kv_heads)?;
+        if let Some(dy) = dy {
+            let at = self.rows * all * h.dim * 2;
+            pack(dy, (Arg::Null, Arg::Null), at, h.heads, 0)?;
+        }
+        Ok(packed)
     }
 
     /// The gradient of `qkv` (`dqkv`, RoPE undone) from the gradient `dy` of the block's
     /// attention output: Σ dy·y per row, then dq per query tile and dk, dv per key tile, with
-    /// no atomics.
+    /// no atomics; on the tensor cores where the forward was.
     pub(super) fn attention_backward(
         &self,
         a: &BlockActs<L::Buffer>,
@@ -357,15 +402,27 @@ impl<L: Launcher> Kernels<'_, L> {
         ];
         let rows = (p.batch * h.heads * p.len).div_ceil(ATTN_WARPS);
         self.run("attention_bwd_delta_f32", attention_grid(rows), &delta_args)?;
-        let grads = [dy, Arg::Ptr(lse_of(a)?, 0), Arg::Ptr(delta, 0), dqkv];
+        let (lse, delta) = (Arg::Ptr(lse_of(a)?, 0), Arg::Ptr(delta, 0));
         let qkv = Arg::Ptr(&a.projected, 0);
-        let args = [&p.inputs(qkv)?[..], &grads, &p.sizes(h)].concat();
-        let (dq, rows) = self.attention_kernel("attention_bwd_dq", h, 2);
-        let query_tiles = p.batch * h.heads * p.len.div_ceil(rows);
-        self.run(&dq, attention_grid(query_tiles), &args)?;
-        let (dkv, keys) = self.attention_kernel("attention_bwd_dkv", h, 4);
-        let key_tiles = p.batch * h.kv_heads * p.len.div_ceil(keys);
-        self.run(&dkv, attention_grid(key_tiles), &args)
+        let kernels = (
+            self.tensor_cores("attention_bwd_dq", h),
+            self.tensor_cores("attention_bwd_dkv", h),
+        );
+        let (Some(dq), Some(dkv)) = kernels else {
+            let args = [&p.inputs(qkv)?[..], &[dy, lse, delta, dqkv], &p.sizes(h)].concat();
+            let query_tiles = p.batch * h.heads * p.len.div_ceil(2 * ATTN_WARPS);
+            self.run("attention_bwd_dq_f32", attention_grid(query_tiles), &args)?;
+            let key_tiles = p.batch * h.kv_heads * p.len.div_ceil(4 * ATTN_WARPS);
+            return self.run("attention_bwd_dkv_f32", attention_grid(key_tiles), &args);
+        };
+        let packed = self.pack_heads(qkv, Some(dy), h, p)?;
+        let packed_dy = Arg::Ptr(packed, self.rows * (h.heads + 2 * h.kv_heads) * h.dim * 2);
+        let [_, cos, sin, segments] = p.inputs(qkv)?;
+        let inputs = [Arg::Ptr(packed, 0), cos, sin, segments];
+        let args = [&inputs[..], &[packed_dy, lse, delta, dqkv], &p.sizes(h)].concat();
+        let tiles = p.len.div_ceil(TENSOR_CORE_ROWS * ATTN_WARPS);
+        self.run(&dq, attention_grid(p.batch * h.heads * tiles), &args)?;
+        self.run(&dkv, attention_grid(p.batch * h.kv_heads * tiles), &args)
     }
 
     /// `c = op(a) · op(b) + beta · c` for `(m, n, k)`, at the step's precision.

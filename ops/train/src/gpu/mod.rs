@@ -42,6 +42,7 @@ mod moe;
 mod mtp;
 
 use crate::{BatchSource, Objective, PerToken, Stepper, Tally, TokenGrad, Trainer};
+use kernels::attention::tensor_core_kernel;
 use kernels::launch::{Arg, Geometry, Launcher};
 use kernels::linear::Precision;
 use launches::{Kernels, NT, Packed, elementwise_grid, row_grid};
@@ -508,6 +509,10 @@ struct Activations<B> {
     dprojected: B,
     /// Attention's Σ dy·y per (row, head, token).
     delta: Option<B>,
+    /// Attention's q, k, v and dy as bf16 heads of contiguous rows, for the tensor-core
+    /// kernels (attention_pack_bf16): `rows · (2·heads + 2·kv_heads) · dim` bf16s, where the
+    /// head width has them.
+    packed_heads: Option<B>,
     /// Mamba-2: each token's run start inside its row (int32), and the blocks' scratch.
     starts: Option<B>,
     mamba: Option<MambaScratch<B>>,
@@ -1267,6 +1272,10 @@ impl<'l, L: Launcher> DeviceStep<'l, L> {
             dmixed: grads(rows * widest(|b| b.mid_width))?,
             dprojected: grads(rows * widest(|b| b.in_width))?,
             delta: heads.map(|h| grads(per_head(h))).transpose()?,
+            packed_heads: heads
+                .filter(|h| tensor_core_kernel("attention_fwd", h.dim).is_some())
+                .map(|h| floats(rows * (h.heads + h.kv_heads) * h.dim))
+                .transpose()?,
             starts: (!ssms.is_empty()).then(|| floats(rows)).transpose()?,
             mamba: MambaScratch::allocate(&floats, &ssms, (rows, batch, chunk_rows))?,
             moe: MoeScratch::allocate(&floats, &experts, rows, d)?,
