@@ -14,20 +14,19 @@
 # wheels and under /usr/local/cuda; what is found is printed, what is missing fails the step
 # that needs it, with the reason.
 #
-# Steps, and their limits: 9 minutes together, 9 minutes 40 s with the 10 s each may take
-# to die after its limit, inside one call of at most 10 minutes. On 2026-11-28 an H100 ran
-# gpu-check in 116 s (the CPU trainer over 2 steps, without the warm-up step it has now), the
-# bench's PyTorch twins of two models in 22 s before the third failed, and kernels, memcheck
-# and ops in 2, 29 and 3 s; the profile (with the CPU timed) and racecheck (then over the
-# kernels' unit tests) were stopped at 62 and 50 s. The other limits are estimates.
+# Steps, and their limits: 8 minutes together, 9 minutes 10 s with the 10 s each may take to
+# die after its limit, inside one call of at most 10 minutes. Measured on an H200 on
+# 2026-11-28 (three calls): gpu-check 107 to 143 s, bench 17 to 25, profile 34 to 45, kernels
+# 2 and their racecheck 13 to 14, memcheck 28 to 32, ops 2 to 3; racecheck over gpu-check was
+# stopped at its 90 s (it had reached the objectives), as it was on an H100.
 #   gpu-check   the trainer against the CPU, cuBLASLt, NCCL, decoding, speed    170 s
 #   bench       bench/gpu_bench.py: the same models in PyTorch, same GPU, beside
 #               gpu-check's figures                                              70 s
 #   profile     gpu-check's speed part for one step with every launch timed
 #               (NEMO_DAG_KERNEL_TIMES), the CPU not timed: where a step goes     80 s
-#   kernels     every kernel's unit tests on the GPU (NEMO_DAG_KERNEL_TESTS_ON)   15 s
-#   racecheck-attention  compute-sanitizer racecheck over the tensor-core attention's
-#               unit test on the GPU                                             60 s
+#   kernels     every kernel's unit tests on the GPU (NEMO_DAG_KERNEL_TESTS_ON),
+#               then compute-sanitizer racecheck over the tensor-core
+#               attention's                                                      45 s
 #   memcheck    compute-sanitizer memcheck over gpu-check without timing         40 s
 #   racecheck   compute-sanitizer racecheck over the same                        90 s
 #   ops         bench/gpu_ops.yaml on the CPU and with vars.device=cuda           15 s
@@ -81,12 +80,12 @@ step gpu-check 170 "$bin" gpu-check --json "$work/check.json" --speed-steps 10
 step bench 70 python3 bench/gpu_bench.py --report "$work/check.json" --steps 10 --no-compile
 step profile 80 env NEMO_DAG_KERNEL_TIMES=1 "$bin" gpu-check --speed-steps 1 --speed-cpu-steps 0
 if [[ -n $kernel_tests ]]; then
-    step kernels 15 env NEMO_DAG_KERNEL_TESTS_ON=cuda "$kernel_tests" --test-threads 1
-    # The tensor-core attention's unit test under racecheck: its tiles share memory between
-    # warps, and it is the newest kernel that does.
-    step racecheck-attention 60 env NEMO_DAG_KERNEL_TESTS_ON=cuda compute-sanitizer \
-        --tool racecheck --report-api-errors no --error-exitcode 4 \
-        "$kernel_tests" the_tensor_core --test-threads 1
+    # Then the tensor-core attention's unit test under racecheck: its tiles share memory
+    # between warps, and it is the newest kernel that does.
+    step kernels 45 bash -c "set -e; export NEMO_DAG_KERNEL_TESTS_ON=cuda
+        '$kernel_tests' --test-threads 1
+        compute-sanitizer --tool racecheck --report-api-errors no --error-exitcode 4 \\
+            '$kernel_tests' the_tensor_core --test-threads 1"
 else
     echo "kernels: no kernels' test binary (KERNEL_TESTS)" | tee -a "$out/summary.txt"
 fi
