@@ -14,11 +14,12 @@
 # wheels and under /usr/local/cuda; what is found is printed, what is missing fails the step
 # that needs it, with the reason.
 #
-# Steps, and their limits: 8 minutes together, 9 minutes 10 s with the 10 s each may take to
+# Steps, and their limits: 8 minutes 30 s together, 9 minutes 40 s with the 10 s each may take to
 # die after its limit, inside one call of at most 10 minutes. Measured on an H200 on
 # 2026-11-28 (three calls): gpu-check 107 to 143 s, bench 17 to 25, profile 34 to 45, kernels
 # 2 and their racecheck 13 to 14, memcheck 28 to 32, ops 2 to 3; racecheck over gpu-check was
-# stopped at its 90 s (it had reached the objectives), as it was on an H100.
+# stopped at its 90 s (it had reached the DPO part), as it was on an H100 (then over the
+# kernels' unit tests).
 #   gpu-check   the trainer against the CPU, cuBLASLt, NCCL, decoding, speed    170 s
 #   bench       bench/gpu_bench.py: the same models in PyTorch, same GPU, beside
 #               gpu-check's figures                                              70 s
