@@ -82,7 +82,8 @@ impl CublasLt {
         })
     }
 
-    /// `gemm` on the f32 matrices at device addresses `a`, `b` and `c`.
+    /// `gemm` on the f32 matrices at device addresses `a`, `b` and `c`; says whether its
+    /// shape was new (cuBLASLt's heuristic was asked for it now).
     ///
     /// # Safety
     /// `a`, `b` and `c` must be the addresses of `m·k`, `k·n` and `m·n` floats on `cuda`.
@@ -91,7 +92,7 @@ impl CublasLt {
         cuda: &Cuda,
         g: &Gemm,
         (a, b, c): (u64, u64, u64),
-    ) -> Result<()> {
+    ) -> Result<bool> {
         let (m, n, k) = (g.m, g.n, g.k);
         // cuBLASLt runs on the calling thread's current context.
         cuda.bind()?;
@@ -138,11 +139,12 @@ impl CublasLt {
         // c is anywhere in a buffer (a parameter's gradient slot): say how aligned it is.
         let c_align = (1u32 << c.trailing_zeros().min(8)).max(4);
         let shape = (m, n, k, g.trans_a, g.trans_b, c_align);
-        let Some(algo) = self.algorithm(shape, desc.0, [first.0, second.0, out.0])? else {
+        let (algo, new) = self.algorithm(shape, desc.0, [first.0, second.0, out.0])?;
+        let Some(algo) = algo else {
             // No cuBLASLt kernel for this shape and alignment, or for this GPU: the same
             // arithmetic on linear.cu's kernel, from the f32 operands.
             // SAFETY: passed on from the caller.
-            return unsafe { kernel(cuda, g, (a, b, c)) };
+            return unsafe { kernel(cuda, g, (a, b, c)) }.map(|()| new);
         };
         let mut operands = self
             .operands
@@ -182,26 +184,28 @@ impl CublasLt {
                 cuda.cu_stream() as sys::cudaStream_t,
             )
         }
-        .map_err(blas("cublasLtMatmul"))
+        .map_err(blas("cublasLtMatmul"))?;
+        Ok(new)
     }
 }
 
 impl CublasLt {
     /// The algorithm cuBLASLt's heuristic picks for `shape` with these descriptors (its
-    /// operands' and result's layouts), or `None` where it has none: asked once per shape and
-    /// remembered, so a training step asks nothing, and a shape always runs the same algorithm.
+    /// operands' and result's layouts), or `None` where it has none, and whether it was asked
+    /// now: asked once per shape and remembered, so a step of shapes seen before asks nothing,
+    /// and a shape always runs the same algorithm.
     fn algorithm(
         &self,
         shape: Shape,
         desc: sys::cublasLtMatmulDesc_t,
         [first, second, out]: [sys::cublasLtMatrixLayout_t; 3],
-    ) -> Result<Option<sys::cublasLtMatmulAlgo_t>> {
+    ) -> Result<(Option<sys::cublasLtMatmulAlgo_t>, bool)> {
         let mut algos = self
             .algos
             .lock()
             .map_err(|_| LaunchError("cuBLASLt's algorithms: a panic held their lock".into()))?;
         if let Some(known) = algos.get(&shape) {
-            return Ok(*known);
+            return Ok((*known, false));
         }
         let pref = result::create_matmul_pref()
             .map(|p| Owned(p, result::destroy_matmul_pref))
@@ -239,7 +243,7 @@ impl CublasLt {
             Err(e) => return Err(blas("cublasLtMatmulAlgoGetHeuristic")(e)),
         };
         algos.insert(shape, algo);
-        Ok(algo)
+        Ok((algo, true))
     }
 }
 

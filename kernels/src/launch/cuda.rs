@@ -315,12 +315,19 @@ impl Launcher for Cuda {
                 let [a, b, c] = [a, b, c].map(|arg| arg.slot(pointer));
                 let (a, b, c) = (a?, b?, c?);
                 let layout = |t| if t { 'T' } else { 'N' };
+                // A shape's first product, which asks cuBLASLt's heuristic (and may load the
+                // kernel it picks), is timed apart from the shape's later ones.
+                let first = std::cell::Cell::new(false);
                 let name = || {
                     let (ta, tb) = (layout(gemm.trans_a), layout(gemm.trans_b));
-                    format!("cuBLASLt {}x{}x{} {ta}{tb}", gemm.m, gemm.n, gemm.k)
+                    let new = if first.get() { ", its first" } else { "" };
+                    format!("cuBLASLt {}x{}x{} {ta}{tb}{new}", gemm.m, gemm.n, gemm.k)
                 };
-                // SAFETY: passed on from the caller.
-                self.timed(name, || unsafe { blas.matmul(self, gemm, (a, b, c)) })
+                self.timed(name, || {
+                    // SAFETY: passed on from the caller.
+                    first.set(unsafe { blas.matmul(self, gemm, (a, b, c)) }?);
+                    Ok(())
+                })
             }
             // SAFETY: passed on from the caller; the arguments are the kernel's, in order.
             _ => unsafe { self.launch(gemm.kernel(), geometry, &gemm.args(a, b, c)) },

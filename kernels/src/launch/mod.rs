@@ -100,7 +100,8 @@ impl Geometry {
 pub struct KernelTime {
     /// The kernel's name, or `cuBLASLt m×n×k` and its operands' layouts for a bf16 product
     /// (its two casts included, and linear.cu's kernel where cuBLASLt has no algorithm for the
-    /// shape).
+    /// shape), with `, its first` for the first product of a shape (which asks cuBLASLt's
+    /// heuristic).
     pub name: String,
     pub launches: u64,
     /// Wall time from its launch to the stream's end, added over its launches.
