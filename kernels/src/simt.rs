@@ -193,6 +193,10 @@ mod tests {
             lanes.contains("after lanes of the warp returned"),
             "{lanes}"
         );
+        let mixed = refused("check_mixed_warp_ops", &[arg(&p)]);
+        assert!(mixed.contains("different warp-level operations"), "{mixed}");
+        let misaligned = refused("check_misaligned_vector", &[arg(&p)]);
+        assert!(misaligned.contains("not 16-byte aligned"), "{misaligned}");
         let unknown = refused("rms_norm_sideways", &[]);
         assert!(
             unknown.contains("no kernel named `rms_norm_sideways`"),

@@ -49,3 +49,20 @@ extern "C" __global__ void check_shuffle_after_return(int* out) {
     }
     out[threadIdx.x] = __shfl_xor_sync(0xffffffffu, int(threadIdx.x), 1);
 }
+
+// Lanes of one warp at two different warp-level operations: half at a shuffle, half at
+// __syncwarp (divergent code); the shim refuses it rather than pair them up.
+extern "C" __global__ void check_mixed_warp_ops(int* out) {
+    if (threadIdx.x % 32 < 16) {
+        out[threadIdx.x] = __shfl_xor_sync(0xffffffffu, int(threadIdx.x), 1);
+    } else {
+        __syncwarp();
+    }
+}
+
+// A 16-byte copy from an address 8 bytes past a 16-byte boundary: a GPU's vector load faults.
+extern "C" __global__ void check_misaligned_vector(int* out) {
+    alignas(16) unsigned short buffer[16] = {};
+    simt::require_aligned(buffer + 4, 16, "check_misaligned_vector");
+    out[threadIdx.x] = buffer[0];
+}

@@ -25,12 +25,17 @@ constexpr int kMmaWords = 6;  // a lane's A (4 words) and B (2 words) of one mma
 
 enum class State { Ready, AtBlockBarrier, AtWarpBarrier, Done };
 
+// What a lane waits at when its state is AtWarpBarrier: a warp releases its lanes only when
+// they all wait at the same kind of warp-level operation.
+enum class WarpOp { Shuffle, Syncwarp, Mma };
+
 struct Fiber {
     ucontext_t context;
     std::unique_ptr<char[]> stack;
     uint3 index;
     unsigned linear;
     State state;
+    WarpOp op;
 };
 
 // One launch: its geometry, and the block being run.
@@ -91,7 +96,8 @@ std::string where(const Launch& l) {
 }
 
 // Whether warp `first..end` can be released from an exchange: all its lanes wait at one.
-// Sets `l.error` if some lanes returned while others wait there.
+// Sets `l.error` if some lanes returned while others wait there, or if its lanes wait at
+// different kinds of warp-level operation (divergent lanes at a shuffle and at an mma).
 bool warp_ready(Launch& l, size_t first, size_t end) {
     size_t waiting = 0, done = 0;
     for (size_t i = first; i < end; ++i) {
@@ -99,7 +105,18 @@ bool warp_ready(Launch& l, size_t first, size_t end) {
         done += l.fibers[i].state == State::Done;
     }
     if (waiting > 0 && done > 0) {
-        l.error = "a warp shuffle or __syncwarp after lanes of the warp returned, in " + where(l);
+        l.error = "a warp shuffle, __syncwarp or mma.sync after lanes of the warp returned, in " +
+                  where(l);
+    }
+    if (waiting == end - first) {
+        for (size_t i = first + 1; i < end; ++i) {
+            if (l.fibers[i].op != l.fibers[first].op) {
+                l.error = "lanes of a warp wait at different warp-level operations (a shuffle, "
+                          "__syncwarp or mma.sync in divergent code), in " +
+                          where(l);
+                return false;
+            }
+        }
     }
     return waiting == end - first;
 }
@@ -198,6 +215,7 @@ void syncwarp(unsigned mask) {
     if (mask != 0xffffffffu) {
         misuse("__syncwarp with a partial mask: the shim runs full warps only");
     }
+    current_fiber().op = WarpOp::Syncwarp;
     wait(State::AtWarpBarrier);
 }
 
@@ -227,6 +245,7 @@ uint32_t exchange(unsigned mask, uint32_t word, int (*source)(int, int, int), in
     unsigned warp_start = me.linear / kWarp * kWarp;
     int lane = int(me.linear % kWarp);
     active->words[me.linear] = word;
+    me.op = WarpOp::Shuffle;
     wait(State::AtWarpBarrier);
     unsigned from = warp_start + unsigned(source(lane, arg, width));
     uint32_t got = from < active->fibers.size() ? active->words[from] : word;
@@ -246,6 +265,15 @@ float bf16_at(uint32_t word, int half) {
 
 }  // namespace
 
+void require_aligned(const void* p, std::size_t bytes, const char* what) {
+    if (reinterpret_cast<std::uintptr_t>(p) % bytes != 0) {
+        static thread_local std::string why;
+        why = std::string(what) + ": a pointer not " + std::to_string(bytes) +
+              "-byte aligned, which a GPU's vector access faults on";
+        misuse(why.c_str());
+    }
+}
+
 void mma_m16n8k16_bf16(float d[4], const uint32_t a[4], const uint32_t b[2]) {
     Fiber& me = current_fiber();
     unsigned warp_start = me.linear / kWarp * kWarp;
@@ -255,6 +283,7 @@ void mma_m16n8k16_bf16(float d[4], const uint32_t a[4], const uint32_t b[2]) {
     uint32_t* mine = &active->frags[size_t(me.linear) * kMmaWords];
     std::memcpy(mine, a, 4 * sizeof(uint32_t));
     std::memcpy(mine + 4, b, 2 * sizeof(uint32_t));
+    me.op = WarpOp::Mma;
     wait(State::AtWarpBarrier);
     // The warp's A (16 × 16) and B (16 × 8) from the lanes' fragments, as PTX lays them out
     // for mma.m16n8k16 with 16-bit operands: lane = 4·group + t; A's words hold (row, col)

@@ -72,6 +72,10 @@ T shuffle(unsigned mask, T value, int (*source)(int, int, int), int arg, int wid
 // four f32 accumulators. Every lane of a full warp must call it.
 void mma_m16n8k16_bf16(float d[4], const uint32_t a[4], const uint32_t b[2]);
 
+// Stops the kernel with a reason unless `p` is `bytes`-aligned: what a vector load or store of
+// that width needs on a GPU, where a misaligned one faults, and the host does not.
+void require_aligned(const void* p, std::size_t bytes, const char* what);
+
 // Run `kernel` over `grid` blocks of `block` threads. Returns 0, or 1 with the reason in
 // last_error().
 int launch(dim3 grid, dim3 block, bool reverse, const std::function<void()>& kernel);
