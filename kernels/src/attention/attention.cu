@@ -551,7 +551,19 @@ static __device__ __forceinline__ void copy16(unsigned short* to, const unsigned
 #ifdef __CUDA_ARCH__
     *reinterpret_cast<uint4*>(to) = *reinterpret_cast<const uint4*>(from);
 #else
+    simt::require_aligned(to, 16, "copy16");
+    simt::require_aligned(from, 16, "copy16");
     std::memcpy(to, from, 16);
+#endif
+}
+
+// 16 zero bytes at `to`, 16-byte aligned.
+static __device__ __forceinline__ void zero16(unsigned short* to) {
+#ifdef __CUDA_ARCH__
+    *reinterpret_cast<uint4*>(to) = make_uint4(0, 0, 0, 0);
+#else
+    simt::require_aligned(to, 16, "zero16");
+    std::memset(to, 0, 16);
 #endif
 }
 
@@ -560,6 +572,7 @@ static __device__ __forceinline__ unsigned pair_at(const unsigned short* p) {
 #ifdef __CUDA_ARCH__
     return *reinterpret_cast<const unsigned*>(p);
 #else
+    simt::require_aligned(p, 4, "pair_at");
     unsigned word;
     std::memcpy(&word, p, 4);
     return word;
@@ -670,23 +683,23 @@ static __device__ void load_packed(unsigned short* tile, const unsigned short* p
         if (r0 + i < len) {
             copy16(to, from + size_t(r0 + i) * D + c);
         } else {
-            const unsigned short zeros[8] = {};
-            copy16(to, zeros);
+            zero16(to);
         }
     }
 }
 
-// The segment ids of rows [r0, r0 + count) into ids (−1 past the end; all 0 without segments).
+// The segment ids of rows [r0, r0 + count) into ids (0 past the end, and all 0 without
+// segments: `sees` checks the ends itself).
 static __device__ void load_segments(int* ids, const int* seg, int r0, int count, int len) {
     for (int i = threadIdx.x; i < count; i += blockDim.x) {
         const int r = r0 + i;
-        ids[i] = r >= len ? -1 : (seg == nullptr ? 0 : seg[r]);
+        ids[i] = r >= len || seg == nullptr ? 0 : seg[r];
     }
 }
 
-// Whether query r (segment sr) sees key c (segment sc); −1: past the end.
-static __device__ __forceinline__ bool sees(int causal, int r, int sr, int c, int sc) {
-    return sr >= 0 && sc >= 0 && sr == sc && !(causal && c > r);
+// Whether query r (segment sr) sees key c (segment sc), as `visible` above says.
+static __device__ __forceinline__ bool sees(int causal, int len, int r, int sr, int c, int sc) {
+    return r < len && c < len && sr == sc && !(causal && c > r);
 }
 
 // RoPE's transpose of a lane's gradient g[D / 8][4] (16 rows of one head) for element e of
@@ -776,7 +789,8 @@ static __device__ void attention_fwd_tc(const AttnDims n, const unsigned short* 
                     #pragma unroll
                     for (int e = 2 * h; e < 2 * h + 2; ++e) {
                         const int c = acc_col(j, e);
-                        const bool open = sees(causal, w0 + acc_row(e), rseg[h], c0 + c, kseg_s[c]);
+                        const bool open = sees(causal, n.len, w0 + acc_row(e), rseg[h], c0 + c,
+                                                 kseg_s[c]);
                         s[j][e] = open ? s[j][e] * scale : -CUDART_INF_F;
                         mx = fmaxf(mx, s[j][e]);
                     }
@@ -929,7 +943,7 @@ static __device__ void attention_dq_tc(const AttnDims n, const unsigned short* q
                 for (int e = 0; e < 4; ++e) {
                     const int c = acc_col(j, e);
                     float ds = 0.0f;
-                    if (sees(causal, w0 + acc_row(e), rseg[e / 2], c0 + c, kseg_s[c])) {
+                    if (sees(causal, n.len, w0 + acc_row(e), rseg[e / 2], c0 + c, kseg_s[c])) {
                         const float p = expf(s[j][e] * scale - row_lse[e / 2]);
                         ds = scale * p * (dp[j][e] - row_delta[e / 2]);
                     }
@@ -1075,7 +1089,7 @@ static __device__ void attention_dkv_tc(const AttnDims n, const unsigned short* 
                         const int i = acc_col(j, e);  // the query row within the tile
                         float p = 0.0f;
                         float ds = 0.0f;
-                        if (sees(causal, r0 + i, qseg_s[i], w0 + acc_row(e), kseg[e / 2])) {
+                        if (sees(causal, n.len, r0 + i, qseg_s[i], w0 + acc_row(e), kseg[e / 2])) {
                             p = expf(s[j][e] * scale - lse_s[i]);
                             ds = scale * p * (dp[j][e] - delta_s[i]);
                         }
