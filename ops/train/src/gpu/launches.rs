@@ -19,7 +19,8 @@ const NN: (bool, bool) = (false, false);
 const TN: (bool, bool) = (true, false);
 
 /// Threads per block of attention.cu's kernels (its `ATTN_MAX_THREADS`): four warps, each
-/// owning 2 query rows (forward, dq) or 4 keys (dk/dv).
+/// owning 2 query rows (forward, dq) or 4 keys (dk/dv) in the f32 kernels, 16 of either
+/// ([`TENSOR_CORE_ROWS`]) in the tensor cores'.
 const ATTN_BLOCK: u32 = 128;
 const ATTN_WARPS: usize = ATTN_BLOCK as usize / 32;
 
@@ -370,10 +371,15 @@ impl<L: Launcher> Kernels<'_, L> {
         };
         pack(qkv, (cos, sin), 0, all, h.heads + h.kv_heads)?;
         if let Some(dy) = dy {
-            let at = self.rows * all * h.dim * 2;
-            pack(dy, (Arg::Null, Arg::Null), at, h.heads, 0)?;
+            pack(dy, (Arg::Null, Arg::Null), self.packed_dy_at(h), h.heads, 0)?;
         }
         Ok(packed)
+    }
+
+    /// Where dy starts in the packed-heads buffer, in bytes: after qkv's `(h + 2k)·d` bf16s a
+    /// row (16-byte aligned, as the kernels' copies need: `d` is a multiple of 16).
+    fn packed_dy_at(&self, h: Heads) -> usize {
+        self.rows * (h.heads + 2 * h.kv_heads) * h.dim * 2
     }
 
     /// The gradient of `qkv` (`dqkv`, RoPE undone) from the gradient `dy` of the block's
@@ -416,7 +422,7 @@ impl<L: Launcher> Kernels<'_, L> {
             return self.run("attention_bwd_dkv_f32", attention_grid(key_tiles), &args);
         };
         let packed = self.pack_heads(qkv, Some(dy), h, p)?;
-        let packed_dy = Arg::Ptr(packed, self.rows * (h.heads + 2 * h.kv_heads) * h.dim * 2);
+        let packed_dy = Arg::Ptr(packed, self.packed_dy_at(h));
         let [_, cos, sin, segments] = p.inputs(qkv)?;
         let inputs = [Arg::Ptr(packed, 0), cos, sin, segments];
         let args = [&inputs[..], &[packed_dy, lse, delta, dqkv], &p.sizes(h)].concat();

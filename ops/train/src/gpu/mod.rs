@@ -510,8 +510,9 @@ struct Activations<B> {
     /// Attention's Σ dy·y per (row, head, token).
     delta: Option<B>,
     /// Attention's q, k, v and dy as bf16 heads of contiguous rows, for the tensor-core
-    /// kernels (attention_pack_bf16): `rows · (2·heads + 2·kv_heads) · dim` bf16s, where the
-    /// head width has them.
+    /// kernels (attention_pack_bf16): `rows · (2·heads + 2·kv_heads) · dim` bf16s (allocated
+    /// as half as many floats), where the head width has them. Allocated at f32 precision too:
+    /// a step's precision is set after its buffers ([`DeviceStep::with_precision`]).
     packed_heads: Option<B>,
     /// Mamba-2: each token's run start inside its row (int32), and the blocks' scratch.
     starts: Option<B>,
