@@ -724,6 +724,11 @@ static __device__ __forceinline__ float unrotate_acc(const float (*g)[4], int n,
 template <int D>
 static __device__ void attention_fwd_tc(const AttnDims n, const unsigned short* qkv,
                                         const int* segments, float* y, float* lse, int causal) {
+    if (n.d != D) {
+        fill_nan(y, size_t(n.batch) * n.len * n.heads * n.d);
+        fill_nan(lse, size_t(n.batch) * n.heads * n.len);
+        return;
+    }
     constexpr int KT = TcTiles<D>::KT;
     constexpr int ST = TcTiles<D>::ST;
     constexpr int KD = D / 16;  // k-steps over the head
@@ -862,6 +867,10 @@ static __device__ void attention_dq_tc(const AttnDims n, const unsigned short* q
                                        const float* cos, const float* sin, const int* segments,
                                        const unsigned short* dy, const float* lse,
                                        const float* delta, float* dqkv, int causal) {
+    if (n.d != D) {
+        fill_nan(dqkv, size_t(n.batch) * n.len * n.width());
+        return;
+    }
     constexpr int KT = TcTiles<D>::KT;
     constexpr int ST = TcTiles<D>::ST;
     constexpr int KD = D / 16;
@@ -988,6 +997,10 @@ static __device__ void attention_dkv_tc(const AttnDims n, const unsigned short* 
                                         const float* cos, const float* sin, const int* segments,
                                         const unsigned short* dy, const float* lse,
                                         const float* delta, float* dqkv, int causal) {
+    if (n.d != D) {
+        fill_nan(dqkv, size_t(n.batch) * n.len * n.width());
+        return;
+    }
     constexpr int QR = TcTiles<D>::QR;
     constexpr int ST = TcTiles<D>::ST;
     constexpr int KD = D / 16;
@@ -1145,156 +1158,100 @@ static __device__ void attention_dkv_tc(const AttnDims n, const unsigned short* 
 
 extern "C" __global__ void __launch_bounds__(ATTN_MAX_THREADS)
     attention_fwd_bf16_d16(const unsigned short* qkv, const int* segments, float* y,
-                           float* lse, int batch, int len, int heads, int kv_heads,
-                           int head_dim, int causal) {
-    if (head_dim != 16) {
-        fill_nan(y, size_t(batch) * len * heads * head_dim);
-        fill_nan(lse, size_t(batch) * heads * len);
-        return;
-    }
-    const AttnDims n{batch, len, heads, kv_heads, head_dim};
-    attention_fwd_tc<16>(n, qkv, segments, y, lse, causal);
+                           float* lse, int batch, int len, int heads, int kv_heads, int d,
+                           int causal) {
+    attention_fwd_tc<16>({batch, len, heads, kv_heads, d}, qkv, segments, y, lse, causal);
 }
 
 extern "C" __global__ void __launch_bounds__(ATTN_MAX_THREADS)
     attention_bwd_dq_bf16_d16(const unsigned short* qkv, const float* cos, const float* sin,
                               const int* segments, const unsigned short* dy, const float* lse,
                               const float* delta, float* dqkv, int batch, int len, int heads,
-                              int kv_heads, int head_dim, int causal) {
-    const AttnDims n{batch, len, heads, kv_heads, head_dim};
-    if (head_dim != 16) {
-        fill_nan(dqkv, size_t(batch) * len * n.width());
-        return;
-    }
-    attention_dq_tc<16>(n, qkv, cos, sin, segments, dy, lse, delta, dqkv, causal);
+                              int kv_heads, int d, int causal) {
+    attention_dq_tc<16>({batch, len, heads, kv_heads, d}, qkv, cos, sin, segments, dy, lse,
+                         delta, dqkv, causal);
 }
 
 extern "C" __global__ void __launch_bounds__(ATTN_MAX_THREADS)
     attention_bwd_dkv_bf16_d16(const unsigned short* qkv, const float* cos, const float* sin,
                                const int* segments, const unsigned short* dy, const float* lse,
                                const float* delta, float* dqkv, int batch, int len, int heads,
-                               int kv_heads, int head_dim, int causal) {
-    const AttnDims n{batch, len, heads, kv_heads, head_dim};
-    if (head_dim != 16) {
-        fill_nan(dqkv, size_t(batch) * len * n.width());
-        return;
-    }
-    attention_dkv_tc<16>(n, qkv, cos, sin, segments, dy, lse, delta, dqkv, causal);
+                               int kv_heads, int d, int causal) {
+    attention_dkv_tc<16>({batch, len, heads, kv_heads, d}, qkv, cos, sin, segments, dy, lse,
+                          delta, dqkv, causal);
 }
 
 extern "C" __global__ void __launch_bounds__(ATTN_MAX_THREADS)
     attention_fwd_bf16_d32(const unsigned short* qkv, const int* segments, float* y,
-                           float* lse, int batch, int len, int heads, int kv_heads,
-                           int head_dim, int causal) {
-    if (head_dim != 32) {
-        fill_nan(y, size_t(batch) * len * heads * head_dim);
-        fill_nan(lse, size_t(batch) * heads * len);
-        return;
-    }
-    const AttnDims n{batch, len, heads, kv_heads, head_dim};
-    attention_fwd_tc<32>(n, qkv, segments, y, lse, causal);
+                           float* lse, int batch, int len, int heads, int kv_heads, int d,
+                           int causal) {
+    attention_fwd_tc<32>({batch, len, heads, kv_heads, d}, qkv, segments, y, lse, causal);
 }
 
 extern "C" __global__ void __launch_bounds__(ATTN_MAX_THREADS)
     attention_bwd_dq_bf16_d32(const unsigned short* qkv, const float* cos, const float* sin,
                               const int* segments, const unsigned short* dy, const float* lse,
                               const float* delta, float* dqkv, int batch, int len, int heads,
-                              int kv_heads, int head_dim, int causal) {
-    const AttnDims n{batch, len, heads, kv_heads, head_dim};
-    if (head_dim != 32) {
-        fill_nan(dqkv, size_t(batch) * len * n.width());
-        return;
-    }
-    attention_dq_tc<32>(n, qkv, cos, sin, segments, dy, lse, delta, dqkv, causal);
+                              int kv_heads, int d, int causal) {
+    attention_dq_tc<32>({batch, len, heads, kv_heads, d}, qkv, cos, sin, segments, dy, lse,
+                         delta, dqkv, causal);
 }
 
 extern "C" __global__ void __launch_bounds__(ATTN_MAX_THREADS)
     attention_bwd_dkv_bf16_d32(const unsigned short* qkv, const float* cos, const float* sin,
                                const int* segments, const unsigned short* dy, const float* lse,
                                const float* delta, float* dqkv, int batch, int len, int heads,
-                               int kv_heads, int head_dim, int causal) {
-    const AttnDims n{batch, len, heads, kv_heads, head_dim};
-    if (head_dim != 32) {
-        fill_nan(dqkv, size_t(batch) * len * n.width());
-        return;
-    }
-    attention_dkv_tc<32>(n, qkv, cos, sin, segments, dy, lse, delta, dqkv, causal);
+                               int kv_heads, int d, int causal) {
+    attention_dkv_tc<32>({batch, len, heads, kv_heads, d}, qkv, cos, sin, segments, dy, lse,
+                          delta, dqkv, causal);
 }
 
 extern "C" __global__ void __launch_bounds__(ATTN_MAX_THREADS)
     attention_fwd_bf16_d64(const unsigned short* qkv, const int* segments, float* y,
-                           float* lse, int batch, int len, int heads, int kv_heads,
-                           int head_dim, int causal) {
-    if (head_dim != 64) {
-        fill_nan(y, size_t(batch) * len * heads * head_dim);
-        fill_nan(lse, size_t(batch) * heads * len);
-        return;
-    }
-    const AttnDims n{batch, len, heads, kv_heads, head_dim};
-    attention_fwd_tc<64>(n, qkv, segments, y, lse, causal);
+                           float* lse, int batch, int len, int heads, int kv_heads, int d,
+                           int causal) {
+    attention_fwd_tc<64>({batch, len, heads, kv_heads, d}, qkv, segments, y, lse, causal);
 }
 
 extern "C" __global__ void __launch_bounds__(ATTN_MAX_THREADS)
     attention_bwd_dq_bf16_d64(const unsigned short* qkv, const float* cos, const float* sin,
                               const int* segments, const unsigned short* dy, const float* lse,
                               const float* delta, float* dqkv, int batch, int len, int heads,
-                              int kv_heads, int head_dim, int causal) {
-    const AttnDims n{batch, len, heads, kv_heads, head_dim};
-    if (head_dim != 64) {
-        fill_nan(dqkv, size_t(batch) * len * n.width());
-        return;
-    }
-    attention_dq_tc<64>(n, qkv, cos, sin, segments, dy, lse, delta, dqkv, causal);
+                              int kv_heads, int d, int causal) {
+    attention_dq_tc<64>({batch, len, heads, kv_heads, d}, qkv, cos, sin, segments, dy, lse,
+                         delta, dqkv, causal);
 }
 
 extern "C" __global__ void __launch_bounds__(ATTN_MAX_THREADS)
     attention_bwd_dkv_bf16_d64(const unsigned short* qkv, const float* cos, const float* sin,
                                const int* segments, const unsigned short* dy, const float* lse,
                                const float* delta, float* dqkv, int batch, int len, int heads,
-                               int kv_heads, int head_dim, int causal) {
-    const AttnDims n{batch, len, heads, kv_heads, head_dim};
-    if (head_dim != 64) {
-        fill_nan(dqkv, size_t(batch) * len * n.width());
-        return;
-    }
-    attention_dkv_tc<64>(n, qkv, cos, sin, segments, dy, lse, delta, dqkv, causal);
+                               int kv_heads, int d, int causal) {
+    attention_dkv_tc<64>({batch, len, heads, kv_heads, d}, qkv, cos, sin, segments, dy, lse,
+                          delta, dqkv, causal);
 }
 
 extern "C" __global__ void __launch_bounds__(ATTN_MAX_THREADS)
     attention_fwd_bf16_d128(const unsigned short* qkv, const int* segments, float* y,
-                           float* lse, int batch, int len, int heads, int kv_heads,
-                           int head_dim, int causal) {
-    if (head_dim != 128) {
-        fill_nan(y, size_t(batch) * len * heads * head_dim);
-        fill_nan(lse, size_t(batch) * heads * len);
-        return;
-    }
-    const AttnDims n{batch, len, heads, kv_heads, head_dim};
-    attention_fwd_tc<128>(n, qkv, segments, y, lse, causal);
+                           float* lse, int batch, int len, int heads, int kv_heads, int d,
+                           int causal) {
+    attention_fwd_tc<128>({batch, len, heads, kv_heads, d}, qkv, segments, y, lse, causal);
 }
 
 extern "C" __global__ void __launch_bounds__(ATTN_MAX_THREADS)
     attention_bwd_dq_bf16_d128(const unsigned short* qkv, const float* cos, const float* sin,
                               const int* segments, const unsigned short* dy, const float* lse,
                               const float* delta, float* dqkv, int batch, int len, int heads,
-                              int kv_heads, int head_dim, int causal) {
-    const AttnDims n{batch, len, heads, kv_heads, head_dim};
-    if (head_dim != 128) {
-        fill_nan(dqkv, size_t(batch) * len * n.width());
-        return;
-    }
-    attention_dq_tc<128>(n, qkv, cos, sin, segments, dy, lse, delta, dqkv, causal);
+                              int kv_heads, int d, int causal) {
+    attention_dq_tc<128>({batch, len, heads, kv_heads, d}, qkv, cos, sin, segments, dy, lse,
+                         delta, dqkv, causal);
 }
 
 extern "C" __global__ void __launch_bounds__(ATTN_MAX_THREADS)
     attention_bwd_dkv_bf16_d128(const unsigned short* qkv, const float* cos, const float* sin,
                                const int* segments, const unsigned short* dy, const float* lse,
                                const float* delta, float* dqkv, int batch, int len, int heads,
-                               int kv_heads, int head_dim, int causal) {
-    const AttnDims n{batch, len, heads, kv_heads, head_dim};
-    if (head_dim != 128) {
-        fill_nan(dqkv, size_t(batch) * len * n.width());
-        return;
-    }
-    attention_dkv_tc<128>(n, qkv, cos, sin, segments, dy, lse, delta, dqkv, causal);
+                               int kv_heads, int d, int causal) {
+    attention_dkv_tc<128>({batch, len, heads, kv_heads, d}, qkv, cos, sin, segments, dy, lse,
+                          delta, dqkv, causal);
 }

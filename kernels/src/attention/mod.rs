@@ -946,14 +946,77 @@ mod tests {
         positions
     }
 
+    /// One case of the CUDA kernels' tests: the sizes (b = 2), which shape of the list and
+    /// which mask (in the order packed, causal, segments, none), RoPE or not, the inputs (qkv
+    /// and an upstream gradient of y) and what `attention_plain` gives for them (y, dqkv).
+    struct Case<'a> {
+        n: Sizes,
+        shape: usize,
+        mask: usize,
+        rope: bool,
+        masking: Masking<'a>,
+        inputs: (&'a [f32], &'a [f32]),
+        want: [Vec<f32>; 2],
+    }
+
+    impl Case<'_> {
+        fn name(&self) -> &'static str {
+            ["packed", "causal", "segments", "none"][self.mask]
+        }
+    }
+
+    /// `check` on every case of `shapes` (`(h, k, d, t)`): packed rows (a different number of
+    /// segments per batch row), segments without the causal cut, plain causal rows and no mask,
+    /// each with and without RoPE.
+    fn each_case(shapes: &[(usize, usize, usize, usize)], mut check: impl FnMut(&Case)) {
+        let b = 2;
+        for (shape, &(h, k, d, t)) in shapes.iter().enumerate() {
+            let n = Sizes { b, t, h, k, d };
+            let segments = packed_segments(b, t);
+            let one_segment = vec![0i32; b * t];
+            let tables = rope_tables(d, &positions_of(&segments, b, t), b, t);
+            let plain_tables = rope_tables(d, &positions_of(&one_segment, b, t), b, t);
+            let mut rng = Rng::new((h * 1000 + k * 100 + d + t) as u64);
+            let qkv = Var::from_tensor(&randn(&mut rng, &[b, t, (h + 2 * k) * d], 1.0)).unwrap();
+            let g = randn(&mut rng, &[b, t, h * d], 1.0);
+            let (xv, gv) = (values(qkv.as_tensor()), values(&g));
+            for mask in 0..4 {
+                for rope in [false, true] {
+                    let (seg, causal, table) = match mask {
+                        0 => (Some(&segments[..]), true, &tables),
+                        1 => (None, true, &plain_tables),
+                        2 => (Some(&segments[..]), false, &tables),
+                        _ => (None, false, &plain_tables),
+                    };
+                    let additive =
+                        (mask < 3).then(|| mask_of(seg.unwrap_or(&one_segment), b, t, causal));
+                    let r = rope.then_some(table);
+                    let plain = attention_plain(qkv.as_tensor(), additive.as_ref(), r, h, k, d);
+                    let plain = plain.unwrap();
+                    check(&Case {
+                        n,
+                        shape,
+                        mask,
+                        rope,
+                        masking: Masking {
+                            rope: r,
+                            segments: seg,
+                            causal,
+                        },
+                        inputs: (&xv, &gv),
+                        want: [values(&plain), plain_grads(&plain, &g, &[&qkv]).remove(0)],
+                    });
+                }
+            }
+        }
+    }
+
     /// attention.cu, executed by the SIMT shim, against `attention_plain`: y within 1e-5 and
-    /// the gradient of qkv (dq, dk, dv, RoPE undone) within 1e-5, with packed rows (a
-    /// different number of segments per batch row), segments without the causal cut, plain
-    /// causal rows and no mask, with and without RoPE, GQA groups of 1 to 4, lengths and head
-    /// widths that fill no tile, and grids that loop or leave blocks idle, in both schedules.
+    /// the gradient of qkv (dq, dk, dv, RoPE undone) within 1e-5, in every case of
+    /// [`each_case`], with GQA groups of 1 to 4, lengths and head widths that fill no tile,
+    /// and grids that loop or leave blocks idle, in both schedules.
     #[test]
     fn the_cuda_kernels_match_the_plain_ops() {
-        let b = 2;
         let shapes = [
             (1, 1, 8, 1),
             (4, 2, 8, 13),
@@ -969,64 +1032,34 @@ mod tests {
             (Grid::PerItem, 96),
         ];
         let mut worst = [0f32; 2];
-        for (case, (h, k, d, t)) in shapes.into_iter().enumerate() {
-            let n = Sizes { b, t, h, k, d };
-            let segments = packed_segments(b, t);
-            let one_segment = vec![0i32; b * t];
-            let tables = rope_tables(d, &positions_of(&segments, b, t), b, t);
-            let plain_tables = rope_tables(d, &positions_of(&one_segment, b, t), b, t);
-            let mut rng = Rng::new((h * 1000 + k * 100 + d + t) as u64);
-            let qkv = Var::from_tensor(&randn(&mut rng, &[b, t, (h + 2 * k) * d], 1.0)).unwrap();
-            let g = randn(&mut rng, &[b, t, h * d], 1.0);
-            let (xv, gv) = (values(qkv.as_tensor()), values(&g));
-            for (m, mask) in ["packed", "causal", "segments", "none"]
-                .into_iter()
-                .enumerate()
-            {
-                for rope in [false, true] {
-                    let (seg, causal, table) = match mask {
-                        "packed" => (Some(&segments[..]), true, &tables),
-                        "causal" => (None, true, &plain_tables),
-                        "segments" => (Some(&segments[..]), false, &tables),
-                        _ => (None, false, &plain_tables),
-                    };
-                    let additive = match mask {
-                        "none" => None,
-                        _ => Some(mask_of(seg.unwrap_or(&one_segment), b, t, causal)),
-                    };
-                    let r = rope.then_some(table);
-                    let plain = attention_plain(qkv.as_tensor(), additive.as_ref(), r, h, k, d);
-                    let plain = plain.unwrap();
-                    let want = [values(&plain), plain_grads(&plain, &g, &[&qkv]).remove(0)];
-                    let masking = Masking {
-                        rope: r,
-                        segments: seg,
-                        causal,
-                    };
-                    // Every geometry for one case's packed rows, then one in turn.
-                    let launches = if case == 1 && mask == "packed" {
-                        &geometries[..]
-                    } else {
-                        &geometries[(m * 2 + usize::from(rope)) % 4..][..1]
-                    };
-                    for &launch in launches {
-                        let at = format!("{n:?} mask={mask} rope={rope} launch={launch:?}");
-                        let got = in_both_schedules(&at, |schedule| {
-                            cuda((&xv, &gv), n, &masking, launch, schedule)
-                        });
-                        for (i, (what, got, want)) in
-                            [("y", &got[0], &want[0]), ("dqkv", &got[2], &want[1])]
-                                .into_iter()
-                                .enumerate()
-                        {
-                            let gap = largest_gap(got, want);
-                            worst[i] = worst[i].max(gap);
-                            assert!(gap <= 1e-5, "{at}: {what} is {gap} from the plain ops");
-                        }
-                    }
+        each_case(&shapes, |c| {
+            // Every geometry for one shape's packed rows, then one in turn.
+            let launches = if c.shape == 1 && c.mask == 0 {
+                &geometries[..]
+            } else {
+                &geometries[(c.mask * 2 + usize::from(c.rope)) % 4..][..1]
+            };
+            for &launch in launches {
+                let at = format!(
+                    "{:?} mask={} rope={} launch={launch:?}",
+                    c.n,
+                    c.name(),
+                    c.rope
+                );
+                let got = in_both_schedules(&at, |schedule| {
+                    cuda(c.inputs, c.n, &c.masking, launch, schedule)
+                });
+                for (i, (what, got, want)) in
+                    [("y", &got[0], &c.want[0]), ("dqkv", &got[2], &c.want[1])]
+                        .into_iter()
+                        .enumerate()
+                {
+                    let gap = largest_gap(got, want);
+                    worst[i] = worst[i].max(gap);
+                    assert!(gap <= 1e-5, "{at}: {what} is {gap} from the plain ops");
                 }
             }
-        }
+        });
         eprintln!("largest gaps: y {}, dqkv {}", worst[0], worst[1]);
     }
 
@@ -1034,13 +1067,12 @@ mod tests {
     /// lanes' mma fragments as PTX lays them out), against `attention_plain` in f32: y and dqkv
     /// within 2 % of the largest value of the same head, the cost of rounding q, k, v, p, dy
     /// and ds to bf16 (measured: 0.69 % and 0.97 %), and each row's log-sum-exp within 0.02 of
-    /// the f32 kernels' (measured: 0.0065; -inf on the same rows). The masks, RoPE, GQA groups
-    /// and partial tiles of the f32 kernels' test, every head width these kernels take, grids
+    /// the f32 kernels' (measured: 0.0065; -inf on the same rows). Every case of
+    /// [`each_case`], every head width these kernels take, GQA groups, partial tiles, grids
     /// that loop or leave blocks idle, blocks of one to four warps, and both schedules giving
     /// the same bytes.
     #[test]
     fn the_tensor_core_kernels_match_the_plain_ops_to_bf16() {
-        let b = 2;
         let shapes = [
             (2, 1, 16, 13),
             (4, 2, 32, 45),
@@ -1054,66 +1086,32 @@ mod tests {
             (Grid::PerItem, 96),
         ];
         let mut worst = [0f32; 3];
-        for (case, (h, k, d, t)) in shapes.into_iter().enumerate() {
-            let n = Sizes { b, t, h, k, d };
-            let segments = packed_segments(b, t);
-            let one_segment = vec![0i32; b * t];
-            let tables = rope_tables(d, &positions_of(&segments, b, t), b, t);
-            let plain_tables = rope_tables(d, &positions_of(&one_segment, b, t), b, t);
-            let mut rng = Rng::new((h * 1000 + k * 100 + d + t) as u64);
-            let qkv = Var::from_tensor(&randn(&mut rng, &[b, t, (h + 2 * k) * d], 1.0)).unwrap();
-            let g = randn(&mut rng, &[b, t, h * d], 1.0);
-            let (xv, gv) = (values(qkv.as_tensor()), values(&g));
-            for (m, mask) in ["packed", "causal", "segments", "none"]
-                .into_iter()
-                .enumerate()
+        each_case(&shapes, |c| {
+            let (n, d) = (c.n, c.n.d);
+            let launch = geometries[(c.shape + c.mask * 2 + usize::from(c.rope)) % 4];
+            let at = format!("{n:?} mask={} rope={} launch={launch:?}", c.name(), c.rope);
+            let got = in_both_schedules(&at, |schedule| {
+                cuda_of(Family::Bf16(d), c.inputs, n, &c.masking, launch, schedule)
+            });
+            for (i, (what, got, want)) in
+                [("y", &got[0], &c.want[0]), ("dqkv", &got[2], &c.want[1])]
+                    .into_iter()
+                    .enumerate()
             {
-                for rope in [false, true] {
-                    let (seg, causal, table) = match mask {
-                        "packed" => (Some(&segments[..]), true, &tables),
-                        "causal" => (None, true, &plain_tables),
-                        "segments" => (Some(&segments[..]), false, &tables),
-                        _ => (None, false, &plain_tables),
-                    };
-                    let additive = match mask {
-                        "none" => None,
-                        _ => Some(mask_of(seg.unwrap_or(&one_segment), b, t, causal)),
-                    };
-                    let r = rope.then_some(table);
-                    let plain = attention_plain(qkv.as_tensor(), additive.as_ref(), r, h, k, d);
-                    let plain = plain.unwrap();
-                    let want = [values(&plain), plain_grads(&plain, &g, &[&qkv]).remove(0)];
-                    let masking = Masking {
-                        rope: r,
-                        segments: seg,
-                        causal,
-                    };
-                    let launch = geometries[(case + m * 2 + usize::from(rope)) % 4];
-                    let at = format!("{n:?} mask={mask} rope={rope} launch={launch:?}");
-                    let got = in_both_schedules(&at, |schedule| {
-                        cuda_of(Family::Bf16(d), (&xv, &gv), n, &masking, launch, schedule)
-                    });
-                    for (i, (what, got, want)) in
-                        [("y", &got[0], &want[0]), ("dqkv", &got[2], &want[1])]
-                            .into_iter()
-                            .enumerate()
-                    {
-                        let gap = largest_gap_by_head(got, want, want.len() / (b * t), d);
-                        worst[i] = worst[i].max(gap);
-                        assert!(gap <= 2e-2, "{at}: {what} is {gap} of a head's largest off");
-                    }
-                    // Each row's log-sum-exp, which the backward reads, against the f32
-                    // kernels': -inf on the same rows (those that see no key), else close.
-                    let launch = (Grid::PerItem, 128);
-                    let f32_lse = &cuda((&xv, &gv), n, &masking, launch, Schedule::Forward)[1];
-                    for (r, (a, b)) in got[1].iter().zip(f32_lse).enumerate() {
-                        let gap = if a == b { 0.0 } else { (a - b).abs() };
-                        worst[2] = worst[2].max(gap);
-                        assert!(gap <= 2e-2, "{at}: lse {r} is {a}, the f32 kernel's {b}");
-                    }
-                }
+                let gap = largest_gap_by_head(got, want, want.len() / (n.b * n.t), d);
+                worst[i] = worst[i].max(gap);
+                assert!(gap <= 2e-2, "{at}: {what} is {gap} of a head's largest off");
             }
-        }
+            // Each row's log-sum-exp, which the backward reads, against the f32 kernels':
+            // -inf on the same rows (those that see no key), else close.
+            let launch = (Grid::PerItem, 128);
+            let f32_lse = &cuda(c.inputs, n, &c.masking, launch, Schedule::Forward)[1];
+            for (r, (a, b)) in got[1].iter().zip(f32_lse).enumerate() {
+                let gap = if a == b { 0.0 } else { (a - b).abs() };
+                worst[2] = worst[2].max(gap);
+                assert!(gap <= 2e-2, "{at}: lse {r} is {a}, the f32 kernel's {b}");
+            }
+        });
         eprintln!(
             "largest gaps: y {} and dqkv {} of a head's largest value; lse {}",
             worst[0], worst[1], worst[2]
