@@ -29,5 +29,3 @@ inline float __bfloat162float(__nv_bfloat16 b) {
 }
 
 inline unsigned short __bfloat16_as_ushort(__nv_bfloat16 b) { return b.bits; }
-
-inline __nv_bfloat16 __ushort_as_bfloat16(unsigned short bits) { return {bits}; }

@@ -8,6 +8,8 @@
 
 #include "simt.h"
 
+#include "cuda_bf16.h"
+
 #include <ucontext.h>
 
 #include <cstdlib>
@@ -257,10 +259,7 @@ namespace {
 
 // The bf16 value in half `half` (0: the low 16 bits) of `word`, as an f32.
 float bf16_at(uint32_t word, int half) {
-    uint32_t bits = (word >> (16 * half) & 0xffffu) << 16;
-    float f;
-    std::memcpy(&f, &bits, 4);
-    return f;
+    return __bfloat162float(__nv_bfloat16{uint16_t(word >> (16 * half))});
 }
 
 }  // namespace

@@ -397,19 +397,25 @@ pub(crate) fn step_gap<L: Launcher, S: BatchSource>(
     t: &mut Trainer,
     source: impl Fn() -> S,
 ) -> Result<Gap, RunError> {
-    objective_gap(launcher, t, &mut NextToken::new(&mut source()))
+    objective_gap(
+        launcher,
+        t,
+        &mut NextToken::new(&mut source()),
+        Precision::F32,
+    )
 }
 
-/// How far the device's gradients of `t`'s next step (unclipped) of `objective` are from the
-/// CPU's.
+/// How far the device's gradients of `t`'s next step (unclipped) of `objective`, its matmuls
+/// at `precision`, are from the CPU's.
 pub(crate) fn objective_gap<L: Launcher>(
     launcher: &L,
     t: &mut Trainer,
     objective: &mut dyn Objective,
+    precision: Precision,
 ) -> Result<Gap, RunError> {
     t.schedule.clip_grad = 0.0;
     let want = cpu_gradients(t, objective)?;
-    let mut step = DeviceStep::upload(launcher, t)?;
+    let mut step = DeviceStep::upload(launcher, t)?.with_precision(precision);
     step.step_on(t, objective)?;
     Ok(Gap::of(t, &step.gradients()?, &want))
 }
@@ -527,7 +533,7 @@ pub(crate) fn objective<L: Launcher>(launcher: &L, name: &str) -> Result<(Gap, f
             }
         })
     };
-    let gap = objective_gap(launcher, &mut fresh(11)?, make()?.as_mut())?;
+    let gap = objective_gap(launcher, &mut fresh(11)?, make()?.as_mut(), Precision::F32)?;
     let (mut cpu, mut on_device) = (fresh(11)?, fresh(11)?);
     let (mut cpu_objective, mut device_objective) = (make()?, make()?);
     let worst = curve_gap(
@@ -1213,16 +1219,10 @@ mod tests {
     #[test]
     fn a_bf16_steps_gradients_through_the_tensor_core_attention_are_the_cpus() {
         let mut t = trainer("*-*-", "swiglu", false, SMALL, &Value::Null).unwrap();
-        t.schedule.clip_grad = 0.0;
         let mut source = PackedCounting(2);
         let mut objective = NextToken::new(&mut source);
-        let want = cpu_gradients(&t, &mut objective).unwrap();
         let shim = Shim::default();
-        let mut step = DeviceStep::upload(&shim, &t)
-            .unwrap()
-            .with_precision(Precision::Bf16);
-        step.step_on(&mut t, &mut objective).unwrap();
-        let gap = Gap::of(&t, &step.gradients().unwrap(), &want);
+        let gap = objective_gap(&shim, &mut t, &mut objective, Precision::Bf16).unwrap();
         eprintln!("furthest: {gap:?}, {:.2e} of its largest", gap.relative());
         assert!(gap.relative() <= 3e-2, "{gap:?}: {}", gap.relative());
     }
