@@ -148,6 +148,47 @@ mod tests {
         }
     }
 
+    /// ldmatrix as the PTX ISA states it: lane 8·m + r gives row r of matrix m, and lane
+    /// 4·r + w gets that row's values 2w, 2w + 1 (transposed: column r's in rows 2w, 2w + 1),
+    /// the first in the low half, for 1, 2 and 4 matrices.
+    #[test]
+    fn ldmatrix_gives_each_lane_the_rows_the_isa_says() {
+        // Row `lane` passes: (7·lane) % 32 of a table holding R·8 + c at row R, column c.
+        let row = |lane: u32| (7 * lane) % 32;
+        let value = |lane: u32, col: u32| row(lane) * 8 + col;
+        for count in [1, 2, 4] {
+            for trans in [0, 1] {
+                let mut out = vec![0u32; 64 * 4];
+                let p = out.as_mut_ptr();
+                // SAFETY: four words per thread.
+                unsafe {
+                    launch_1d(
+                        "check_ldmatrix",
+                        1,
+                        64,
+                        Schedule::Reverse,
+                        &[arg(&p), arg(&count), arg(&trans)],
+                    )
+                }
+                .unwrap();
+                for t in 0..64u32 {
+                    let (r, w) = (t % 32 / 4, t % 4);
+                    for m in 0..4u32 {
+                        let want = if m >= count as u32 {
+                            0
+                        } else if trans == 1 {
+                            value(8 * m + 2 * w, r) | value(8 * m + 2 * w + 1, r) << 16
+                        } else {
+                            value(8 * m + r, 2 * w) | value(8 * m + r, 2 * w + 1) << 16
+                        };
+                        let got = out[(4 * t + m) as usize];
+                        assert_eq!(got, want, "x{count} trans={trans}: thread {t}, word {m}");
+                    }
+                }
+            }
+        }
+    }
+
     #[test]
     fn a_missing_barrier_shows_as_schedules_that_disagree() {
         let run = |schedule, with_barrier: c_int| {
@@ -195,6 +236,11 @@ mod tests {
         );
         let mixed = refused("check_mixed_warp_ops", &[arg(&p)]);
         assert!(mixed.contains("different warp-level operations"), "{mixed}");
+        let ldmatrix = refused("check_ldmatrix_mixed", &[arg(&p)]);
+        assert!(
+            ldmatrix.contains("different numbers of matrices or transposes"),
+            "{ldmatrix}"
+        );
         let misaligned = refused("check_misaligned_vector", &[arg(&p)]);
         assert!(misaligned.contains("not 16-byte aligned"), "{misaligned}");
         let unknown = refused("rms_norm_sideways", &[]);

@@ -66,3 +66,28 @@ extern "C" __global__ void check_misaligned_vector(int* out) {
     simt::require_aligned(buffer + 4, 16, "check_misaligned_vector");
     out[threadIdx.x] = buffer[0];
 }
+
+// out[4·t + m] = word m of what ldmatrix (count matrices, trans or not) gives thread t, each
+// lane passing row (7·lane) % 32 of a table whose row R holds R·8 + c at column c: rows out
+// of order, so the lanes' own addresses are what is read.
+extern "C" __global__ void check_ldmatrix(unsigned* out, int count, int trans) {
+    __shared__ __align__(16) unsigned short table[32 * 8];
+    for (int i = threadIdx.x; i < 32 * 8; i += blockDim.x) {
+        table[i] = (unsigned short)i;
+    }
+    __syncthreads();
+    const int lane = threadIdx.x % 32;
+    unsigned words[4] = {};
+    simt::ldmatrix_b16(words, count, trans != 0, table + (7 * lane) % 32 * 8);
+    for (int m = 0; m < 4; ++m) {
+        out[4 * threadIdx.x + m] = words[m];
+    }
+}
+
+// Lanes of one warp asking ldmatrix for different transposes.
+extern "C" __global__ void check_ldmatrix_mixed(int* out) {
+    __shared__ __align__(16) unsigned short table[32 * 8];
+    unsigned words[2];
+    simt::ldmatrix_b16(words, 2, threadIdx.x % 2 == 0, table + threadIdx.x % 16 * 8);
+    out[threadIdx.x] = int(words[0]);
+}

@@ -29,7 +29,7 @@ enum class State { Ready, AtBlockBarrier, AtWarpBarrier, Done };
 
 // What a lane waits at when its state is AtWarpBarrier: a warp releases its lanes only when
 // they all wait at the same kind of warp-level operation.
-enum class WarpOp { Shuffle, Syncwarp, Mma };
+enum class WarpOp { Shuffle, Syncwarp, Mma, Ldmatrix };
 
 struct Fiber {
     ucontext_t context;
@@ -50,6 +50,8 @@ struct Launch {
     Fiber* current;
     std::vector<uint32_t> words;  // one exchange slot per thread
     std::vector<uint32_t> frags;  // kMmaWords a thread, for mma_m16n8k16_bf16
+    std::vector<const void*> rows;  // a row address a thread, for ldmatrix_b16
+    std::vector<int> forms;         // 2·count + trans a thread, for ldmatrix_b16
     std::string error;
 };
 
@@ -107,14 +109,15 @@ bool warp_ready(Launch& l, size_t first, size_t end) {
         done += l.fibers[i].state == State::Done;
     }
     if (waiting > 0 && done > 0) {
-        l.error = "a warp shuffle, __syncwarp or mma.sync after lanes of the warp returned, in " +
+        l.error = "a warp shuffle, __syncwarp, mma.sync or ldmatrix after lanes of the warp "
+                  "returned, in " +
                   where(l);
     }
     if (waiting == end - first) {
         for (size_t i = first + 1; i < end; ++i) {
             if (l.fibers[i].op != l.fibers[first].op) {
                 l.error = "lanes of a warp wait at different warp-level operations (a shuffle, "
-                          "__syncwarp or mma.sync in divergent code), in " +
+                          "__syncwarp, mma.sync or ldmatrix in divergent code), in " +
                           where(l);
                 return false;
             }
@@ -315,6 +318,45 @@ void mma_m16n8k16_bf16(float d[4], const uint32_t a[4], const uint32_t b[2]) {
     }
 }
 
+void ldmatrix_b16(uint32_t* words, int count, bool trans, const void* row) {
+    Fiber& me = current_fiber();
+    unsigned warp_start = me.linear / kWarp * kWarp;
+    if (warp_start + kWarp > active->fibers.size()) {
+        misuse("ldmatrix in a partial warp: it needs all 32 lanes");
+    }
+    if (count != 1 && count != 2 && count != 4) {
+        misuse("ldmatrix loads 1, 2 or 4 matrices");
+    }
+    int lane = int(me.linear % kWarp);
+    if (lane < 8 * count) {
+        require_aligned(row, 16, "ldmatrix");
+    }
+    active->rows[me.linear] = row;
+    active->forms[me.linear] = 2 * count + int(trans);
+    me.op = WarpOp::Ldmatrix;
+    wait(State::AtWarpBarrier);
+    for (unsigned i = warp_start; i < warp_start + kWarp; ++i) {
+        if (active->forms[i] != active->forms[me.linear]) {
+            misuse("lanes of a warp ask ldmatrix for different numbers of matrices or transposes");
+        }
+    }
+    // Value `col` of the row whose address lane `from` passed.
+    auto at = [&](int from, int col) {
+        uint16_t v;
+        std::memcpy(&v, static_cast<const uint16_t*>(active->rows[warp_start + from]) + col, 2);
+        return uint32_t(v);
+    };
+    int r = lane / 4, w = lane % 4;
+    for (int m = 0; m < count; ++m) {
+        if (trans) {
+            words[m] = at(8 * m + 2 * w, r) | at(8 * m + 2 * w + 1, r) << 16;
+        } else {
+            words[m] = at(8 * m + r, 2 * w) | at(8 * m + r, 2 * w + 1) << 16;
+        }
+    }
+    wait(State::AtWarpBarrier);  // every lane has read before any passes a new address
+}
+
 int launch(dim3 grid, dim3 block, bool reverse, const std::function<void()>& kernel) {
     size_t threads = size_t(block.x) * block.y * block.z;
     if (threads == 0 || threads > 1024 || grid.x == 0 || grid.y == 0 || grid.z == 0) {
@@ -331,6 +373,8 @@ int launch(dim3 grid, dim3 block, bool reverse, const std::function<void()>& ker
     }
     l.words.assign(threads, 0);
     l.frags.assign(threads * kMmaWords, 0);
+    l.rows.assign(threads, nullptr);
+    l.forms.assign(threads, 0);
     l.current = nullptr;
     bool ok = true;
     for (unsigned z = 0; z < grid.z && ok; ++z) {

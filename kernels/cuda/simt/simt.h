@@ -11,11 +11,13 @@
 // lanes of the warp returned. Fibers run in thread order or in reverse (`reverse` of
 // simt::launch): a kernel whose result depends on the order has a race.
 //
-// One PTX instruction is modelled, because the tensor-core kernels are written with it:
+// Two PTX instructions are modelled, because the tensor-core kernels are written with them:
 // mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 (mma_m16n8k16_bf16), a warp-wide
 // rendezvous that multiplies the lanes' fragments laid out as the PTX ISA documents them, so
-// a kernel that puts a value in the wrong lane or register gets a wrong product here too.
-// What it cannot check: other inline PTX (ldmatrix, cp.async, TMA), the memory model, timing.
+// a kernel that puts a value in the wrong lane or register gets a wrong product here too; and
+// ldmatrix.sync.aligned.m8n8.x{1,2,4}{.trans}.shared.b16 (ldmatrix_b16), the warp-wide load of
+// those fragments from shared memory, each lane's row address used as the ISA says.
+// What it cannot check: other inline PTX (cp.async, TMA), the memory model, timing.
 // Fast-math intrinsics (__expf, rsqrtf) are libm calls here, a few ulp from the GPU's.
 #pragma once
 
@@ -71,6 +73,14 @@ T shuffle(unsigned mask, T value, int (*source)(int, int, int), int arg, int wid
 // passes its A fragment (four words of two bf16 values), its B fragment (two words) and its
 // four f32 accumulators. Every lane of a full warp must call it.
 void mma_m16n8k16_bf16(float d[4], const uint32_t a[4], const uint32_t b[2]);
+
+// ldmatrix.sync.aligned.m8n8.x{count}{.trans}.shared.b16 for one warp: lane 8·m + r passes the
+// address of row r of 8 × 8 matrix m (eight bf16 values, 16 bytes, 16-byte aligned), and
+// lane 4·r + w receives in words[m] that row's values 2w and 2w + 1, or with `trans` column
+// r's values in rows 2w and 2w + 1, the first in the low half. Every lane of a full warp must
+// call it, with the same count (1, 2 or 4) and the same trans; lanes past 8·count pass an
+// address that is not read.
+void ldmatrix_b16(uint32_t* words, int count, bool trans, const void* row);
 
 // Stops the kernel with a reason unless `p` is `bytes`-aligned: what a vector load or store of
 // that width needs on a GPU, where a misaligned one faults, and the host does not.
