@@ -514,8 +514,9 @@ extern "C" __global__ void __launch_bounds__(ATTN_MAX_THREADS)
 // the PTX ISA says a lane holds rows group and group + 8, columns 2t and 2t + 1 of each
 // 8-wide tile (lane = 4·group + t): the online softmax reduces a row over the four lanes of
 // its group, and an accumulator turns into the next product's A fragment without leaving the
-// registers. dq and dk are turned back by RoPE in registers: dimension j + d/2 is the same
-// lane's.
+// registers. Operands come from shared memory by ldmatrix, four 8 × 8 matrices an
+// instruction (transposed where a tile is stored k-major, as v is for p·v). dq and dk are
+// turned back by RoPE in registers: dimension j + d/2 is the same lane's.
 //
 // Limits: head_dim 16, 32, 64 or 128, each its own kernels (`attention_fwd_bf16_d64`, …; the
 // launcher sends other widths to the f32 kernels); blockDim.x 32, 64, 96 or 128.
@@ -567,18 +568,6 @@ static __device__ __forceinline__ void zero16(unsigned short* to) {
 #endif
 }
 
-// The two bf16 values at p (4-byte aligned) as one word, p[0] in the low half.
-static __device__ __forceinline__ unsigned pair_at(const unsigned short* p) {
-#ifdef __CUDA_ARCH__
-    return *reinterpret_cast<const unsigned*>(p);
-#else
-    simt::require_aligned(p, 4, "pair_at");
-    unsigned word;
-    std::memcpy(&word, p, 4);
-    return word;
-#endif
-}
-
 static __device__ __forceinline__ unsigned short bf16_bits(float x) {
     return __bfloat16_as_ushort(__float2bfloat16(x));
 }
@@ -592,32 +581,50 @@ static __device__ __forceinline__ unsigned pack_f32(float lo, float hi) {
     return pack(bf16_bits(lo), bf16_bits(hi));
 }
 
-// The A fragment of the 16 × 16 tile whose row r starts at s + r·rs (its columns contiguous).
+// ldmatrix .x4: the warp loads four 8 × 8 matrices of bf16 from shared memory, lane 8·m + r
+// passing the address of matrix m's row r (16 bytes, 16-byte aligned). Word m of lane 4·r + w
+// is that row's values 2w and 2w + 1, or with Trans column r's values in rows 2w and 2w + 1:
+// an mma fragment's word either way, one instruction for what takes 4 to 8 shared loads a lane.
+template <bool Trans>
+static __device__ __forceinline__ void ldmatrix_x4(unsigned r[4], const unsigned short* row) {
+#ifdef __CUDA_ARCH__
+    const unsigned at = unsigned(__cvta_generic_to_shared(row));
+    if constexpr (!Trans) {
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                     : "r"(at));
+    } else {
+        asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                     : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+                     : "r"(at));
+    }
+#else
+    simt::ldmatrix_b16(r, 4, Trans, row);
+#endif
+}
+
+// The A fragment of the 16 × 16 tile whose row r starts at s + r·rs (its columns contiguous):
+// matrices (rows 0–7, columns 0–7), (8–15, 0–7), (0–7, 8–15), (8–15, 8–15).
 static __device__ __forceinline__ void load_a(unsigned a[4], const unsigned short* s, int rs) {
-    const int g = threadIdx.x % 32 / 4;
-    const int c = 2 * (threadIdx.x % 4);
-    a[0] = pair_at(s + g * rs + c);
-    a[1] = pair_at(s + (g + 8) * rs + c);
-    a[2] = pair_at(s + g * rs + c + 8);
-    a[3] = pair_at(s + (g + 8) * rs + c + 8);
+    const int lane = threadIdx.x % 32;
+    ldmatrix_x4<false>(a, s + lane % 16 * rs + lane / 16 * 8);
 }
 
-// The B fragment of the 16 × 8 tile (k × n) stored n-major: column n's k values at s + n·ns.
-static __device__ __forceinline__ void load_b_cols(unsigned b[2], const unsigned short* s,
-                                                   int ns) {
-    const int g = threadIdx.x % 32 / 4;
-    const int k = 2 * (threadIdx.x % 4);
-    b[0] = pair_at(s + g * ns + k);
-    b[1] = pair_at(s + g * ns + k + 8);
+// The B fragments of two 16 × 8 tiles side by side (k × 16 n), stored n-major: column n's k
+// values at s + n·ns. Words 0, 1 are the first tile's, 2, 3 the second's: matrices (n 0–7,
+// k 0–7), (n 0–7, k 8–15), (n 8–15, k 0–7), (n 8–15, k 8–15), as stored.
+static __device__ __forceinline__ void load_b2_cols(unsigned b[4], const unsigned short* s,
+                                                    int ns) {
+    const int lane = threadIdx.x % 32;
+    ldmatrix_x4<false>(b, s + (lane % 8 + lane / 16 * 8) * ns + lane / 8 % 2 * 8);
 }
 
-// The B fragment of the 16 × 8 tile (k × n) stored k-major: row k's n values at s + k·ks.
-static __device__ __forceinline__ void load_b_rows(unsigned b[2], const unsigned short* s,
-                                                   int ks) {
-    const int g = threadIdx.x % 32 / 4;
-    const int k = 2 * (threadIdx.x % 4);
-    b[0] = pack(s[k * ks + g], s[(k + 1) * ks + g]);
-    b[1] = pack(s[(k + 8) * ks + g], s[(k + 9) * ks + g]);
+// The same two B fragments stored k-major: row k's n values at s + k·ks. Matrices (k 0–7,
+// n 0–7), (k 8–15, n 0–7), (k 0–7, n 8–15), (k 8–15, n 8–15), transposed.
+static __device__ __forceinline__ void load_b2_rows(unsigned b[4], const unsigned short* s,
+                                                    int ks) {
+    const int lane = threadIdx.x % 32;
+    ldmatrix_x4<true>(b, s + lane % 16 * ks + lane / 16 * 8);
 }
 
 // Accumulators n0 and n0 + 1 (16 rows × 16 columns) as the A fragment of the next product.
@@ -779,10 +786,11 @@ static __device__ void attention_fwd_tc(const AttnDims n, const unsigned short* 
             #pragma unroll
             for (int kk = 0; kk < KD; ++kk) {
                 #pragma unroll
-                for (int j = 0; j < NK; ++j) {
-                    unsigned kb[2];
-                    load_b_cols(kb, k_s + 8 * j * ST + 16 * kk, ST);
+                for (int j = 0; j < NK; j += 2) {
+                    unsigned kb[4];
+                    load_b2_cols(kb, k_s + 8 * j * ST + 16 * kk, ST);
                     mma_bf16(s[j], qa[kk], kb);
+                    mma_bf16(s[j + 1], qa[kk], kb + 2);
                 }
             }
             // The online softmax of the warp's two rows per lane (h = 0: row group, 1: + 8).
@@ -830,10 +838,11 @@ static __device__ void attention_fwd_tc(const AttnDims n, const unsigned short* 
                 unsigned pa[4];
                 acc_to_a(pa, s, 2 * kk);
                 #pragma unroll
-                for (int j = 0; j < ND; ++j) {
-                    unsigned vb[2];
-                    load_b_rows(vb, v_s + 16 * kk * ST + 8 * j, ST);
+                for (int j = 0; j < ND; j += 2) {
+                    unsigned vb[4];
+                    load_b2_rows(vb, v_s + 16 * kk * ST + 8 * j, ST);
                     mma_bf16(o[j], pa, vb);
+                    mma_bf16(o[j + 1], pa, vb + 2);
                 }
             }
         }
@@ -937,13 +946,15 @@ static __device__ void attention_dq_tc(const AttnDims n, const unsigned short* q
             #pragma unroll
             for (int kk = 0; kk < KD; ++kk) {
                 #pragma unroll
-                for (int j = 0; j < NK; ++j) {
-                    unsigned kb[2];
-                    unsigned vb[2];
-                    load_b_cols(kb, k_s + 8 * j * ST + 16 * kk, ST);
-                    load_b_cols(vb, v_s + 8 * j * ST + 16 * kk, ST);
+                for (int j = 0; j < NK; j += 2) {
+                    unsigned kb[4];
+                    load_b2_cols(kb, k_s + 8 * j * ST + 16 * kk, ST);
                     mma_bf16(s[j], qa[kk], kb);
+                    mma_bf16(s[j + 1], qa[kk], kb + 2);
+                    unsigned vb[4];
+                    load_b2_cols(vb, v_s + 8 * j * ST + 16 * kk, ST);
                     mma_bf16(dp[j], da[kk], vb);
+                    mma_bf16(dp[j + 1], da[kk], vb + 2);
                 }
             }
             #pragma unroll
@@ -964,10 +975,11 @@ static __device__ void attention_dq_tc(const AttnDims n, const unsigned short* q
                 unsigned dsa[4];
                 acc_to_a(dsa, s, 2 * kk);
                 #pragma unroll
-                for (int j = 0; j < ND; ++j) {
-                    unsigned kb[2];
-                    load_b_rows(kb, k_s + 16 * kk * ST + 8 * j, ST);
+                for (int j = 0; j < ND; j += 2) {
+                    unsigned kb[4];
+                    load_b2_rows(kb, k_s + 16 * kk * ST + 8 * j, ST);
                     mma_bf16(dq[j], dsa, kb);
+                    mma_bf16(dq[j + 1], dsa, kb + 2);
                 }
             }
         }
@@ -1076,10 +1088,11 @@ static __device__ void attention_dkv_tc(const AttnDims n, const unsigned short* 
                 #pragma unroll
                 for (int kk = 0; kk < KD; ++kk) {
                     #pragma unroll
-                    for (int j = 0; j < NQ; ++j) {
-                        unsigned qb[2];
-                        load_b_cols(qb, q_s + 8 * j * ST + 16 * kk, ST);
+                    for (int j = 0; j < NQ; j += 2) {
+                        unsigned qb[4];
+                        load_b2_cols(qb, q_s + 8 * j * ST + 16 * kk, ST);
                         mma_bf16(s[j], ka[kk], qb);
+                        mma_bf16(s[j + 1], ka[kk], qb + 2);
                     }
                 }
                 #pragma unroll
@@ -1089,10 +1102,11 @@ static __device__ void attention_dkv_tc(const AttnDims n, const unsigned short* 
                         load_a(v, v_s + 16 * warp * ST + 16 * kk, ST);
                     }
                     #pragma unroll
-                    for (int j = 0; j < NQ; ++j) {
-                        unsigned db[2];
-                        load_b_cols(db, dy_s + 8 * j * ST + 16 * kk, ST);
+                    for (int j = 0; j < NQ; j += 2) {
+                        unsigned db[4];
+                        load_b2_cols(db, dy_s + 8 * j * ST + 16 * kk, ST);
                         mma_bf16(dp[j], v, db);
+                        mma_bf16(dp[j + 1], v, db + 2);
                     }
                 }
                 #pragma unroll
@@ -1115,10 +1129,11 @@ static __device__ void attention_dkv_tc(const AttnDims n, const unsigned short* 
                     unsigned pa[4];
                     acc_to_a(pa, s, 2 * kk);
                     #pragma unroll
-                    for (int j = 0; j < ND; ++j) {
-                        unsigned db[2];
-                        load_b_rows(db, dy_s + 16 * kk * ST + 8 * j, ST);
+                    for (int j = 0; j < ND; j += 2) {
+                        unsigned db[4];
+                        load_b2_rows(db, dy_s + 16 * kk * ST + 8 * j, ST);
                         mma_bf16(dv[j], pa, db);
+                        mma_bf16(dv[j + 1], pa, db + 2);
                     }
                 }
                 #pragma unroll
@@ -1126,10 +1141,11 @@ static __device__ void attention_dkv_tc(const AttnDims n, const unsigned short* 
                     unsigned dsa[4];
                     acc_to_a(dsa, dp, 2 * kk);
                     #pragma unroll
-                    for (int j = 0; j < ND; ++j) {
-                        unsigned qb[2];
-                        load_b_rows(qb, q_s + 16 * kk * ST + 8 * j, ST);
+                    for (int j = 0; j < ND; j += 2) {
+                        unsigned qb[4];
+                        load_b2_rows(qb, q_s + 16 * kk * ST + 8 * j, ST);
                         mma_bf16(dk[j], dsa, qb);
+                        mma_bf16(dk[j + 1], dsa, qb + 2);
                     }
                 }
             }
