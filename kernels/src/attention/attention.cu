@@ -709,6 +709,44 @@ static __device__ __forceinline__ bool sees(int causal, int len, int r, int sr, 
     return r < len && c < len && sr == sc && !(causal && c > r);
 }
 
+// Whether queries [q0, q0 + nq) (segments qseg) see every key of [k0, k0 + nk) (segments
+// kseg): all inside the sequence, every key at or before every query (causal), one segment
+// for all. The lanes agree through shuffles, so a warp leaves the masks out of such a tile.
+static __device__ bool all_visible(int causal, int len, int q0, int nq, const int* qseg, int k0,
+                                   int nk, const int* kseg) {
+    if (q0 + nq > len || k0 + nk > len || (causal && k0 + nk - 1 > q0)) {
+        return false;  // the same for every lane
+    }
+    const int lane = threadIdx.x % 32;
+    const int segment = qseg[0];
+    int same = 1;
+    for (int i = lane; i < nq; i += 32) {
+        same &= qseg[i] == segment;
+    }
+    for (int i = lane; i < nk; i += 32) {
+        same &= kseg[i] == segment;
+    }
+    for (int offset = 16; offset > 0; offset >>= 1) {
+        same &= __shfl_xor_sync(FULL, same, offset);
+    }
+    return same != 0;
+}
+
+// 2^x, as the GPU's special-function unit gives it (ex2.approx.ftz: 2^-inf = 0); the
+// softmaxes below count in base 2, with log2(e) folded into the scores' scale.
+static __device__ __forceinline__ float exp2_fast(float x) {
+#ifdef __CUDA_ARCH__
+    float y;
+    asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+    return y;
+#else
+    return std::exp2(x);
+#endif
+}
+
+constexpr float LOG2E = 1.4426950408889634f;
+constexpr float LN2 = 0.6931471805599453f;
+
 // RoPE's transpose of a lane's gradient g[D / 8][4] (16 rows of one head) for element e of
 // n-tile n at token `row`: dimension j + D/2 is n-tile n + D/16, in the same lane.
 template <int D>
@@ -751,13 +789,15 @@ static __device__ void attention_fwd_tc(const AttnDims n, const unsigned short* 
     const int t = threadIdx.x % 4;
     const int rows = 16 * (blockDim.x / 32);
     const int tiles = (n.len + rows - 1) / rows;
-    const float scale = 1.0f / sqrtf(float(D));
-    const long long items = (long long)n.batch * n.heads * tiles;
+    const float scale2 = LOG2E / sqrtf(float(D));  // scores in base 2
+    const int heads = n.batch * n.heads;
+    const long long items = (long long)heads * tiles;
     for (long long item = blockIdx.x; item < items; item += gridDim.x) {
-        const int head = int(item / tiles % n.heads);
-        const int b = int(item / tiles / n.heads);
+        // The last query tiles first: under the causal mask they see the most keys.
+        const int head = int(item % heads % n.heads);
+        const int b = int(item % heads / n.heads);
         const int kv = head / n.group();
-        const int r0 = int(item % tiles) * rows;
+        const int r0 = (tiles - 1 - int(item / heads)) * rows;
         const int w0 = r0 + 16 * warp;  // this warp's first row
         const int* seg = segments == nullptr ? nullptr : segments + size_t(b) * n.len;
         load_packed<D>(q_s, qkv, b, all, head, r0, rows, n.len);
@@ -793,32 +833,46 @@ static __device__ void attention_fwd_tc(const AttnDims n, const unsigned short* 
                     mma_bf16(s[j + 1], qa[kk], kb + 2);
                 }
             }
+            // Scaled scores, masked unless the warp's rows see the whole tile.
+            if (all_visible(causal, n.len, w0, 16, rseg_s + 16 * warp, c0, KT, kseg_s)) {
+                #pragma unroll
+                for (int j = 0; j < NK; ++j) {
+                    #pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        s[j][e] *= scale2;
+                    }
+                }
+            } else {
+                #pragma unroll
+                for (int j = 0; j < NK; ++j) {
+                    #pragma unroll
+                    for (int e = 0; e < 4; ++e) {
+                        const int c = acc_col(j, e);
+                        const bool seen = sees(causal, n.len, w0 + acc_row(e), rseg[e / 2],
+                                               c0 + c, kseg_s[c]);
+                        s[j][e] = seen ? s[j][e] * scale2 : -CUDART_INF_F;
+                    }
+                }
+            }
             // The online softmax of the warp's two rows per lane (h = 0: row group, 1: + 8).
             #pragma unroll
             for (int h = 0; h < 2; ++h) {
                 float mx = -CUDART_INF_F;
                 #pragma unroll
                 for (int j = 0; j < NK; ++j) {
-                    #pragma unroll
-                    for (int e = 2 * h; e < 2 * h + 2; ++e) {
-                        const int c = acc_col(j, e);
-                        const bool open = sees(causal, n.len, w0 + acc_row(e), rseg[h], c0 + c,
-                                                 kseg_s[c]);
-                        s[j][e] = open ? s[j][e] * scale : -CUDART_INF_F;
-                        mx = fmaxf(mx, s[j][e]);
-                    }
+                    mx = fmaxf(mx, fmaxf(s[j][2 * h], s[j][2 * h + 1]));
                 }
                 mx = fmaxf(mx, __shfl_xor_sync(FULL, mx, 1));
                 mx = fmaxf(mx, __shfl_xor_sync(FULL, mx, 2));
                 const float m_new = fmaxf(m[h], mx);
                 const bool none = m_new == -CUDART_INF_F;
-                const float alpha = none ? 1.0f : expf(m[h] - m_new);
+                const float alpha = none ? 1.0f : exp2_fast(m[h] - m_new);
                 float sum = 0.0f;
                 #pragma unroll
                 for (int j = 0; j < NK; ++j) {
                     #pragma unroll
                     for (int e = 2 * h; e < 2 * h + 2; ++e) {
-                        s[j][e] = none ? 0.0f : expf(s[j][e] - m_new);
+                        s[j][e] = none ? 0.0f : exp2_fast(s[j][e] - m_new);
                         sum += s[j][e];
                     }
                 }
@@ -861,7 +915,7 @@ static __device__ void attention_fwd_tc(const AttnDims n, const unsigned short* 
             }
             if (t == 0) {
                 lse[(size_t(b) * n.heads + head) * n.len + r] =
-                    l[h] > 0.0f ? m[h] + logf(l[h]) : -CUDART_INF_F;
+                    l[h] > 0.0f ? (m[h] + log2f(l[h])) * LN2 : -CUDART_INF_F;
             }
         }
         __syncthreads();  // q_s is loaded again for the next item
@@ -895,12 +949,15 @@ static __device__ void attention_dq_tc(const AttnDims n, const unsigned short* q
     const int rows = 16 * (blockDim.x / 32);
     const int tiles = (n.len + rows - 1) / rows;
     const float scale = 1.0f / sqrtf(float(D));
-    const long long items = (long long)n.batch * n.heads * tiles;
+    const float scale2 = scale * LOG2E;  // scores in base 2
+    const int heads = n.batch * n.heads;
+    const long long items = (long long)heads * tiles;
     for (long long item = blockIdx.x; item < items; item += gridDim.x) {
-        const int head = int(item / tiles % n.heads);
-        const int b = int(item / tiles / n.heads);
+        // The last query tiles first: under the causal mask they see the most keys.
+        const int head = int(item % heads % n.heads);
+        const int b = int(item % heads / n.heads);
         const int kv = head / n.group();
-        const int r0 = int(item % tiles) * rows;
+        const int r0 = (tiles - 1 - int(item / heads)) * rows;
         const int w0 = r0 + 16 * warp;
         const int* seg = segments == nullptr ? nullptr : segments + size_t(b) * n.len;
         // q, then dy, through the one staging tile into registers.
@@ -921,13 +978,13 @@ static __device__ void attention_dq_tc(const AttnDims n, const unsigned short* q
             load_a(da[kk], stage + 16 * warp * ST + 16 * kk, ST);
         }
         const int rseg[2] = {rseg_s[16 * warp + acc_row(0)], rseg_s[16 * warp + acc_row(2)]};
-        float row_lse[2];
+        float row_lse2[2];  // in base 2
         float row_delta[2];
         #pragma unroll
         for (int h = 0; h < 2; ++h) {
             const int r = w0 + acc_row(2 * h);
             const size_t at = (size_t(b) * n.heads + head) * n.len + r;
-            row_lse[h] = r < n.len ? lse[at] : 0.0f;
+            row_lse2[h] = r < n.len ? lse[at] * LOG2E : 0.0f;
             row_delta[h] = r < n.len ? delta[at] : 0.0f;
         }
         float dq[ND][4] = {};
@@ -957,17 +1014,18 @@ static __device__ void attention_dq_tc(const AttnDims n, const unsigned short* q
                     mma_bf16(dp[j + 1], da[kk], vb + 2);
                 }
             }
+            // ds = scale·p·(dp − delta), masked unless the warp's rows see the whole tile.
+            const bool open =
+                all_visible(causal, n.len, w0, 16, rseg_s + 16 * warp, c0, KT, kseg_s);
             #pragma unroll
             for (int j = 0; j < NK; ++j) {
                 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
                     const int c = acc_col(j, e);
-                    float ds = 0.0f;
-                    if (sees(causal, n.len, w0 + acc_row(e), rseg[e / 2], c0 + c, kseg_s[c])) {
-                        const float p = expf(s[j][e] * scale - row_lse[e / 2]);
-                        ds = scale * p * (dp[j][e] - row_delta[e / 2]);
-                    }
-                    s[j][e] = ds;
+                    const bool seen = open || sees(causal, n.len, w0 + acc_row(e), rseg[e / 2],
+                                                   c0 + c, kseg_s[c]);
+                    const float p = exp2_fast(s[j][e] * scale2 - row_lse2[e / 2]);
+                    s[j][e] = seen ? scale * p * (dp[j][e] - row_delta[e / 2]) : 0.0f;
                 }
             }
             #pragma unroll
@@ -1034,11 +1092,14 @@ static __device__ void attention_dkv_tc(const AttnDims n, const unsigned short* 
     const int keys = 16 * (blockDim.x / 32);
     const int tiles = (n.len + keys - 1) / keys;
     const float scale = 1.0f / sqrtf(float(D));
-    const long long items = (long long)n.batch * n.kv_heads * tiles;
+    const float scale2 = scale * LOG2E;  // scores in base 2
+    const int heads = n.batch * n.kv_heads;
+    const long long items = (long long)heads * tiles;
     for (long long item = blockIdx.x; item < items; item += gridDim.x) {
-        const int kv = int(item / tiles % n.kv_heads);
-        const int b = int(item / tiles / n.kv_heads);
-        const int c0 = int(item % tiles) * keys;
+        // The first key tiles first: under the causal mask the most query rows see them.
+        const int kv = int(item % heads % n.kv_heads);
+        const int b = int(item % heads / n.kv_heads);
+        const int c0 = int(item / heads) * keys;
         const int w0 = c0 + 16 * warp;  // this warp's first key
         const int* seg = segments == nullptr ? nullptr : segments + size_t(b) * n.len;
         unsigned ka[KD][4];
@@ -1075,7 +1136,7 @@ static __device__ void attention_dkv_tc(const AttnDims n, const unsigned short* 
                 for (int i = threadIdx.x; i < QR; i += blockDim.x) {
                     const int r = r0 + i;
                     const size_t at = (size_t(b) * n.heads + head) * n.len + r;
-                    lse_s[i] = r < n.len ? lse[at] : 0.0f;
+                    lse_s[i] = r < n.len ? lse[at] * LOG2E : 0.0f;  // in base 2
                     delta_s[i] = r < n.len ? delta[at] : 0.0f;
                 }
                 __syncthreads();
@@ -1109,6 +1170,9 @@ static __device__ void attention_dkv_tc(const AttnDims n, const unsigned short* 
                         mma_bf16(dp[j + 1], v, db + 2);
                     }
                 }
+                // pᵀ and dsᵀ, masked unless every query row of the tile sees the warp's keys.
+                const bool open = all_visible(causal, n.len, r0, QR, qseg_s, w0, 16,
+                                              kseg_s + 16 * warp);
                 #pragma unroll
                 for (int j = 0; j < NQ; ++j) {
                     #pragma unroll
@@ -1116,8 +1180,9 @@ static __device__ void attention_dkv_tc(const AttnDims n, const unsigned short* 
                         const int i = acc_col(j, e);  // the query row within the tile
                         float p = 0.0f;
                         float ds = 0.0f;
-                        if (sees(causal, n.len, r0 + i, qseg_s[i], w0 + acc_row(e), kseg[e / 2])) {
-                            p = expf(s[j][e] * scale - lse_s[i]);
+                        if (open ||
+                            sees(causal, n.len, r0 + i, qseg_s[i], w0 + acc_row(e), kseg[e / 2])) {
+                            p = exp2_fast(s[j][e] * scale2 - lse_s[i]);
                             ds = scale * p * (dp[j][e] - delta_s[i]);
                         }
                         s[j][e] = p;

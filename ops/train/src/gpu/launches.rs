@@ -75,6 +75,13 @@ fn attention_grid(items: usize) -> Geometry {
     Geometry::linear((items as u32).clamp(1, MAX_GRID), ATTN_BLOCK)
 }
 
+/// One block an item, for the tensor-core kernels: the GPU hands blocks to multiprocessors as
+/// they free up, so the causal mask's uneven tiles (which the kernels take heaviest first)
+/// balance themselves, where a grid of at most [`MAX_GRID`] leaves some blocks a second item.
+fn item_grid(items: usize) -> Geometry {
+    Geometry::linear(items.clamp(1, i32::MAX as usize) as u32, ATTN_BLOCK)
+}
+
 pub(super) fn elementwise_grid(n: usize) -> u32 {
     (n.div_ceil(256) as u32).clamp(1, MAX_GRID)
 }
@@ -323,7 +330,7 @@ impl<L: Launcher> Kernels<'_, L> {
         let segments = p.inputs(qkv)?[3];
         let args = [&[Arg::Ptr(packed, 0), segments][..], &outputs, &p.sizes(h)].concat();
         let query_tiles = p.batch * h.heads * p.len.div_ceil(TENSOR_CORE_ROWS * ATTN_WARPS);
-        self.run(&kernel, attention_grid(query_tiles), &args)
+        self.run(&kernel, item_grid(query_tiles), &args)
     }
 
     /// The tensor-core kernel of attention.cu for `stage`, where the step multiplies in bf16
@@ -427,8 +434,8 @@ impl<L: Launcher> Kernels<'_, L> {
         let inputs = [Arg::Ptr(packed, 0), cos, sin, segments];
         let args = [&inputs[..], &[packed_dy, lse, delta, dqkv], &p.sizes(h)].concat();
         let tiles = p.len.div_ceil(TENSOR_CORE_ROWS * ATTN_WARPS);
-        self.run(&dq, attention_grid(p.batch * h.heads * tiles), &args)?;
-        self.run(&dkv, attention_grid(p.batch * h.kv_heads * tiles), &args)
+        self.run(&dq, item_grid(p.batch * h.heads * tiles), &args)?;
+        self.run(&dkv, item_grid(p.batch * h.kv_heads * tiles), &args)
     }
 
     /// `c = op(a) · op(b) + beta · c` for `(m, n, k)`, at the step's precision.
