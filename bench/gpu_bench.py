@@ -6,6 +6,7 @@ same GPU, in the same run.
     python3 bench/gpu_bench.py --bin target/dist/nemo-dag [--steps 20] [--no-compile]
     python3 bench/gpu_bench.py --report check.json     # nemo-dag's figures from an earlier
                                                        # `gpu-check --json` on this machine
+    python3 bench/gpu_bench.py --report check.json --compiled-only   # torch.compile's alone
 
 Needs a CUDA GPU, PyTorch with CUDA, NVRTC and cuBLASLt (libnvrtc.so.13 and libcublasLt.so.13
 on LD_LIBRARY_PATH) and the CUDA headers (NEMO_DAG_CUDA_HOME or /usr/local/cuda), as
@@ -39,6 +40,11 @@ Attention in the twins is `F.scaled_dot_product_attention(is_causal=True)` (flas
 memory-efficient kernels), the fastest eager PyTorch has. Printed per model: tokens/s, model
 TFLOP/s and MFU (model FLOPs as nanoGPT's estimate_mfu counts them, over the GPU's dense bf16
 peak), and nemo-dag's ratio to each.
+
+Then that attention alone at GPT-2 small's shapes (8 rows of 1024 tokens, 12 heads of 64,
+causal, bf16): milliseconds a layer for the forward and for the forward and backward, to set
+beside the `attention_*` rows of `NEMO_DAG_KERNEL_TIMES`' profile (which are per step, twelve
+layers; their backward also has `attention_bwd_delta_f32` and `attention_pack_bf16`).
 """
 
 import argparse
@@ -134,11 +140,39 @@ def torch_rate(config, rows, length, steps, precision, compiled=False):
     return rows * length * steps / (time.perf_counter() - clock)
 
 
+def sdpa_ms(rows, heads, length, dim, steps):
+    """Milliseconds a call of PyTorch's causal attention in bf16, (forward, forward and
+    backward), q, k and v (rows, heads, length, dim) as a layer's."""
+    import torch
+    import torch.nn.functional as F
+
+    q, k, v = (
+        torch.randn(rows, heads, length, dim, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+        for _ in range(3)
+    )
+    dy = torch.randn(rows, heads, length, dim, device="cuda", dtype=torch.bfloat16)
+
+    def timed(run):
+        for _ in range(3):
+            run()
+        torch.cuda.synchronize()
+        clock = time.perf_counter()
+        for _ in range(steps):
+            run()
+        torch.cuda.synchronize()
+        return 1e3 * (time.perf_counter() - clock) / steps
+
+    forward = timed(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
+    both = timed(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(dy))
+    return forward, both
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--bin", default=str(ROOT / "target" / "dist" / "nemo-dag"))
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--no-compile", action="store_true", help="leave out torch.compile")
+    p.add_argument("--compiled-only", action="store_true", help="time torch.compile's twins alone")
     p.add_argument("--report", help="nemo-dag's figures from this `gpu-check --json` report (--bin unused)")
     a = p.parse_args()
     ours = nemo_dag_rates(a.bin, a.steps, a.report)
@@ -174,13 +208,22 @@ def main():
         if mine.get("cpu_tokens_per_s"):
             row("nemo-dag CPU trainer", mine["cpu_tokens_per_s"])
         twins = [(f"torch {precision}", precision, False) for precision in ("f32", "tf32", "bf16")]
-        if not a.no_compile:
+        if a.compiled_only:
+            twins = []
+        if a.compiled_only or not a.no_compile:
             twins.append(("torch bf16 compiled", "bf16", True))
         for name, precision, compiled in twins:
             try:
                 row(name, torch_rate(config, rows, length, a.steps, precision, compiled))
             except Exception as e:  # one twin failing leaves the others' figures
                 print(f"{name:24}  failed: {type(e).__name__}: {e}")
+    if not a.compiled_only:
+        forward, both = sdpa_ms(8, 12, 1024, 64, a.steps)
+        print(
+            f"\nPyTorch's causal attention (SDPA, bf16), GPT-2 small's layer (8 x 1024 tokens, 12 heads "
+            f"of 64): forward {forward:.3f} ms, forward and backward {both:.3f} ms; "
+            f"x 12 layers {12 * forward:.2f} and {12 * both:.2f} ms"
+        )
 
 
 if __name__ == "__main__":

@@ -14,25 +14,27 @@
 # wheels and under /usr/local/cuda; what is found is printed, what is missing fails the step
 # that needs it, with the reason.
 #
-# Steps, and their limits: 8 minutes 30 s together, 9 minutes 40 s with the 10 s each may take to
-# die after its limit, inside one call of at most 10 minutes. Measured on an H200 on
-# 2026-11-28 (three calls): gpu-check 107 to 143 s, bench 17 to 25, profile 34 to 45, kernels
-# 2 and their racecheck 13 to 14, memcheck 28 to 32, ops 2 to 3; racecheck over gpu-check was
-# stopped at its 90 s (it had reached the DPO part), as it was on an H100 (then over the
-# kernels' unit tests).
+# Steps, and their limits: 9 minutes 10 s together, 9 minutes 20 s with the 10 s the last may
+# take to die after its limit, inside one call of at most 10 minutes (a step that ends early
+# leaves its time to the others). Measured on an H200 on 2026-11-28 (three calls): gpu-check
+# 107 to 143 s, bench 17 to 25, profile 34 to 45, kernels 2 and their racecheck 13 to 14,
+# memcheck 28 to 32, ops 2 to 3; racecheck over gpu-check was stopped at its 90 s (it had
+# reached the DPO part), as it was on an H100 (then over the kernels' unit tests), so it runs
+# only when STEPS names it. `compiled` has not run yet.
 #   gpu-check   the trainer against the CPU, cuBLASLt, NCCL, decoding, speed    170 s
-#   bench       bench/gpu_bench.py: the same models in PyTorch, same GPU, beside
-#               gpu-check's figures                                              70 s
+#   bench       bench/gpu_bench.py: the same models in PyTorch eager, same GPU,
+#               beside gpu-check's figures, and PyTorch's attention alone        70 s
 #   profile     gpu-check's speed part for one step with every launch timed
 #               (NEMO_DAG_KERNEL_TIMES), the CPU not timed: where a step goes     80 s
 #   kernels     every kernel's unit tests on the GPU (NEMO_DAG_KERNEL_TESTS_ON),
 #               then compute-sanitizer racecheck over the tensor-core
 #               attention's                                                      45 s
 #   memcheck    compute-sanitizer memcheck over gpu-check without timing         40 s
-#   racecheck   compute-sanitizer racecheck over the same                        90 s
 #   ops         bench/gpu_ops.yaml on the CPU and with vars.device=cuda           15 s
-# STEPS="kernels gpu-check bench" runs only those steps, in the order above (bench reads
-# gpu-check's JSON, so it needs gpu-check before it).
+#   compiled    bench/gpu_bench.py --compiled-only: torch.compile's twins       130 s
+#   racecheck   compute-sanitizer racecheck over gpu-check (only when named)     90 s
+# STEPS="kernels gpu-check bench" runs only those steps, in the order above (bench and
+# compiled read gpu-check's JSON, so they need gpu-check before them).
 # At most 8 files come back from the machine: the JSON report stays there, its figures are in
 # gpu-check.log.
 set -uo pipefail
@@ -95,11 +97,6 @@ fi
 # itself. Memory errors are still all reported.
 step memcheck 40 compute-sanitizer --tool memcheck --report-api-errors no --error-exitcode 3 \
     "$bin" gpu-check --speed-steps 0
-# Over gpu-check too, which runs every kernel with __shared__ memory at a trainer's shapes and
-# the decoder's: racecheck over the kernels' unit tests, many small launches each, did not get
-# through the attention tests in 50 s.
-step racecheck 90 compute-sanitizer --tool racecheck --report-api-errors no --error-exitcode 4 \
-    "$bin" gpu-check --speed-steps 0
 # Two stores: the device is not part of a key, so one store would find the GPU run cached.
 mkdir "$work/cpu" "$work/gpu"
 cp bench/gpu_ops.yaml "$work/cpu/ops.yaml"
@@ -107,5 +104,14 @@ cp bench/gpu_ops.yaml "$work/gpu/ops.yaml"
 # Each run prints its stages' losses and the eval's perplexity, to be read side by side.
 step ops 15 bash -c "set -e; cd '$work/cpu'; '$bin' run ops.yaml; cd '$work/gpu'
     '$bin' run ops.yaml vars.device=cuda; grep -h 'device' .nemo-dag/artifacts/*/log.txt"
+# Last, as the longest: each twin compiles before it is timed.
+step compiled 130 python3 bench/gpu_bench.py --report "$work/check.json" --steps 10 --compiled-only
+# Over gpu-check too, which runs every kernel with __shared__ memory at a trainer's shapes and
+# the decoder's: racecheck over the kernels' unit tests, many small launches each, did not get
+# through the attention tests in 50 s. Only when STEPS names it: it has never finished in 90 s.
+if [[ " ${STEPS:-} " == *" racecheck "* ]]; then
+    step racecheck 90 compute-sanitizer --tool racecheck --report-api-errors no --error-exitcode 4 \
+        "$bin" gpu-check --speed-steps 0
+fi
 echo "== summary"
 cat "$out/summary.txt"
