@@ -189,6 +189,70 @@ mod tests {
         }
     }
 
+    /// cp.async lands a group when a wait lets it: in the forward schedule at the latest
+    /// moment (the wait for it), in the reverse at once; so a group not waited for reads as
+    /// what was there before in one schedule and as the copy in the other.
+    #[test]
+    fn cp_async_lands_at_the_wait_or_at_once() {
+        let src: Vec<c_int> = (0..4 * 64).map(|i| 1000 + i).collect();
+        let groups = |schedule| {
+            let mut out = vec![0; 2 * 64];
+            let (p, s) = (out.as_mut_ptr(), src.as_ptr());
+            // SAFETY: two values a thread out, four a thread in.
+            unsafe {
+                launch_1d(
+                    "check_cp_async_groups",
+                    1,
+                    64,
+                    schedule,
+                    &[arg(&p), arg(&s)],
+                )
+            }
+            .unwrap();
+            out
+        };
+        let waited: Vec<c_int> = (0..64).map(|t| 1000 + 4 * t).collect();
+        let (late, early) = (groups(Schedule::Forward), groups(Schedule::Reverse));
+        for t in 0..64 {
+            assert_eq!(late[2 * t], waited[t], "the older group has landed");
+            assert_eq!(
+                late[2 * t + 1],
+                0,
+                "the newest is still in flight at the latest"
+            );
+            assert_eq!(early[2 * t], waited[t]);
+            assert_eq!(
+                early[2 * t + 1],
+                waited[t],
+                "the newest has landed at the earliest"
+            );
+        }
+        let neighbour = |schedule, with_wait: c_int| {
+            let mut out = vec![0; 64];
+            let (p, s) = (out.as_mut_ptr(), src.as_ptr());
+            // SAFETY: one value a thread out, four a thread in.
+            unsafe {
+                launch_1d(
+                    "check_cp_async_neighbour",
+                    1,
+                    64,
+                    schedule,
+                    &[arg(&p), arg(&s), arg(&with_wait)],
+                )
+            }
+            .unwrap();
+            out
+        };
+        let want: Vec<c_int> = (0..64).map(|t| 1000 + 4 * ((t + 1) % 64)).collect();
+        assert_eq!(neighbour(Schedule::Forward, 1), want);
+        assert_eq!(neighbour(Schedule::Reverse, 1), want);
+        assert_ne!(
+            neighbour(Schedule::Forward, 0),
+            neighbour(Schedule::Reverse, 0),
+            "without the wait the schedules disagree"
+        );
+    }
+
     #[test]
     fn a_missing_barrier_shows_as_schedules_that_disagree() {
         let run = |schedule, with_barrier: c_int| {

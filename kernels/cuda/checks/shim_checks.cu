@@ -91,3 +91,33 @@ extern "C" __global__ void check_ldmatrix_mixed(int* out) {
     simt::ldmatrix_b16(words, 2, threadIdx.x % 2 == 0, table + threadIdx.x % 16 * 8);
     out[threadIdx.x] = int(words[0]);
 }
+
+// Each thread copies its 16 bytes of src (4 ints from 4·t) into two shared slots by cp.async,
+// one group each, waits for all but the newest group, then out[2t] = its first slot's first
+// int and out[2t + 1] = its second slot's: the second group may still be in flight.
+extern "C" __global__ void check_cp_async_groups(int* out, const int* src) {
+    __shared__ __align__(16) int first[4 * 64];
+    __shared__ __align__(16) int second[4 * 64];
+    const int t = threadIdx.x;
+    simt::cp_async16(first + 4 * t, src + 4 * t);
+    simt::cp_async_commit();
+    simt::cp_async16(second + 4 * t, src + 4 * t);
+    simt::cp_async_commit();
+    simt::cp_async_wait(1);
+    out[2 * t] = first[4 * t];
+    out[2 * t + 1] = second[4 * t];
+}
+
+// Each thread copies its 16 bytes by cp.async, waits for them (or not), then reads its
+// neighbour's after a barrier: correct only with the wait.
+extern "C" __global__ void check_cp_async_neighbour(int* out, const int* src, int with_wait) {
+    __shared__ __align__(16) int slots[4 * 64];
+    const int t = threadIdx.x;
+    simt::cp_async16(slots + 4 * t, src + 4 * t);
+    simt::cp_async_commit();
+    if (with_wait) {
+        simt::cp_async_wait(0);
+    }
+    __syncthreads();
+    out[t] = slots[4 * ((t + 1) % blockDim.x)];
+}

@@ -31,6 +31,14 @@ enum class State { Ready, AtBlockBarrier, AtWarpBarrier, Done };
 // they all wait at the same kind of warp-level operation.
 enum class WarpOp { Shuffle, Syncwarp, Mma, Ldmatrix };
 
+// A cp.async copy in flight: where it lands, the 16 bytes read at its issue (the kernels copy
+// from global memory no thread writes), and the group it is in (the thread's commits before it).
+struct Copy {
+    void* to;
+    unsigned char bytes[16];
+    int group;
+};
+
 struct Fiber {
     ucontext_t context;
     std::unique_ptr<char[]> stack;
@@ -38,6 +46,8 @@ struct Fiber {
     unsigned linear;
     State state;
     WarpOp op;
+    std::vector<Copy> copies;  // cp.async copies in flight
+    int commits;               // cp.async.commit_group calls so far
 };
 
 // One launch: its geometry, and the block being run.
@@ -45,6 +55,7 @@ struct Launch {
     dim3 grid, block;
     uint3 block_index;
     const std::function<void()>* kernel;
+    bool reverse;  // the schedule: cp.async copies land at once when reversed
     std::vector<Fiber> fibers;
     ucontext_t scheduler;
     Fiber* current;
@@ -161,6 +172,8 @@ bool run_block(Launch& l, bool reverse) {
         f.index = {unsigned(i % bx), unsigned(i / bx % by), unsigned(i / (bx * by))};
         f.linear = unsigned(i);
         f.state = State::Ready;
+        f.copies.clear();
+        f.commits = 0;
         getcontext(&f.context);
         f.context.uc_stack.ss_sp = f.stack.get();
         f.context.uc_stack.ss_size = kStackBytes;
@@ -357,6 +370,39 @@ void ldmatrix_b16(uint32_t* words, int count, bool trans, const void* row) {
     wait(State::AtWarpBarrier);  // every lane has read before any passes a new address
 }
 
+void cp_async16(void* to, const void* from) {
+    Fiber& me = current_fiber();
+    require_aligned(to, 16, "cp.async's shared address");
+    require_aligned(from, 16, "cp.async's global address");
+    if (active->reverse) {
+        std::memcpy(to, from, 16);
+        return;
+    }
+    Copy copy{to, {}, me.commits};
+    std::memcpy(copy.bytes, from, 16);
+    me.copies.push_back(copy);
+}
+
+void cp_async_commit() { ++current_fiber().commits; }
+
+void cp_async_wait(int pending) {
+    Fiber& me = current_fiber();
+    if (pending < 0) {
+        misuse("cp.async.wait_group with a negative count");
+    }
+    // Groups 0 .. commits - 1 are committed; all but the `pending` most recent land.
+    const int landed = me.commits - pending;
+    std::vector<Copy> still;
+    for (const Copy& c : me.copies) {
+        if (c.group < landed) {
+            std::memcpy(c.to, c.bytes, 16);
+        } else {
+            still.push_back(c);
+        }
+    }
+    me.copies.swap(still);
+}
+
 int launch(dim3 grid, dim3 block, bool reverse, const std::function<void()>& kernel) {
     size_t threads = size_t(block.x) * block.y * block.z;
     if (threads == 0 || threads > 1024 || grid.x == 0 || grid.y == 0 || grid.z == 0) {
@@ -367,6 +413,7 @@ int launch(dim3 grid, dim3 block, bool reverse, const std::function<void()>& ker
     l.grid = grid;
     l.block = block;
     l.kernel = &kernel;
+    l.reverse = reverse;
     l.fibers.resize(threads);
     for (auto& f : l.fibers) {
         f.stack.reset(new char[kStackBytes]);

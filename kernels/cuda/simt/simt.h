@@ -11,13 +11,15 @@
 // lanes of the warp returned. Fibers run in thread order or in reverse (`reverse` of
 // simt::launch): a kernel whose result depends on the order has a race.
 //
-// Two PTX instructions are modelled, because the tensor-core kernels are written with them:
+// Three PTX instructions are modelled, because the tensor-core kernels are written with them:
 // mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 (mma_m16n8k16_bf16), a warp-wide
 // rendezvous that multiplies the lanes' fragments laid out as the PTX ISA documents them, so
 // a kernel that puts a value in the wrong lane or register gets a wrong product here too; and
 // ldmatrix.sync.aligned.m8n8.x{1,2,4}{.trans}.shared.b16 (ldmatrix_b16), the warp-wide load of
-// those fragments from shared memory, each lane's row address used as the ISA says.
-// What it cannot check: other inline PTX (cp.async, TMA), the memory model, timing.
+// those fragments from shared memory, each lane's row address used as the ISA says; and
+// cp.async.cg.shared.global with its commit and wait groups (cp_async16), whose copies land
+// at the latest moment the ISA allows in one schedule and at once in the other.
+// What it cannot check: other inline PTX (TMA, wgmma), the memory model, timing.
 // Fast-math intrinsics (__expf, rsqrtf) are libm calls here, a few ulp from the GPU's.
 #pragma once
 
@@ -81,6 +83,18 @@ void mma_m16n8k16_bf16(float d[4], const uint32_t a[4], const uint32_t b[2]);
 // call it, with the same count (1, 2 or 4) and the same trans; lanes past 8·count pass an
 // address that is not read.
 void ldmatrix_b16(uint32_t* words, int count, bool trans, const void* row);
+
+// cp.async.cg.shared.global [to], [from], 16 for the calling thread (both 16-byte aligned),
+// cp.async.commit_group (cp_async_commit: the thread's copies since its last commit become a
+// group) and cp.async.wait_group n (cp_async_wait: every group but the n most recent has
+// landed). A copy is in flight from its issue until a wait lets it land: in the forward
+// schedule it lands at that wait, the latest the ISA allows; in the reverse schedule at its
+// issue, the earliest. A kernel that reads a tile before waiting for it, or copies into
+// shared memory another warp may still read, gives different bytes in the two schedules.
+// Copies never waited for are dropped with the block, as its shared memory is.
+void cp_async16(void* to, const void* from);
+void cp_async_commit();
+void cp_async_wait(int pending);
 
 // Stops the kernel with a reason unless `p` is `bytes`-aligned: what a vector load or store of
 // that width needs on a GPU, where a misaligned one faults, and the host does not.
