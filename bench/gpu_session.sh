@@ -14,7 +14,7 @@
 # wheels and under /usr/local/cuda; what is found is printed, what is missing fails the step
 # that needs it, with the reason.
 #
-# Steps, and their limits: 9 minutes 10 s together, 9 minutes 20 s with the 10 s the last may
+# Steps, and their limits: 9 minutes 30 s together, 9 minutes 40 s with the 10 s the last may
 # take to die after its limit, inside one call of at most 10 minutes (a step that ends early
 # leaves its time to the others). Measured on an H200 on 2026-11-28 (three calls): gpu-check
 # 107 to 143 s, bench 17 to 25, profile 34 to 45, kernels 2 and their racecheck 13 to 14,
@@ -25,13 +25,15 @@
 #   bench       bench/gpu_bench.py: the same models in PyTorch eager, same GPU,
 #               beside gpu-check's figures, and PyTorch's attention alone        70 s
 #   profile     gpu-check's speed part for one step with every launch timed
-#               (NEMO_DAG_KERNEL_TIMES), the CPU not timed: where a step goes     80 s
+#               (NEMO_DAG_KERNEL_TIMES), the CPU not timed: where a step goes;
+#               then again with the attention's tiles copied without cp.async
+#               (NEMO_DAG_CUDA_DEFINES=ATTN_ASYNC=0), to set the two side by side 120 s
 #   kernels     every kernel's unit tests on the GPU (NEMO_DAG_KERNEL_TESTS_ON),
 #               then compute-sanitizer racecheck over the tensor-core
 #               attention's                                                      45 s
 #   memcheck    compute-sanitizer memcheck over gpu-check without timing         40 s
 #   ops         bench/gpu_ops.yaml on the CPU and with vars.device=cuda           15 s
-#   compiled    bench/gpu_bench.py --compiled-only: torch.compile's twins       130 s
+#   compiled    bench/gpu_bench.py --compiled-only: torch.compile's twins       110 s
 #   racecheck   compute-sanitizer racecheck over gpu-check (only when named)     90 s
 # STEPS="kernels gpu-check bench" runs only those steps, in the order above (bench and
 # compiled read gpu-check's JSON, so they need gpu-check before them).
@@ -81,7 +83,11 @@ step() {
 work=$(mktemp -d)
 step gpu-check 170 "$bin" gpu-check --json "$work/check.json" --speed-steps 10
 step bench 70 python3 bench/gpu_bench.py --report "$work/check.json" --steps 10 --no-compile
-step profile 80 env NEMO_DAG_KERNEL_TIMES=1 "$bin" gpu-check --speed-steps 1 --speed-cpu-steps 0
+step profile 120 bash -c "export NEMO_DAG_KERNEL_TIMES=1
+    '$bin' gpu-check --speed-steps 1 --speed-cpu-steps 0; first=\$?
+    echo '== the same, the attention tiles copied without cp.async (ATTN_ASYNC=0)'
+    NEMO_DAG_CUDA_DEFINES=ATTN_ASYNC=0 '$bin' gpu-check --speed-steps 1 --speed-cpu-steps 0
+    exit \$((first | \$?))"
 if [[ -n $kernel_tests ]]; then
     # Then the tensor-core attention's unit test under racecheck: its tiles share memory
     # between warps, and it is the newest kernel that does.
@@ -105,7 +111,7 @@ cp bench/gpu_ops.yaml "$work/gpu/ops.yaml"
 step ops 15 bash -c "set -e; cd '$work/cpu'; '$bin' run ops.yaml; cd '$work/gpu'
     '$bin' run ops.yaml vars.device=cuda; grep -h 'device' .nemo-dag/artifacts/*/log.txt"
 # Last, as the longest: each twin compiles before it is timed.
-step compiled 130 python3 bench/gpu_bench.py --report "$work/check.json" --steps 10 --compiled-only
+step compiled 110 python3 bench/gpu_bench.py --report "$work/check.json" --steps 10 --compiled-only
 # Over gpu-check too, which runs every kernel with __shared__ memory at a trainer's shapes and
 # the decoder's: racecheck over the kernels' unit tests, many small launches each, did not get
 # through the attention tests in 50 s. Only when STEPS names it: it has never finished in 90 s.

@@ -30,20 +30,20 @@ const REGISTER_CEILINGS: &[(&str, u32)] = &[
     ("adamw_f32", 40),                        // 31 on NVRTC 13.0
     ("add_f32", 16),                          // 12 on NVRTC 13.0
     ("attention_bwd_delta_f32", 40),          // 32 on NVRTC 13.0
-    ("attention_bwd_dkv_bf16_d128", 255),     // 253 on NVRTC 13.0
-    ("attention_bwd_dkv_bf16_d16", 136),      // 126 on NVRTC 13.0
-    ("attention_bwd_dkv_bf16_d32", 144),      // 132 on NVRTC 13.0
-    ("attention_bwd_dkv_bf16_d64", 184),      // 171 on NVRTC 13.0
+    ("attention_bwd_dkv_bf16_d128", 255),     // 244 on NVRTC 13.0
+    ("attention_bwd_dkv_bf16_d16", 136),      // 119 on NVRTC 13.0
+    ("attention_bwd_dkv_bf16_d32", 144),      // 136 on NVRTC 13.0
+    ("attention_bwd_dkv_bf16_d64", 216),      // 202 on NVRTC 13.0
     ("attention_bwd_dkv_f32", 168),           // 154 on NVRTC 13.0
-    ("attention_bwd_dq_bf16_d128", 248),      // 236 on NVRTC 13.0
-    ("attention_bwd_dq_bf16_d16", 168),       // 159 on NVRTC 13.0
-    ("attention_bwd_dq_bf16_d32", 176),       // 166 on NVRTC 13.0
+    ("attention_bwd_dq_bf16_d128", 248),      // 238 on NVRTC 13.0
+    ("attention_bwd_dq_bf16_d16", 144),       // 128 on NVRTC 13.0
+    ("attention_bwd_dq_bf16_d32", 176),       // 168 on NVRTC 13.0
     ("attention_bwd_dq_bf16_d64", 176),       // 168 on NVRTC 13.0
     ("attention_bwd_dq_f32", 104),            // 95 on NVRTC 13.0
     ("attention_fwd_bf16_d128", 184),         // 170 on NVRTC 13.0
-    ("attention_fwd_bf16_d16", 120),          // 108 on NVRTC 13.0
-    ("attention_fwd_bf16_d32", 128),          // 118 on NVRTC 13.0
-    ("attention_fwd_bf16_d64", 136),          // 128 on NVRTC 13.0
+    ("attention_fwd_bf16_d16", 136),          // 128 on NVRTC 13.0
+    ("attention_fwd_bf16_d32", 136),          // 121 on NVRTC 13.0
+    ("attention_fwd_bf16_d64", 160),          // 151 on NVRTC 13.0
     ("attention_fwd_f32", 104),               // 94 on NVRTC 13.0
     ("attention_pack_bf16", 32),              // 26 on NVRTC 13.0
     ("cast_bf16", 16),                        // 10 on NVRTC 13.0
@@ -191,6 +191,31 @@ fn every_kernel_compiles_for_sm_90_without_spills_and_under_its_register_ceiling
         }
     }
     assert!(problems.is_empty(), "{}", problems.join("\n"));
+}
+
+/// The attention variant bench/gpu_session.sh times against the default (`ATTN_ASYNC=0`:
+/// tiles copied through registers, one stage) compiles too, under options of its own, so its
+/// compile is cached apart.
+#[test]
+fn the_attention_without_cp_async_compiles_for_sm_90() {
+    let Some(nvrtc) = nvrtc_or_skip("the_attention_without_cp_async_compiles") else {
+        return;
+    };
+    let plain = nvrtc.clone().with_defines("ATTN_ASYNC=0").unwrap();
+    assert!(plain.options(ARCH).contains(&"-DATTN_ASYNC=0".to_string()));
+    assert_ne!(plain.options(ARCH), nvrtc.options(ARCH));
+    let source = SOURCES
+        .iter()
+        .find(|s| s.name.ends_with("attention.cu"))
+        .expect("attention.cu is embedded");
+    let compiled = plain.compile(source, ARCH, None).unwrap();
+    for kernel in ["attention_fwd_bf16_d64", "attention_bwd_dkv_bf16_d64"] {
+        assert!(
+            compiled.kernels.iter().any(|k| k.name == kernel),
+            "{kernel} is not in {:?}",
+            compiled.kernels.iter().map(|k| &k.name).collect::<Vec<_>>()
+        );
+    }
 }
 
 #[test]

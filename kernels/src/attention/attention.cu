@@ -507,7 +507,9 @@ extern "C" __global__ void __launch_bounds__(ATTN_MAX_THREADS)
 //
 // attention_pack_bf16 first writes qkv (RoPE applied to q and k) and, for the backward, dy as
 // bf16 heads of contiguous rows, (B, heads, T, d): the kernels then copy a tile into shared
-// memory 16 bytes at a time, with no RoPE to compute, however many blocks read it.
+// memory 16 bytes at a time by cp.async, with no RoPE to compute, however many blocks read
+// it; for heads up to 64 wide the next tile's copies are in flight while a tile is used (two
+// stages, `next_tile`).
 //
 // A warp owns 16 rows of a product: in the forward and dq, 16 query rows (key tiles of KT);
 // in dkv, 16 keys (query tiles of QR). Scores stay in the mma's accumulator registers, where
@@ -521,6 +523,13 @@ extern "C" __global__ void __launch_bounds__(ATTN_MAX_THREADS)
 // Limits: head_dim 16, 32, 64 or 128, each its own kernels (`attention_fwd_bf16_d64`, …; the
 // launcher sends other widths to the f32 kernels); blockDim.x 32, 64, 96 or 128.
 
+// ATTN_ASYNC=0 (NEMO_DAG_CUDA_DEFINES) builds the tiles' copies as plain 16-byte loads and
+// stores through registers, one stage: the kernels as they were before cp.async, to time the
+// two against each other on a GPU (the SIMT shim always runs the cp.async model).
+#ifndef ATTN_ASYNC
+#define ATTN_ASYNC 1
+#endif
+
 constexpr int TC_MAX_WARPS = 4;
 constexpr int TC_ROWS = 16 * TC_MAX_WARPS;  // a block's rows (forward, dq) or keys (dkv)
 
@@ -531,6 +540,9 @@ struct TcTiles {
     static constexpr int KT = D > 64 ? 32 : 64;
     static constexpr int QR = D > 64 ? 16 : 32;
     static constexpr int ST = D + 8;  // a tile row in shared memory, in bf16s (padded)
+    // Stages of the tiles a loop walks: two fit the 48 KB of static shared memory for heads up
+    // to 64 wide, so the next tile's copies are in flight while one is used.
+    static constexpr int STAGES = D > 64 || !ATTN_ASYNC ? 1 : 2;
 };
 
 // D += A·B over one warp: A 16 × 16 and B 16 × 8 in bf16, D 16 × 8 in f32.
@@ -547,14 +559,38 @@ static __device__ __forceinline__ void mma_bf16(float d[4], const unsigned a[4],
 #endif
 }
 
-// 16 bytes from `from` to `to`, both 16-byte aligned.
-static __device__ __forceinline__ void copy16(unsigned short* to, const unsigned short* from) {
-#ifdef __CUDA_ARCH__
+// cp.async: 16 bytes from global `from` to shared `to` (both 16-byte aligned), in flight until
+// a cp_async_wait of this thread lets them land. cp_async_commit closes the thread's group of
+// copies issued since its last; cp_async_wait<N> returns when at most the N newest groups are
+// still in flight.
+static __device__ __forceinline__ void copy16_async(unsigned short* to,
+                                                    const unsigned short* from) {
+#if defined(__CUDA_ARCH__) && !ATTN_ASYNC
     *reinterpret_cast<uint4*>(to) = *reinterpret_cast<const uint4*>(from);
+#elif defined(__CUDA_ARCH__)
+    const unsigned at = unsigned(__cvta_generic_to_shared(to));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(at), "l"(from));
 #else
-    simt::require_aligned(to, 16, "copy16");
-    simt::require_aligned(from, 16, "copy16");
-    std::memcpy(to, from, 16);
+    simt::cp_async16(to, from);
+#endif
+}
+
+static __device__ __forceinline__ void cp_async_commit() {
+#if defined(__CUDA_ARCH__) && !ATTN_ASYNC
+#elif defined(__CUDA_ARCH__)
+    asm volatile("cp.async.commit_group;\n" ::);
+#else
+    simt::cp_async_commit();
+#endif
+}
+
+template <int N>
+static __device__ __forceinline__ void cp_async_wait() {
+#if defined(__CUDA_ARCH__) && !ATTN_ASYNC
+#elif defined(__CUDA_ARCH__)
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+#else
+    simt::cp_async_wait(N);
 #endif
 }
 
@@ -677,7 +713,8 @@ extern "C" __global__ void attention_pack_bf16(const float* x, const float* cos,
 }
 
 // Rows [r0, r0 + count) of head `head` of a packed (B, heads, T, D) tensor into `tile` (rows
-// TcTiles<D>::ST apart), 16 bytes at a time; rows past the end are zeros.
+// TcTiles<D>::ST apart), 16 bytes at a time by cp.async (the caller commits and waits); rows
+// past the end are zeros, stored at once.
 template <int D>
 static __device__ void load_packed(unsigned short* tile, const unsigned short* packed, int b,
                                    int heads, int head, int r0, int count, int len) {
@@ -688,7 +725,7 @@ static __device__ void load_packed(unsigned short* tile, const unsigned short* p
         const int c = e % CHUNKS * 8;
         unsigned short* to = tile + i * TcTiles<D>::ST + c;
         if (r0 + i < len) {
-            copy16(to, from + size_t(r0 + i) * D + c);
+            copy16_async(to, from + size_t(r0 + i) * D + c);
         } else {
             zero16(to);
         }
@@ -702,6 +739,25 @@ static __device__ void load_segments(int* ids, const int* seg, int r0, int count
         const int r = r0 + i;
         ids[i] = r >= len || seg == nullptr ? 0 : seg[r];
     }
+}
+
+// The top of tile i's turn in a loop over `count` tiles through STAGES stages of shared
+// memory, where fetch(j) issues and commits tile j's copies into stage j % STAGES (tile 0's
+// before the loop). With two stages, tile i + 1's copies start here and land while tile i is
+// used; with one, tile i's own. Returns with tile i landed for every thread.
+template <int STAGES, class Fetch>
+static __device__ __forceinline__ void next_tile(int i, int count, const Fetch& fetch) {
+    __syncthreads();  // every warp is done with tile i - 1, whose stage is fetched into now
+    if (STAGES > 1 && i + 1 < count) {
+        fetch(i + 1);
+        cp_async_wait<1>();
+    } else {
+        if (STAGES == 1 && i > 0) {
+            fetch(i);
+        }
+        cp_async_wait<0>();
+    }
+    __syncthreads();  // tile i has landed, for every thread
 }
 
 // Whether query r (segment sr) sees key c (segment sc), as `visible` above says.
@@ -779,11 +835,12 @@ static __device__ void attention_fwd_tc(const AttnDims n, const unsigned short* 
     constexpr int KD = D / 16;  // k-steps over the head
     constexpr int ND = D / 8;   // n-tiles over the head
     constexpr int NK = KT / 8;  // n-tiles over a key tile
+    constexpr int STAGES = TcTiles<D>::STAGES;
     __shared__ __align__(16) unsigned short q_s[TC_ROWS * ST];
-    __shared__ __align__(16) unsigned short k_s[KT * ST];
-    __shared__ __align__(16) unsigned short v_s[KT * ST];
+    __shared__ __align__(16) unsigned short k_stages[STAGES * KT * ST];
+    __shared__ __align__(16) unsigned short v_stages[STAGES * KT * ST];
     __shared__ int rseg_s[TC_ROWS];
-    __shared__ int kseg_s[KT];
+    __shared__ int kseg_stages[STAGES * KT];
     const int all = n.heads + 2 * n.kv_heads;
     const int warp = threadIdx.x / 32;
     const int t = threadIdx.x % 4;
@@ -802,6 +859,20 @@ static __device__ void attention_fwd_tc(const AttnDims n, const unsigned short* 
         const int* seg = segments == nullptr ? nullptr : segments + size_t(b) * n.len;
         load_packed<D>(q_s, qkv, b, all, head, r0, rows, n.len);
         load_segments(rseg_s, seg, r0, rows, n.len);
+        cp_async_commit();
+        const int key_end = causal ? min(n.len, r0 + rows) : n.len;
+        const int key_tiles = (key_end + KT - 1) / KT;
+        // Key tile i's k, v and segment ids into stage i % STAGES.
+        const auto fetch = [&](int i) {
+            const int at = i % STAGES;
+            load_packed<D>(k_stages + at * KT * ST, qkv, b, all, n.heads + kv, i * KT, KT, n.len);
+            load_packed<D>(v_stages + at * KT * ST, qkv, b, all, n.heads + n.kv_heads + kv,
+                           i * KT, KT, n.len);
+            load_segments(kseg_stages + at * KT, seg, i * KT, KT, n.len);
+            cp_async_commit();
+        };
+        fetch(0);
+        cp_async_wait<1>();  // q has landed; the first key tile may still be in flight
         __syncthreads();
         unsigned qa[KD][4];
         #pragma unroll
@@ -812,13 +883,12 @@ static __device__ void attention_fwd_tc(const AttnDims n, const unsigned short* 
         float o[ND][4] = {};
         float m[2] = {-CUDART_INF_F, -CUDART_INF_F};
         float l[2] = {0.0f, 0.0f};
-        const int key_end = causal ? min(n.len, r0 + rows) : n.len;
-        for (int c0 = 0; c0 < key_end; c0 += KT) {
-            __syncthreads();  // every warp is done with the last tile
-            load_packed<D>(k_s, qkv, b, all, n.heads + kv, c0, KT, n.len);
-            load_packed<D>(v_s, qkv, b, all, n.heads + n.kv_heads + kv, c0, KT, n.len);
-            load_segments(kseg_s, seg, c0, KT, n.len);
-            __syncthreads();
+        for (int i = 0; i < key_tiles; ++i) {
+            next_tile<STAGES>(i, key_tiles, fetch);
+            const int c0 = i * KT;
+            const unsigned short* k_s = k_stages + i % STAGES * KT * ST;
+            const unsigned short* v_s = v_stages + i % STAGES * KT * ST;
+            const int* kseg_s = kseg_stages + i % STAGES * KT;
             if (causal && c0 > w0 + 15) {
                 continue;  // none of the warp's rows sees this tile
             }
@@ -939,11 +1009,12 @@ static __device__ void attention_dq_tc(const AttnDims n, const unsigned short* q
     constexpr int KD = D / 16;
     constexpr int ND = D / 8;
     constexpr int NK = KT / 8;
+    constexpr int STAGES = TcTiles<D>::STAGES;
     __shared__ __align__(16) unsigned short stage[TC_ROWS * ST];
-    __shared__ __align__(16) unsigned short k_s[KT * ST];
-    __shared__ __align__(16) unsigned short v_s[KT * ST];
+    __shared__ __align__(16) unsigned short k_stages[STAGES * KT * ST];
+    __shared__ __align__(16) unsigned short v_stages[STAGES * KT * ST];
     __shared__ int rseg_s[TC_ROWS];
-    __shared__ int kseg_s[KT];
+    __shared__ int kseg_stages[STAGES * KT];
     const int all = n.heads + 2 * n.kv_heads;
     const int warp = threadIdx.x / 32;
     const int rows = 16 * (blockDim.x / 32);
@@ -965,6 +1036,8 @@ static __device__ void attention_dq_tc(const AttnDims n, const unsigned short* q
         unsigned da[KD][4];
         load_packed<D>(stage, qkv, b, all, head, r0, rows, n.len);
         load_segments(rseg_s, seg, r0, rows, n.len);
+        cp_async_commit();
+        cp_async_wait<0>();
         __syncthreads();
         #pragma unroll
         for (int kk = 0; kk < KD; ++kk) {
@@ -972,6 +1045,20 @@ static __device__ void attention_dq_tc(const AttnDims n, const unsigned short* q
         }
         __syncthreads();
         load_packed<D>(stage, dy, b, n.heads, head, r0, rows, n.len);
+        cp_async_commit();
+        const int key_end = causal ? min(n.len, r0 + rows) : n.len;
+        const int key_tiles = (key_end + KT - 1) / KT;
+        // Key tile i's k, v and segment ids into stage i % STAGES.
+        const auto fetch = [&](int i) {
+            const int at = i % STAGES;
+            load_packed<D>(k_stages + at * KT * ST, qkv, b, all, n.heads + kv, i * KT, KT, n.len);
+            load_packed<D>(v_stages + at * KT * ST, qkv, b, all, n.heads + n.kv_heads + kv,
+                           i * KT, KT, n.len);
+            load_segments(kseg_stages + at * KT, seg, i * KT, KT, n.len);
+            cp_async_commit();
+        };
+        fetch(0);
+        cp_async_wait<1>();  // dy has landed; the first key tile may still be in flight
         __syncthreads();
         #pragma unroll
         for (int kk = 0; kk < KD; ++kk) {
@@ -988,13 +1075,12 @@ static __device__ void attention_dq_tc(const AttnDims n, const unsigned short* q
             row_delta[h] = r < n.len ? delta[at] : 0.0f;
         }
         float dq[ND][4] = {};
-        const int key_end = causal ? min(n.len, r0 + rows) : n.len;
-        for (int c0 = 0; c0 < key_end; c0 += KT) {
-            __syncthreads();  // every warp is done with the last tile (and the staging tile)
-            load_packed<D>(k_s, qkv, b, all, n.heads + kv, c0, KT, n.len);
-            load_packed<D>(v_s, qkv, b, all, n.heads + n.kv_heads + kv, c0, KT, n.len);
-            load_segments(kseg_s, seg, c0, KT, n.len);
-            __syncthreads();
+        for (int i = 0; i < key_tiles; ++i) {
+            next_tile<STAGES>(i, key_tiles, fetch);
+            const int c0 = i * KT;
+            const unsigned short* k_s = k_stages + i % STAGES * KT * ST;
+            const unsigned short* v_s = v_stages + i % STAGES * KT * ST;
+            const int* kseg_s = kseg_stages + i % STAGES * KT;
             if (causal && c0 > w0 + 15) {
                 continue;
             }
@@ -1079,14 +1165,15 @@ static __device__ void attention_dkv_tc(const AttnDims n, const unsigned short* 
     // v's fragments stay in registers, except for the widest heads, which would spill: there
     // they are read from v's own tile at each use.
     constexpr bool V_SHARED = D > 64;
+    constexpr int STAGES = TcTiles<D>::STAGES;
     __shared__ __align__(16) unsigned short stage[TC_ROWS * ST];
     __shared__ __align__(16) unsigned short v_s[V_SHARED ? TC_ROWS * ST : 8];
-    __shared__ __align__(16) unsigned short q_s[QR * ST];
-    __shared__ __align__(16) unsigned short dy_s[QR * ST];
-    __shared__ float lse_s[QR];
-    __shared__ float delta_s[QR];
+    __shared__ __align__(16) unsigned short q_stages[STAGES * QR * ST];
+    __shared__ __align__(16) unsigned short dy_stages[STAGES * QR * ST];
+    __shared__ float lse_stages[STAGES * QR];
+    __shared__ float delta_stages[STAGES * QR];
     __shared__ int kseg_s[TC_ROWS];
-    __shared__ int qseg_s[QR];
+    __shared__ int qseg_stages[STAGES * QR];
     const int all = n.heads + 2 * n.kv_heads;
     const int warp = threadIdx.x / 32;
     const int keys = 16 * (blockDim.x / 32);
@@ -1106,6 +1193,8 @@ static __device__ void attention_dkv_tc(const AttnDims n, const unsigned short* 
         unsigned va[V_SHARED ? 1 : KD][4];
         load_packed<D>(stage, qkv, b, all, n.heads + kv, c0, keys, n.len);
         load_segments(kseg_s, seg, c0, keys, n.len);
+        cp_async_commit();
+        cp_async_wait<0>();
         __syncthreads();
         #pragma unroll
         for (int kk = 0; kk < KD; ++kk) {
@@ -1114,6 +1203,30 @@ static __device__ void attention_dkv_tc(const AttnDims n, const unsigned short* 
         __syncthreads();
         unsigned short* v_tile = V_SHARED ? v_s : stage;
         load_packed<D>(v_tile, qkv, b, all, n.heads + n.kv_heads + kv, c0, keys, n.len);
+        cp_async_commit();
+        // The query tiles of the group's heads in order, each head's from the first that can
+        // see the tile's keys (causal: no query row before its first key does).
+        const int first_row = causal ? c0 / QR * QR : 0;
+        const int per_head = (n.len - first_row + QR - 1) / QR;
+        const int query_tiles = n.group() * per_head;
+        // Query tile i's q, dy, segment ids, lse and delta into stage i % STAGES.
+        const auto fetch = [&](int i) {
+            const int at = i % STAGES;
+            const int head = kv * n.group() + i / per_head;
+            const int r0 = first_row + i % per_head * QR;
+            load_packed<D>(q_stages + at * QR * ST, qkv, b, all, head, r0, QR, n.len);
+            load_packed<D>(dy_stages + at * QR * ST, dy, b, n.heads, head, r0, QR, n.len);
+            load_segments(qseg_stages + at * QR, seg, r0, QR, n.len);
+            for (int j = threadIdx.x; j < QR; j += blockDim.x) {
+                const int r = r0 + j;
+                const size_t row = (size_t(b) * n.heads + head) * n.len + r;
+                lse_stages[at * QR + j] = r < n.len ? lse[row] * LOG2E : 0.0f;  // in base 2
+                delta_stages[at * QR + j] = r < n.len ? delta[row] : 0.0f;
+            }
+            cp_async_commit();
+        };
+        fetch(0);
+        cp_async_wait<1>();  // v has landed; the first query tile may still be in flight
         __syncthreads();
         if constexpr (!V_SHARED) {
             #pragma unroll
@@ -1124,94 +1237,86 @@ static __device__ void attention_dkv_tc(const AttnDims n, const unsigned short* 
         const int kseg[2] = {kseg_s[16 * warp + acc_row(0)], kseg_s[16 * warp + acc_row(2)]};
         float dk[ND][4] = {};
         float dv[ND][4] = {};
-        // Causal: no query row before the tile's first key sees it.
-        const int first_row = causal ? c0 / QR * QR : 0;
-        for (int g = 0; g < n.group(); ++g) {
-            const int head = kv * n.group() + g;
-            for (int r0 = first_row; r0 < n.len; r0 += QR) {
-                __syncthreads();  // every warp is done with the last query tile
-                load_packed<D>(q_s, qkv, b, all, head, r0, QR, n.len);
-                load_packed<D>(dy_s, dy, b, n.heads, head, r0, QR, n.len);
-                load_segments(qseg_s, seg, r0, QR, n.len);
-                for (int i = threadIdx.x; i < QR; i += blockDim.x) {
-                    const int r = r0 + i;
-                    const size_t at = (size_t(b) * n.heads + head) * n.len + r;
-                    lse_s[i] = r < n.len ? lse[at] * LOG2E : 0.0f;  // in base 2
-                    delta_s[i] = r < n.len ? delta[at] : 0.0f;
-                }
-                __syncthreads();
-                if (causal && r0 + QR - 1 < w0) {
-                    continue;  // every query row of the tile comes before the warp's keys
-                }
-                // One product after the other, each fragment live only for its own.
-                float s[NQ][4] = {};
-                float dp[NQ][4] = {};
+        for (int t = 0; t < query_tiles; ++t) {
+            next_tile<STAGES>(t, query_tiles, fetch);
+            const int r0 = first_row + t % per_head * QR;
+            const int at = t % STAGES;
+            const unsigned short* q_s = q_stages + at * QR * ST;
+            const unsigned short* dy_s = dy_stages + at * QR * ST;
+            const float* lse_s = lse_stages + at * QR;
+            const float* delta_s = delta_stages + at * QR;
+            const int* qseg_s = qseg_stages + at * QR;
+            if (causal && r0 + QR - 1 < w0) {
+                continue;  // every query row of the tile comes before the warp's keys
+            }
+            // One product after the other, each fragment live only for its own.
+            float s[NQ][4] = {};
+            float dp[NQ][4] = {};
+            #pragma unroll
+            for (int kk = 0; kk < KD; ++kk) {
                 #pragma unroll
-                for (int kk = 0; kk < KD; ++kk) {
-                    #pragma unroll
-                    for (int j = 0; j < NQ; j += 2) {
-                        unsigned qb[4];
-                        load_b2_cols(qb, q_s + 8 * j * ST + 16 * kk, ST);
-                        mma_bf16(s[j], ka[kk], qb);
-                        mma_bf16(s[j + 1], ka[kk], qb + 2);
-                    }
+                for (int j = 0; j < NQ; j += 2) {
+                    unsigned qb[4];
+                    load_b2_cols(qb, q_s + 8 * j * ST + 16 * kk, ST);
+                    mma_bf16(s[j], ka[kk], qb);
+                    mma_bf16(s[j + 1], ka[kk], qb + 2);
                 }
-                #pragma unroll
-                for (int kk = 0; kk < KD; ++kk) {
-                    unsigned* v = va[V_SHARED ? 0 : kk];
-                    if constexpr (V_SHARED) {
-                        load_a(v, v_s + 16 * warp * ST + 16 * kk, ST);
-                    }
-                    #pragma unroll
-                    for (int j = 0; j < NQ; j += 2) {
-                        unsigned db[4];
-                        load_b2_cols(db, dy_s + 8 * j * ST + 16 * kk, ST);
-                        mma_bf16(dp[j], v, db);
-                        mma_bf16(dp[j + 1], v, db + 2);
-                    }
-                }
-                // pᵀ and dsᵀ, masked unless every query row of the tile sees the warp's keys.
-                const bool open = all_visible(causal, n.len, r0, QR, qseg_s, w0, 16,
-                                              kseg_s + 16 * warp);
-                #pragma unroll
-                for (int j = 0; j < NQ; ++j) {
-                    #pragma unroll
-                    for (int e = 0; e < 4; ++e) {
-                        const int i = acc_col(j, e);  // the query row within the tile
-                        float p = 0.0f;
-                        float ds = 0.0f;
-                        if (open ||
-                            sees(causal, n.len, r0 + i, qseg_s[i], w0 + acc_row(e), kseg[e / 2])) {
-                            p = exp2_fast(s[j][e] * scale2 - lse_s[i]);
-                            ds = scale * p * (dp[j][e] - delta_s[i]);
-                        }
-                        s[j][e] = p;
-                        dp[j][e] = ds;
-                    }
+            }
+            #pragma unroll
+            for (int kk = 0; kk < KD; ++kk) {
+                unsigned* v = va[V_SHARED ? 0 : kk];
+                if constexpr (V_SHARED) {
+                    load_a(v, v_s + 16 * warp * ST + 16 * kk, ST);
                 }
                 #pragma unroll
-                for (int kk = 0; kk < QR / 16; ++kk) {
-                    unsigned pa[4];
-                    acc_to_a(pa, s, 2 * kk);
-                    #pragma unroll
-                    for (int j = 0; j < ND; j += 2) {
-                        unsigned db[4];
-                        load_b2_rows(db, dy_s + 16 * kk * ST + 8 * j, ST);
-                        mma_bf16(dv[j], pa, db);
-                        mma_bf16(dv[j + 1], pa, db + 2);
-                    }
+                for (int j = 0; j < NQ; j += 2) {
+                    unsigned db[4];
+                    load_b2_cols(db, dy_s + 8 * j * ST + 16 * kk, ST);
+                    mma_bf16(dp[j], v, db);
+                    mma_bf16(dp[j + 1], v, db + 2);
                 }
+            }
+            // pᵀ and dsᵀ, masked unless every query row of the tile sees the warp's keys.
+            const bool open = all_visible(causal, n.len, r0, QR, qseg_s, w0, 16,
+                                          kseg_s + 16 * warp);
+            #pragma unroll
+            for (int j = 0; j < NQ; ++j) {
                 #pragma unroll
-                for (int kk = 0; kk < QR / 16; ++kk) {
-                    unsigned dsa[4];
-                    acc_to_a(dsa, dp, 2 * kk);
-                    #pragma unroll
-                    for (int j = 0; j < ND; j += 2) {
-                        unsigned qb[4];
-                        load_b2_rows(qb, q_s + 16 * kk * ST + 8 * j, ST);
-                        mma_bf16(dk[j], dsa, qb);
-                        mma_bf16(dk[j + 1], dsa, qb + 2);
+                for (int e = 0; e < 4; ++e) {
+                    const int i = acc_col(j, e);  // the query row within the tile
+                    float p = 0.0f;
+                    float ds = 0.0f;
+                    if (open ||
+                        sees(causal, n.len, r0 + i, qseg_s[i], w0 + acc_row(e), kseg[e / 2])) {
+                        p = exp2_fast(s[j][e] * scale2 - lse_s[i]);
+                        ds = scale * p * (dp[j][e] - delta_s[i]);
                     }
+                    s[j][e] = p;
+                    dp[j][e] = ds;
+                }
+            }
+            #pragma unroll
+            for (int kk = 0; kk < QR / 16; ++kk) {
+                unsigned pa[4];
+                acc_to_a(pa, s, 2 * kk);
+                #pragma unroll
+                for (int j = 0; j < ND; j += 2) {
+                    unsigned db[4];
+                    load_b2_rows(db, dy_s + 16 * kk * ST + 8 * j, ST);
+                    mma_bf16(dv[j], pa, db);
+                    mma_bf16(dv[j + 1], pa, db + 2);
+                }
+            }
+            #pragma unroll
+            for (int kk = 0; kk < QR / 16; ++kk) {
+                unsigned dsa[4];
+                acc_to_a(dsa, dp, 2 * kk);
+                #pragma unroll
+                for (int j = 0; j < ND; j += 2) {
+                    unsigned qb[4];
+                    load_b2_rows(qb, q_s + 16 * kk * ST + 8 * j, ST);
+                    mma_bf16(dk[j], dsa, qb);
+                    mma_bf16(dk[j + 1], dsa, qb + 2);
                 }
             }
         }

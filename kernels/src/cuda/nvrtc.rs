@@ -23,11 +23,19 @@ use super::sources::KernelSource;
 /// `include/` holds `cuda_bf16.h`.
 pub const CUDA_HOME_VAR: &str = "NEMO_DAG_CUDA_HOME";
 
+/// The environment variable of macros every kernel is compiled with, to time a kernel's
+/// variants against each other on a GPU (`ATTN_ASYNC=0`): `NAME` or `NAME=VALUE` words, each
+/// of ASCII letters, digits and `_`, apart by spaces. Being compile options, they are part of
+/// a compile's cache key. The SIMT shim's kernels are built without them.
+pub const DEFINES_VAR: &str = "NEMO_DAG_CUDA_DEFINES";
+
 /// NVRTC, opened and with the CUDA headers found: ready to compile.
 #[derive(Debug, Clone)]
 pub struct Nvrtc {
     version: (i32, i32),
     include_dir: PathBuf,
+    /// `-D` options from [`DEFINES_VAR`].
+    defines: Vec<String>,
 }
 
 /// What one compile produced.
@@ -72,6 +80,8 @@ pub enum CompileError {
     },
     /// An NVRTC call failed for another reason.
     Nvrtc { call: &'static str, error: String },
+    /// A word of [`DEFINES_VAR`] that is not `NAME` or `NAME=VALUE`.
+    BadDefine { word: String },
 }
 
 impl fmt::Display for CompileError {
@@ -96,6 +106,10 @@ impl fmt::Display for CompileError {
                 write!(f, "NVRTC could not compile {name} for {arch}:\n{log}")
             }
             CompileError::Nvrtc { call, error } => write!(f, "NVRTC failed {call}: {error}"),
+            CompileError::BadDefine { word } => write!(
+                f,
+                "{DEFINES_VAR}: `{word}` is not NAME or NAME=VALUE (ASCII letters, digits and _)"
+            ),
         }
     }
 }
@@ -112,10 +126,19 @@ impl Nvrtc {
         }
         let version = nvrtc_version()?;
         let include_dir = find_include_dir()?;
+        let defines = parse_defines(&std::env::var(DEFINES_VAR).unwrap_or_default())?;
         Ok(Nvrtc {
             version,
             include_dir,
+            defines,
         })
+    }
+
+    /// The same NVRTC compiling with the macros `words` defines, as [`DEFINES_VAR`] reads,
+    /// in place of the environment's.
+    pub fn with_defines(mut self, words: &str) -> Result<Nvrtc, CompileError> {
+        self.defines = parse_defines(words)?;
+        Ok(self)
     }
 
     /// NVRTC's `(major, minor)` version.
@@ -130,12 +153,14 @@ impl Nvrtc {
 
     /// The options every kernel is compiled with for `arch` (`sm_90` or `compute_90`).
     pub fn options(&self, arch: &str) -> Vec<String> {
-        vec![
+        let mut options = vec![
             format!("--gpu-architecture={arch}"),
             "-std=c++17".to_string(),
             "-Xptxas=-v".to_string(),
             format!("-I{}", self.include_dir.display()),
-        ]
+        ];
+        options.extend(self.defines.iter().map(|d| format!("-D{d}")));
+        options
     }
 
     /// Compiles `source` for `arch`: `sm_XX` gives a CUBIN and the assembler's report,
@@ -259,6 +284,24 @@ unsafe fn cubin(program: nvrtcProgram) -> Result<Vec<u8>, CompileError> {
     Ok(image)
 }
 
+/// [`DEFINES_VAR`]'s words, each `NAME` or `NAME=VALUE` of ASCII letters, digits and `_`.
+fn parse_defines(text: &str) -> Result<Vec<String>, CompileError> {
+    let word = |w: &str| !w.is_empty() && w.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
+    text.split_whitespace()
+        .map(|d| {
+            let (name, value) = d.split_once('=').unwrap_or((d, "x"));
+            let starts_well = name.chars().next().is_some_and(|c| !c.is_ascii_digit());
+            if word(name) && starts_well && word(value) {
+                Ok(d.to_string())
+            } else {
+                Err(CompileError::BadDefine {
+                    word: d.to_string(),
+                })
+            }
+        })
+        .collect()
+}
+
 fn nvrtc_version() -> Result<(i32, i32), CompileError> {
     let (mut major, mut minor): (c_int, c_int) = (0, 0);
     // SAFETY: two out-pointers to live integers; the library was checked to open.
@@ -298,4 +341,23 @@ fn c_chars_to_string(chars: &[c_char]) -> String {
         .take_while(|&b| b != 0)
         .collect();
     String::from_utf8_lossy(&bytes).into_owned()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn defines_are_names_or_names_with_values_and_anything_else_is_named() {
+        let ok = parse_defines("  ATTN_ASYNC=0 FAST\tX_2=abc ").unwrap();
+        assert_eq!(ok, ["ATTN_ASYNC=0", "FAST", "X_2=abc"]);
+        assert!(parse_defines("").unwrap().is_empty());
+        for bad in ["A=", "=1", "1A", "A-B", "A=1;rm", "A=\"x\"", "-DA"] {
+            let e = parse_defines(&format!("OK {bad}")).unwrap_err().to_string();
+            assert!(
+                e.contains(DEFINES_VAR) && e.contains(&format!("`{bad}`")),
+                "{bad}: {e}"
+            );
+        }
+    }
 }
