@@ -130,14 +130,21 @@ def torch_rate(config, rows, length, steps, precision, compiled=False):
             net.update_moe_biases()
             opt.zero_grad(set_to_none=True)
 
-    for _ in range(3 if compiled else 2):
-        step()
+    return rows * length / seconds_per_call(step, 3 if compiled else 2, steps)
+
+
+def seconds_per_call(run, warmup, steps):
+    """Seconds a call of `run` takes on the GPU, over `steps` calls after `warmup` untimed ones."""
+    import torch
+
+    for _ in range(warmup):
+        run()
     torch.cuda.synchronize()
     clock = time.perf_counter()
     for _ in range(steps):
-        step()
+        run()
     torch.cuda.synchronize()
-    return rows * length * steps / (time.perf_counter() - clock)
+    return (time.perf_counter() - clock) / steps
 
 
 def sdpa_ms(rows, heads, length, dim, steps):
@@ -152,19 +159,13 @@ def sdpa_ms(rows, heads, length, dim, steps):
     )
     dy = torch.randn(rows, heads, length, dim, device="cuda", dtype=torch.bfloat16)
 
-    def timed(run):
-        for _ in range(3):
-            run()
-        torch.cuda.synchronize()
-        clock = time.perf_counter()
-        for _ in range(steps):
-            run()
-        torch.cuda.synchronize()
-        return 1e3 * (time.perf_counter() - clock) / steps
+    def forward():
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
 
-    forward = timed(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True))
-    both = timed(lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(dy))
-    return forward, both
+    return (
+        1e3 * seconds_per_call(forward, 3, steps),
+        1e3 * seconds_per_call(lambda: forward().backward(dy), 3, steps),
+    )
 
 
 def main():

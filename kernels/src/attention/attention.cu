@@ -760,6 +760,23 @@ static __device__ __forceinline__ void next_tile(int i, int count, const Fetch& 
     __syncthreads();  // tile i has landed, for every thread
 }
 
+// Key tile i of kv head `kv` in batch row b (its k, v and the keys' segment ids) into stage
+// i % STAGES of the forward's and dq's stages, its copies committed as one group.
+template <int D>
+static __device__ void fetch_keys(unsigned short* k_stages, unsigned short* v_stages,
+                                  int* kseg_stages, const AttnDims& n, const unsigned short* qkv,
+                                  int b, int kv, const int* seg, int i) {
+    constexpr int KT = TcTiles<D>::KT;
+    constexpr int ST = TcTiles<D>::ST;
+    const int at = i % TcTiles<D>::STAGES;
+    const int all = n.heads + 2 * n.kv_heads;
+    load_packed<D>(k_stages + at * KT * ST, qkv, b, all, n.heads + kv, i * KT, KT, n.len);
+    load_packed<D>(v_stages + at * KT * ST, qkv, b, all, n.heads + n.kv_heads + kv, i * KT, KT,
+                   n.len);
+    load_segments(kseg_stages + at * KT, seg, i * KT, KT, n.len);
+    cp_async_commit();
+}
+
 // Whether query r (segment sr) sees key c (segment sc), as `visible` above says.
 static __device__ __forceinline__ bool sees(int causal, int len, int r, int sr, int c, int sc) {
     return r < len && c < len && sr == sc && !(causal && c > r);
@@ -862,14 +879,8 @@ static __device__ void attention_fwd_tc(const AttnDims n, const unsigned short* 
         cp_async_commit();
         const int key_end = causal ? min(n.len, r0 + rows) : n.len;
         const int key_tiles = (key_end + KT - 1) / KT;
-        // Key tile i's k, v and segment ids into stage i % STAGES.
         const auto fetch = [&](int i) {
-            const int at = i % STAGES;
-            load_packed<D>(k_stages + at * KT * ST, qkv, b, all, n.heads + kv, i * KT, KT, n.len);
-            load_packed<D>(v_stages + at * KT * ST, qkv, b, all, n.heads + n.kv_heads + kv,
-                           i * KT, KT, n.len);
-            load_segments(kseg_stages + at * KT, seg, i * KT, KT, n.len);
-            cp_async_commit();
+            fetch_keys<D>(k_stages, v_stages, kseg_stages, n, qkv, b, kv, seg, i);
         };
         fetch(0);
         cp_async_wait<1>();  // q has landed; the first key tile may still be in flight
@@ -1048,14 +1059,8 @@ static __device__ void attention_dq_tc(const AttnDims n, const unsigned short* q
         cp_async_commit();
         const int key_end = causal ? min(n.len, r0 + rows) : n.len;
         const int key_tiles = (key_end + KT - 1) / KT;
-        // Key tile i's k, v and segment ids into stage i % STAGES.
         const auto fetch = [&](int i) {
-            const int at = i % STAGES;
-            load_packed<D>(k_stages + at * KT * ST, qkv, b, all, n.heads + kv, i * KT, KT, n.len);
-            load_packed<D>(v_stages + at * KT * ST, qkv, b, all, n.heads + n.kv_heads + kv,
-                           i * KT, KT, n.len);
-            load_segments(kseg_stages + at * KT, seg, i * KT, KT, n.len);
-            cp_async_commit();
+            fetch_keys<D>(k_stages, v_stages, kseg_stages, n, qkv, b, kv, seg, i);
         };
         fetch(0);
         cp_async_wait<1>();  // dy has landed; the first key tile may still be in flight
