@@ -80,10 +80,16 @@ extern "C" __global__ void cross_entropy_fwd_f32(const float* logits, const unsi
     }
 }
 
-// dlogits from the upstream gradient of each row's loss, dloss (N).
-extern "C" __global__ void cross_entropy_bwd_f32(const float* logits, const unsigned* labels,
-                                                 const float* lse, const float* dloss,
-                                                 float* dlogits, int rows, int vocab) {
+static __device__ __forceinline__ void ce_store(float* at, float v) { *at = v; }
+static __device__ __forceinline__ void ce_store(__nv_bfloat16* at, float v) {
+    *at = __float2bfloat16_rn(v);
+}
+
+// dlogits from the upstream gradient of each row's loss, dloss (N), as T.
+template <class T>
+static __device__ void cross_entropy_bwd(const float* logits, const unsigned* labels,
+                                         const float* lse, const float* dloss, T* dlogits,
+                                         int rows, int vocab) {
     for (int r = blockIdx.x; r < rows; r += gridDim.x) {
         const size_t row = size_t(r) * vocab;
         const unsigned label = labels[r];
@@ -91,7 +97,22 @@ extern "C" __global__ void cross_entropy_bwd_f32(const float* logits, const unsi
         const float l = lse[r];
         for (int j = threadIdx.x; j < vocab; j += blockDim.x) {
             const float p = g * expf(logits[row + j] - l);
-            dlogits[row + j] = unsigned(j) == label ? p - g : p;
+            ce_store(dlogits + row + j, unsigned(j) == label ? p - g : p);
         }
     }
+}
+
+extern "C" __global__ void cross_entropy_bwd_f32(const float* logits, const unsigned* labels,
+                                                 const float* lse, const float* dloss,
+                                                 float* dlogits, int rows, int vocab) {
+    cross_entropy_bwd(logits, labels, lse, dloss, dlogits, rows, vocab);
+}
+
+// The same dlogits rounded to bf16 (to nearest, ties to even): the bytes cast_bf16 would make
+// of cross_entropy_bwd_f32's, written at half the bytes for the head's bf16 products, which
+// read them uncast.
+extern "C" __global__ void cross_entropy_bwd_bf16(const float* logits, const unsigned* labels,
+                                                  const float* lse, const float* dloss,
+                                                  __nv_bfloat16* dlogits, int rows, int vocab) {
+    cross_entropy_bwd(logits, labels, lse, dloss, dlogits, rows, vocab);
 }

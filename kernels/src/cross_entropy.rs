@@ -129,7 +129,8 @@ mod tests {
     }
 
     /// cross_entropy.cu's per-row loss and dlogits through the SIMT shim, for `grid` blocks
-    /// of `block` threads.
+    /// of `block` threads: loss, dlogits, and dlogits from `cross_entropy_bwd_bf16` (its bf16
+    /// values as f32).
     fn cuda(
         (x, labels, dloss): (&[f32], &[u32], &[f32]),
         (grid, block): (u32, u32),
@@ -138,6 +139,7 @@ mod tests {
         use crate::simt::{arg, launch_1d};
         let (n, v) = (labels.len(), x.len() / labels.len());
         let (mut loss, mut lse, mut dx) = (vec![0f32; n], vec![0f32; n], vec![0f32; n * v]);
+        let mut dx16 = vec![0u16; n * v];
         let (rows, vocab) = (n as i32, v as i32);
         // SAFETY: x and dx hold N × V values; labels, dloss, loss and lse one a row.
         unsafe {
@@ -172,14 +174,35 @@ mod tests {
                 ],
             )
             .unwrap();
+            launch_1d(
+                "cross_entropy_bwd_bf16",
+                grid,
+                block,
+                schedule,
+                &[
+                    arg(&x.as_ptr()),
+                    arg(&labels.as_ptr()),
+                    arg(&lse.as_ptr()),
+                    arg(&dloss.as_ptr()),
+                    arg(&dx16.as_mut_ptr()),
+                    arg(&rows),
+                    arg(&vocab),
+                ],
+            )
+            .unwrap();
         }
-        vec![loss, dx]
+        let dx16 = dx16
+            .iter()
+            .map(|b| f32::from_bits(u32::from(*b) << 16))
+            .collect();
+        vec![loss, dx, dx16]
     }
 
     /// cross_entropy.cu, executed by the SIMT shim, against the plain ops within 1e-5, loss
     /// and dlogits: vocabularies smaller than the block (idle threads enter the online sum
     /// empty) and not multiples of it, rows beyond the grid, logits large enough that a
-    /// running maximum is replaced many times, in both schedules.
+    /// running maximum is replaced many times, in both schedules. dlogits in bf16 are the f32
+    /// ones rounded, bit for bit.
     #[test]
     fn the_cuda_kernels_match_the_plain_ops() {
         for (n, v) in [(1, 1), (5, 11), (9, 1000), (3, 3001)] {
@@ -198,6 +221,13 @@ mod tests {
                     let gap = largest_gap(got, want);
                     assert!(gap < 1e-5, "{at}: {what} is {gap} from the plain ops");
                 }
+                let rounded = got[1]
+                    .iter()
+                    .map(|d| crate::linear::round_bf16(*d).to_bits());
+                assert!(
+                    rounded.eq(got[2].iter().map(|d| d.to_bits())),
+                    "{at}: bf16 dlogits are not the f32 ones rounded"
+                );
             }
         }
     }

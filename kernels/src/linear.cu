@@ -27,8 +27,10 @@
 // CUDA_R_16BF inputs), which is how Megatron-LM trains in bf16. It is what the trainer's bf16
 // matmuls compute on the shim and wherever cuBLASLt is missing, and what cuBLASLt's results
 // are held to (they differ in the order of the f32 sums, and in how alpha·sum + beta·c is
-// rounded). cast_bf16 writes the bf16
-// operands cuBLASLt reads.
+// rounded). cast_bf16 writes the bf16 operands cuBLASLt reads. gemm_bf16_f32_a16, _b16 and
+// _ab16 are it with A, B or both already stored as bf16 (what cast_bf16 would have written,
+// so the same bytes come out): a kernel that writes its output in bf16 saves the product
+// the cast.
 //
 // Launch: block 256, grid (ceil(n/128), ceil(m/128), batches).
 
@@ -38,30 +40,34 @@
 #define GEMM_BN 128
 #define GEMM_BK 8
 
-// An operand as the GEMM multiplies it: itself, or rounded to bf16.
+// An operand as the GEMM multiplies it: itself, or rounded to bf16 (a bf16 one already is).
 template <bool BF16>
 static __device__ __forceinline__ float gemm_operand(float v) {
     return BF16 ? __bfloat162float(__float2bfloat16_rn(v)) : v;
 }
+template <bool BF16>
+static __device__ __forceinline__ float gemm_operand(__nv_bfloat16 v) {
+    return __bfloat162float(v);
+}
 
 // op(A)[row][kk], or 0 outside m×k.
-template <bool BF16>
-static __device__ __forceinline__ float gemm_a_at(const float* a, int m, int k, int trans_a,
+template <bool BF16, class TA>
+static __device__ __forceinline__ float gemm_a_at(const TA* a, int m, int k, int trans_a,
                                                   int row, int kk) {
     if (row >= m || kk >= k) return 0.0f;
     return gemm_operand<BF16>(trans_a ? a[size_t(kk) * m + row] : a[size_t(row) * k + kk]);
 }
 
 // op(B)[kk][col], or 0 outside k×n.
-template <bool BF16>
-static __device__ __forceinline__ float gemm_b_at(const float* b, int n, int k, int trans_b,
+template <bool BF16, class TB>
+static __device__ __forceinline__ float gemm_b_at(const TB* b, int n, int k, int trans_b,
                                                   int kk, int col) {
     if (kk >= k || col >= n) return 0.0f;
     return gemm_operand<BF16>(trans_b ? b[size_t(col) * k + kk] : b[size_t(kk) * n + col]);
 }
 
-template <bool BF16>
-static __device__ __forceinline__ void gemm_tiles(const float* a, const float* b, float* c,
+template <bool BF16, class TA, class TB>
+static __device__ __forceinline__ void gemm_tiles(const TA* a, const TB* b, float* c,
                                                   int m, int n, int k, int trans_a, int trans_b,
                                                   float alpha, float beta, long long stride_a,
                                                   long long stride_b, long long stride_c) {
@@ -83,8 +89,10 @@ static __device__ __forceinline__ void gemm_tiles(const float* a, const float* b
 
     float a_next[4], b_next[4];
     for (int j = 0; j < 4; ++j) {
-        a_next[j] = gemm_a_at<BF16>(a, m, k, trans_a, row0 + a_row + j * a_dr, a_k + j * a_dk);
-        b_next[j] = gemm_b_at<BF16>(b, n, k, trans_b, b_k + j * b_dk, col0 + b_col + j * b_dc);
+        a_next[j] =
+            gemm_a_at<BF16, TA>(a, m, k, trans_a, row0 + a_row + j * a_dr, a_k + j * a_dk);
+        b_next[j] =
+            gemm_b_at<BF16, TB>(b, n, k, trans_b, b_k + j * b_dk, col0 + b_col + j * b_dc);
     }
 
     const int tx = tid % 16, ty = tid / 16;
@@ -101,10 +109,10 @@ static __device__ __forceinline__ void gemm_tiles(const float* a, const float* b
         if (t + GEMM_BK < k) {  // the next slice's loads are in flight during the FMAs
             const int next = t + GEMM_BK;
             for (int j = 0; j < 4; ++j) {
-                a_next[j] = gemm_a_at<BF16>(a, m, k, trans_a, row0 + a_row + j * a_dr,
-                                      next + a_k + j * a_dk);
-                b_next[j] = gemm_b_at<BF16>(b, n, k, trans_b, next + b_k + j * b_dk,
-                                      col0 + b_col + j * b_dc);
+                a_next[j] = gemm_a_at<BF16, TA>(a, m, k, trans_a, row0 + a_row + j * a_dr,
+                                                next + a_k + j * a_dk);
+                b_next[j] = gemm_b_at<BF16, TB>(b, n, k, trans_b, next + b_k + j * b_dk,
+                                                col0 + b_col + j * b_dc);
             }
         }
         for (int kk = 0; kk < GEMM_BK; ++kk) {
@@ -140,7 +148,7 @@ extern "C" __global__ void __launch_bounds__(256)
     gemm_f32(const float* a, const float* b, float* c, int m, int n, int k, int trans_a,
              int trans_b, float alpha, float beta, long long stride_a, long long stride_b,
              long long stride_c) {
-    gemm_tiles<false>(a, b, c, m, n, k, trans_a, trans_b, alpha, beta, stride_a, stride_b,
+    gemm_tiles<false, float, float>(a, b, c, m, n, k, trans_a, trans_b, alpha, beta, stride_a, stride_b,
                       stride_c);
 }
 
@@ -148,8 +156,32 @@ extern "C" __global__ void __launch_bounds__(256)
     gemm_bf16_f32(const float* a, const float* b, float* c, int m, int n, int k, int trans_a,
                   int trans_b, float alpha, float beta, long long stride_a, long long stride_b,
                   long long stride_c) {
-    gemm_tiles<true>(a, b, c, m, n, k, trans_a, trans_b, alpha, beta, stride_a, stride_b,
-                     stride_c);
+    gemm_tiles<true, float, float>(a, b, c, m, n, k, trans_a, trans_b, alpha, beta, stride_a,
+                                   stride_b, stride_c);
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+    gemm_bf16_f32_a16(const __nv_bfloat16* a, const float* b, float* c, int m, int n, int k,
+                      int trans_a, int trans_b, float alpha, float beta, long long stride_a,
+                      long long stride_b, long long stride_c) {
+    gemm_tiles<true, __nv_bfloat16, float>(a, b, c, m, n, k, trans_a, trans_b, alpha, beta,
+                                           stride_a, stride_b, stride_c);
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+    gemm_bf16_f32_b16(const float* a, const __nv_bfloat16* b, float* c, int m, int n, int k,
+                      int trans_a, int trans_b, float alpha, float beta, long long stride_a,
+                      long long stride_b, long long stride_c) {
+    gemm_tiles<true, float, __nv_bfloat16>(a, b, c, m, n, k, trans_a, trans_b, alpha, beta,
+                                           stride_a, stride_b, stride_c);
+}
+
+extern "C" __global__ void __launch_bounds__(256)
+    gemm_bf16_f32_ab16(const __nv_bfloat16* a, const __nv_bfloat16* b, float* c, int m, int n,
+                       int k, int trans_a, int trans_b, float alpha, float beta,
+                       long long stride_a, long long stride_b, long long stride_c) {
+    gemm_tiles<true, __nv_bfloat16, __nv_bfloat16>(a, b, c, m, n, k, trans_a, trans_b, alpha,
+                                                   beta, stride_a, stride_b, stride_c);
 }
 
 // y[i] = x[i] rounded to bf16 (to nearest, ties to even), for i < n. Grid-stride, block 256.

@@ -35,12 +35,7 @@ pub fn round_bf16(v: f32) -> f32 {
 /// held to.
 pub fn gemm_reference(g: &Gemm, a: &[f32], b: &[f32], c: &[f32]) -> Vec<(f64, f64)> {
     let (m, n, k) = (g.m, g.n, g.k);
-    let operand = |v: f32| {
-        f64::from(match g.precision {
-            Precision::F32 => v,
-            Precision::Bf16 => round_bf16(v),
-        })
-    };
+    let operand = |v: f32| f64::from(if g.is_bf16() { round_bf16(v) } else { v });
     let at = |row: usize, kk: usize| {
         operand(if g.trans_a {
             a[kk * m + row]
@@ -178,12 +173,27 @@ pub struct Gemm {
     pub alpha: f32,
     pub beta: f32,
     pub precision: Precision,
+    /// Whether `a` and `b` are stored as bf16 (what linear.cu's `cast_bf16` would write from
+    /// their f32 values, so the product's bytes are the same), to be read as they are: written
+    /// so by the kernel that made them, they save the product a cast. An operand stored as
+    /// bf16 makes the product a bf16 one, whatever `precision` says.
+    pub bf16_inputs: (bool, bool),
 }
 
 impl Gemm {
+    /// Whether its operands are bf16: rounded so, or stored so.
+    pub fn is_bf16(&self) -> bool {
+        self.precision == Precision::Bf16 || self.bf16_inputs != (false, false)
+    }
+
     /// The linear.cu kernel that computes it.
     pub fn kernel(&self) -> &'static str {
-        self.precision.kernel()
+        match (self.precision, self.bf16_inputs) {
+            (precision, (false, false)) => precision.kernel(),
+            (_, (true, false)) => "gemm_bf16_f32_a16",
+            (_, (false, true)) => "gemm_bf16_f32_b16",
+            (_, (true, true)) => "gemm_bf16_f32_ab16",
+        }
     }
 
     /// The kernel's arguments, in its parameters' order.
@@ -256,9 +266,9 @@ mod tests {
 
     /// linear.cu's GEMM `kernel` through the SIMT shim: `alpha · op(a) · op(b) + beta · c`
     /// over `batches`, op(a) m×k and op(b) k×n.
-    fn cuda_gemm(
+    fn cuda_gemm<A, B>(
         kernel: &str,
-        (a, b, c): (&[f32], &[f32], &[f32]),
+        (a, b, c): (&[A], &[B], &[f32]),
         (m, n, k, batches): (usize, usize, usize, usize),
         (trans_a, trans_b): (bool, bool),
         (alpha, beta): (f32, f32),
@@ -371,6 +381,65 @@ mod tests {
         assert!(largest_gap(&dw, &values(grads.get(w.as_tensor()).unwrap())) < 1e-5);
     }
 
+    /// The bf16 GEMM with A, B or both stored as bf16 (the bits `cast_bf16` writes) gives the
+    /// bytes it gives from the f32 operands, in every transpose, in both schedules; and
+    /// [`Gemm::kernel`] names each variant.
+    #[test]
+    fn operands_stored_as_bf16_give_the_bytes_of_the_ones_rounded_as_loaded() {
+        let bits = |v: &[f32]| -> Vec<u16> {
+            v.iter()
+                .map(|x| (round_bf16(*x).to_bits() >> 16) as u16)
+                .collect()
+        };
+        for (m, n, k) in [(5, 3, 7), (131, 260, 21)] {
+            let mut rng = Rng::new((m * n * k) as u64 + 11);
+            for trans in [(false, false), (true, false), (false, true), (true, true)] {
+                let a = values(&randn(&mut rng, &[m * k], 1.0));
+                let b = values(&randn(&mut rng, &[k * n], 1.0));
+                let c = values(&randn(&mut rng, &[m * n], 1.0));
+                let (a16, b16) = (bits(&a), bits(&b));
+                let at = format!("m {m}, n {n}, k {k}, trans {trans:?}");
+                let run = |kernel, s| match kernel {
+                    "gemm_bf16_f32_a16" => {
+                        cuda_gemm(kernel, (&a16, &b, &c), (m, n, k, 1), trans, (0.5, 2.0), s)
+                    }
+                    "gemm_bf16_f32_b16" => {
+                        cuda_gemm(kernel, (&a, &b16, &c), (m, n, k, 1), trans, (0.5, 2.0), s)
+                    }
+                    "gemm_bf16_f32_ab16" => {
+                        cuda_gemm(kernel, (&a16, &b16, &c), (m, n, k, 1), trans, (0.5, 2.0), s)
+                    }
+                    _ => cuda_gemm(kernel, (&a, &b, &c), (m, n, k, 1), trans, (0.5, 2.0), s),
+                };
+                let want = run("gemm_bf16_f32", Schedule::Forward);
+                for (inputs, kernel) in [
+                    ((true, false), "gemm_bf16_f32_a16"),
+                    ((false, true), "gemm_bf16_f32_b16"),
+                    ((true, true), "gemm_bf16_f32_ab16"),
+                ] {
+                    let g = Gemm {
+                        m,
+                        n,
+                        k,
+                        trans_a: trans.0,
+                        trans_b: trans.1,
+                        alpha: 0.5,
+                        beta: 2.0,
+                        precision: Precision::F32,
+                        bf16_inputs: inputs,
+                    };
+                    assert_eq!(g.kernel(), kernel);
+                    let got = in_both_schedules(&at, |s| vec![run(kernel, s)]);
+                    let same = got[0]
+                        .iter()
+                        .zip(&want)
+                        .all(|(x, y)| x.to_bits() == y.to_bits());
+                    assert!(same, "{at}: {kernel} differs from gemm_bf16_f32");
+                }
+            }
+        }
+    }
+
     /// [`gemm_reference`]'s values at `precision`, as f32.
     fn host_gemm(
         (a, b, c): (&[f32], &[f32], &[f32]),
@@ -388,6 +457,7 @@ mod tests {
             alpha,
             beta,
             precision,
+            bf16_inputs: (false, false),
         };
         let reference = gemm_reference(&g, a, b, c);
         reference.iter().map(|(v, _)| *v as f32).collect()

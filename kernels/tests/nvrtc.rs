@@ -54,6 +54,7 @@ const REGISTER_CEILINGS: &[(&str, u32)] = &[
     ("causal_conv_silu_fwd_f32", 40),         // 32 on NVRTC 13.0
     ("copy_columns_f32", 24),                 // 16 on NVRTC 13.0
     ("copy_f32", 16),                         // 10 on NVRTC 13.0
+    ("cross_entropy_bwd_bf16", 32),           // 21 on NVRTC 13.0
     ("cross_entropy_bwd_f32", 32),            // 22 on NVRTC 13.0
     ("cross_entropy_fwd_f32", 32),            // 25 on NVRTC 13.0
     ("decode_attention_f32", 48),             // 40 on NVRTC 13.0
@@ -66,6 +67,9 @@ const REGISTER_CEILINGS: &[(&str, u32)] = &[
     ("gated_rms_norm_dw_reduce", 40),         // 32 on NVRTC 13.0
     ("gated_rms_norm_fwd_f32", 40),           // 32 on NVRTC 13.0
     ("gemm_bf16_f32", 128),                   // 116 on NVRTC 13.0
+    ("gemm_bf16_f32_a16", 128),               // 116 on NVRTC 13.0
+    ("gemm_bf16_f32_ab16", 128),              // 120 on NVRTC 13.0
+    ("gemm_bf16_f32_b16", 128),               // 120 on NVRTC 13.0
     ("gemm_f32", 128),                        // 116 on NVRTC 13.0
     ("grad_clip_f32", 32),                    // 26 on NVRTC 13.0
     ("grad_norm_finish", 24),                 // 18 on NVRTC 13.0

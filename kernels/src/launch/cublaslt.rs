@@ -82,11 +82,12 @@ impl CublasLt {
         })
     }
 
-    /// `gemm` on the f32 matrices at device addresses `a`, `b` and `c`; says whether its
-    /// shape was new (cuBLASLt's heuristic was asked for it now).
+    /// `gemm` on the matrices at device addresses `a`, `b` (f32, or bf16 where
+    /// `gemm.bf16_inputs` says) and `c` (f32); says whether its shape was new (cuBLASLt's
+    /// heuristic was asked for it now).
     ///
     /// # Safety
-    /// `a`, `b` and `c` must be the addresses of `m·k`, `k·n` and `m·n` floats on `cuda`.
+    /// `a`, `b` and `c` must be the addresses of `m·k`, `k·n` and `m·n` values on `cuda`.
     pub(super) unsafe fn matmul(
         &self,
         cuda: &Cuda,
@@ -153,13 +154,23 @@ impl CublasLt {
         if cuda.len(&operands) < b_at + 2 * k * n {
             *operands = cuda.alloc(b_at + 2 * k * n)?;
         }
-        let a16 = cuda.address(&operands);
-        let b16 = a16 + b_at as u64;
-        // SAFETY: `a` and `b` hold m·k and k·n floats (the caller), and the operand buffer
-        // 2·m·k bytes from `a16` and 2·k·n from `b16`.
+        // Operands stored as bf16 are read where they are; the others are cast first.
+        let scratch = cuda.address(&operands);
+        let (a16, b16) = match g.bf16_inputs {
+            (true, true) => (a, b),
+            (true, false) => (a, scratch + b_at as u64),
+            (false, true) => (scratch, b),
+            (false, false) => (scratch, scratch + b_at as u64),
+        };
+        // SAFETY: `a` and `b` hold m·k and k·n values (the caller), and the operand buffer
+        // 2·m·k bytes from `scratch` and 2·k·n from `scratch + b_at`.
         unsafe {
-            cast_bf16(cuda, a, a16, m * k)?;
-            cast_bf16(cuda, b, b16, k * n)?;
+            if !g.bf16_inputs.0 {
+                cast_bf16(cuda, a, a16, m * k)?;
+            }
+            if !g.bf16_inputs.1 {
+                cast_bf16(cuda, b, b16, k * n)?;
+            }
         }
         let workspace = cuda.address(&self.workspace);
         // SAFETY: the operands were cast above, on this stream; c holds m·n floats (the

@@ -307,7 +307,7 @@ impl Launcher for Cuda {
         let geometry = crate::linear::gemm_geometry(gemm.m, gemm.n, 1);
         match &self.cublaslt {
             // An empty product is beta · c, or nothing: the kernel's business.
-            Ok(blas) if gemm.precision == Precision::Bf16 && gemm.m * gemm.n * gemm.k > 0 => {
+            Ok(blas) if gemm.is_bf16() && gemm.m * gemm.n * gemm.k > 0 => {
                 let pointer = |buffer: &CudaSlice<u8>, offset: usize| {
                     in_bounds("gemm", offset, 0, buffer.len())?;
                     Ok(self.address(buffer) + offset as u64)

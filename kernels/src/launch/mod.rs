@@ -180,12 +180,12 @@ pub trait Launcher {
         format!("linear.cu's {}", precision.kernel())
     }
 
-    /// Runs `gemm` on the f32 matrices `a`, `b` and `c`: linear.cu's kernel for its precision,
-    /// unless the executor has a faster way to the same arithmetic ([`Cuda`]: cuBLASLt for
-    /// bf16).
+    /// Runs `gemm` on the matrices `a`, `b` (f32, or bf16 where `gemm.bf16_inputs` says) and
+    /// `c` (f32): linear.cu's kernel for it ([`Gemm::kernel`]), unless the executor has a
+    /// faster way to the same arithmetic ([`Cuda`]: cuBLASLt for bf16).
     ///
     /// # Safety
-    /// `a`, `b` and `c` must point at `m·k`, `k·n` and `m·n` floats.
+    /// `a`, `b` and `c` must point at `m·k`, `k·n` and `m·n` values.
     unsafe fn gemm(
         &self,
         gemm: &Gemm,

@@ -194,7 +194,7 @@ pub fn run<L: Launcher>(
     writeln!(
         out,
         "matmul       bf16 operands, f32 sums, on {backend}: {} products (every transpose the \
-         trainer uses, added onto c, c unaligned) within {worst:.1e} of the host's, relative \
+         trainer uses, added onto c, c unaligned, a stored as bf16) within {worst:.1e} of the host's, relative \
          to Σ|a·b| (tolerance {MATMUL_TOLERANCE:.0e}): {}",
         MATMULS.len(),
         verdict(pass)
@@ -549,18 +549,22 @@ pub(crate) fn objective<L: Launcher>(launcher: &L, name: &str) -> Result<(Gap, f
 /// The products the matmul part checks, each with c's offset in floats: a linear layer's
 /// forward (`NT`), its input gradient added onto a residual gradient (`NN`, beta 1) and its
 /// weight gradient into a parameter's slot one float past an aligned start (`TN`), at sizes no
-/// tile divides; then one of a size the trainer's small layers have.
-const MATMULS: [(Gemm, usize); 4] = [
-    (bf16_product((67, 129, 45), (false, true), 0.0), 0),
-    (bf16_product((67, 45, 129), (false, false), 1.0), 0),
-    (bf16_product((129, 45, 67), (true, false), 1.0), 1),
-    (bf16_product((256, 384, 128), (false, true), 0.0), 0),
+/// tile divides; then one of a size the trainer's small layers have; then the head's two
+/// backward products from logits' gradients stored as bf16 (`a` read as it is, uncast).
+const MATMULS: [(Gemm, usize); 6] = [
+    (bf16_product((67, 129, 45), (false, true), 0.0, false), 0),
+    (bf16_product((67, 45, 129), (false, false), 1.0, false), 0),
+    (bf16_product((129, 45, 67), (true, false), 1.0, false), 1),
+    (bf16_product((256, 384, 128), (false, true), 0.0, false), 0),
+    (bf16_product((129, 45, 67), (true, false), 1.0, true), 1),
+    (bf16_product((67, 45, 129), (false, false), 0.0, true), 0),
 ];
 
 const fn bf16_product(
     (m, n, k): (usize, usize, usize),
     (trans_a, trans_b): (bool, bool),
     beta: f32,
+    a_bf16: bool,
 ) -> Gemm {
     Gemm {
         m,
@@ -571,6 +575,7 @@ const fn bf16_product(
         alpha: 1.0,
         beta,
         precision: Precision::Bf16,
+        bf16_inputs: (a_bf16, false),
     }
 }
 
@@ -612,8 +617,21 @@ fn matmul<L: Launcher>(launcher: &L) -> Result<f64, RunError> {
         let mut random =
             |len: usize| -> Vec<f32> { (0..len).map(|_| rng.normal() as f32).collect::<Vec<_>>() };
         let (a, b, c) = (random(m * k), random(k * n), random(offset + m * n));
-        let (da, db) = (launcher.upload_f32(&a), launcher.upload_f32(&b));
-        let (da, db) = (da.map_err(device)?, db.map_err(device)?);
+        let da = if gemm.bf16_inputs.0 {
+            // The bits cast_bf16 writes: the reference rounds `a` the same way.
+            let bits: Vec<u8> = a
+                .iter()
+                .flat_map(|v| {
+                    ((kernels::linear::round_bf16(*v).to_bits() >> 16) as u16).to_le_bytes()
+                })
+                .collect();
+            let mut buffer = launcher.alloc(bits.len()).map_err(device)?;
+            launcher.write(&mut buffer, 0, &bits).map_err(device)?;
+            buffer
+        } else {
+            launcher.upload_f32(&a).map_err(device)?
+        };
+        let db = launcher.upload_f32(&b).map_err(device)?;
         let dc = launcher.upload_f32(&c).map_err(device)?;
         let (pa, pb, pc) = (
             Arg::Ptr(&da, 0),

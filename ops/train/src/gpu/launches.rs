@@ -288,7 +288,9 @@ impl<L: Launcher> Kernels<'_, L> {
     }
 
     /// The logits' gradient from [`Kernels::cross_entropy`]'s, each token's scaled by its
-    /// weight `dloss` (∂loss/∂CE).
+    /// weight `dloss` (∂loss/∂CE), into `acts.dlogits`: in bf16 when the step multiplies in
+    /// bf16 (the bytes a cast would make of the f32 ones, for [`Kernels::head_backward`]'s
+    /// products to read uncast), else f32.
     pub(super) fn cross_entropy_backward(
         &self,
         logits: Arg<'_, L::Buffer>,
@@ -301,8 +303,12 @@ impl<L: Launcher> Kernels<'_, L> {
         let (labels, lse) = (Arg::Ptr(labels, 0), Arg::Ptr(&acts.lse, 0));
         let (rows, vocab) = (Arg::I32(self.rows()), Arg::I32(vocab as i32));
         let dlogits = Arg::Ptr(&acts.dlogits, 0);
+        let kernel = match self.precision {
+            Precision::Bf16 => "cross_entropy_bwd_bf16",
+            Precision::F32 => "cross_entropy_bwd_f32",
+        };
         self.run(
-            "cross_entropy_bwd_f32",
+            kernel,
             geometry,
             &[logits, labels, lse, dloss, dlogits, rows, vocab],
         )
@@ -444,9 +450,24 @@ impl<L: Launcher> Kernels<'_, L> {
         a: Arg<'_, L::Buffer>,
         b: Arg<'_, L::Buffer>,
         c: Arg<'_, L::Buffer>,
+        dims: (usize, usize, usize),
+        trans: (bool, bool),
+        beta: f32,
+    ) -> Result<(), RunError> {
+        self.gemm_of(a, b, c, dims, trans, beta, false)
+    }
+
+    /// [`Kernels::gemm`] with `a` stored as bf16 where `a_bf16` says.
+    #[allow(clippy::too_many_arguments)]
+    fn gemm_of(
+        &self,
+        a: Arg<'_, L::Buffer>,
+        b: Arg<'_, L::Buffer>,
+        c: Arg<'_, L::Buffer>,
         (m, n, k): (usize, usize, usize),
         (trans_a, trans_b): (bool, bool),
         beta: f32,
+        a_bf16: bool,
     ) -> Result<(), RunError> {
         let gemm = Gemm {
             m,
@@ -457,6 +478,7 @@ impl<L: Launcher> Kernels<'_, L> {
             alpha: 1.0,
             beta,
             precision: self.precision,
+            bf16_inputs: (a_bf16, false),
         };
         // SAFETY: as `run`: the shapes passed are the ones the buffers were sized with.
         unsafe { self.launcher.gemm(&gemm, a, b, c) }.map_err(device)
@@ -476,6 +498,23 @@ impl<L: Launcher> Kernels<'_, L> {
     ) -> Result<(), RunError> {
         self.gemm(dy, x, dw, (outputs, inputs, rows), TN, 1.0)?;
         self.gemm(dy, w, dx, (rows, inputs, outputs), NN, beta)
+    }
+
+    /// [`Kernels::linear_backward`] of the output head `logits = x · wᵀ` (`rows × vocab`),
+    /// from `acts.dlogits` as [`Kernels::cross_entropy_backward`] wrote them (bf16 when the
+    /// step multiplies in bf16, read uncast), into `dx`.
+    pub(super) fn head_backward(
+        &self,
+        acts: &Activations<L::Buffer>,
+        x: Arg<'_, L::Buffer>,
+        (w, dw): (Arg<'_, L::Buffer>, Arg<'_, L::Buffer>),
+        dx: Arg<'_, L::Buffer>,
+        (rows, vocab, hidden): (usize, usize, usize),
+    ) -> Result<(), RunError> {
+        let dlogits = Arg::Ptr(&acts.dlogits, 0);
+        let bf16 = self.precision == Precision::Bf16;
+        self.gemm_of(dlogits, x, dw, (vocab, hidden, rows), TN, 1.0, bf16)?;
+        self.gemm_of(dlogits, w, dx, (rows, hidden, vocab), NN, 0.0, bf16)
     }
 
     /// `dst[:, dst_at + j] = src[:, src_at + j]` for `j < width`, over the micro-batch's rows.

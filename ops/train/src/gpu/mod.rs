@@ -500,6 +500,8 @@ struct Activations<B> {
     logits: B,
     ce: B,
     lse: B,
+    /// The logits' gradient (rows × vocab): f32, or bf16 in its first half when the step
+    /// multiplies in bf16 ([`Kernels::cross_entropy_backward`]).
     dlogits: B,
     dx: B,
     dh: B,
@@ -826,7 +828,7 @@ impl<'l, L: Launcher> DeviceStep<'l, L> {
         // each token's log-probability comes from the host, as the CE's weight (∂loss/∂CE =
         // −∂loss/∂logp); an MTP head's weights were uploaded with the batch.
         let (final_normed, logits) = (Arg::Ptr(&acts.final_normed, 0), Arg::Ptr(&acts.logits, 0));
-        let (dlogits, dx) = (Arg::Ptr(&acts.dlogits, 0), Arg::Ptr(&acts.dx, 0));
+        let dx = Arg::Ptr(&acts.dx, 0);
         let (dh, dnorm_in) = (Arg::Ptr(&acts.dh, 0), Arg::Ptr(&acts.dnorm_in, 0));
         let mut figures = None;
         for (s, stack) in l.stacks.iter().enumerate().take(stacks).rev() {
@@ -854,7 +856,7 @@ impl<'l, L: Launcher> DeviceStep<'l, L> {
             };
             k.cross_entropy_backward(logits, &inputs.labels, dloss, acts, v)?;
             let head = l.head.with_grad((w, g));
-            k.linear_backward(dlogits, final_normed, head, dh, (rows, v, d), 0.0)?;
+            k.head_backward(acts, final_normed, head, dh, (rows, v, d))?;
             k.rms_norm_backward(at.x(out), final_norm, at.rstd(out), dh, dx, acts, self)?;
             if s + 1 < stacks {
                 // The next depth joined this stack's output too.
