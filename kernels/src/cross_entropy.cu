@@ -111,7 +111,7 @@ extern "C" __global__ void cross_entropy_bwd_f32(const float* logits, const unsi
 // The same dlogits rounded to bf16 (to nearest, ties to even): the bytes cast_bf16 would make
 // of cross_entropy_bwd_f32's, written at half the bytes for the head's bf16 products, which
 // read them uncast.
-extern "C" __global__ void cross_entropy_bwd_bf16(const float* logits, const unsigned* labels,
+extern "C" __global__ void cross_entropy_bwd_to_bf16(const float* logits, const unsigned* labels,
                                                   const float* lse, const float* dloss,
                                                   __nv_bfloat16* dlogits, int rows, int vocab) {
     cross_entropy_bwd(logits, labels, lse, dloss, dlogits, rows, vocab);

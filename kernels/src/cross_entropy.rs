@@ -129,7 +129,7 @@ mod tests {
     }
 
     /// cross_entropy.cu's per-row loss and dlogits through the SIMT shim, for `grid` blocks
-    /// of `block` threads: loss, dlogits, and dlogits from `cross_entropy_bwd_bf16` (its bf16
+    /// of `block` threads: loss, dlogits, and dlogits from `cross_entropy_bwd_to_bf16` (its bf16
     /// values as f32).
     fn cuda(
         (x, labels, dloss): (&[f32], &[u32], &[f32]),
@@ -175,7 +175,7 @@ mod tests {
             )
             .unwrap();
             launch_1d(
-                "cross_entropy_bwd_bf16",
+                "cross_entropy_bwd_to_bf16",
                 grid,
                 block,
                 schedule,
@@ -191,11 +191,7 @@ mod tests {
             )
             .unwrap();
         }
-        let dx16 = dx16
-            .iter()
-            .map(|b| f32::from_bits(u32::from(*b) << 16))
-            .collect();
-        vec![loss, dx, dx16]
+        vec![loss, dx, widened(&dx16)]
     }
 
     /// cross_entropy.cu, executed by the SIMT shim, against the plain ops within 1e-5, loss
@@ -221,11 +217,8 @@ mod tests {
                     let gap = largest_gap(got, want);
                     assert!(gap < 1e-5, "{at}: {what} is {gap} from the plain ops");
                 }
-                let rounded = got[1]
-                    .iter()
-                    .map(|d| crate::linear::round_bf16(*d).to_bits());
                 assert!(
-                    rounded.eq(got[2].iter().map(|d| d.to_bits())),
+                    rounded_to_bf16(&got[1], &got[2]),
                     "{at}: bf16 dlogits are not the f32 ones rounded"
                 );
             }

@@ -71,15 +71,38 @@ mod tests {
         }
     }
 
-    /// relu2.cu's y and dh through the SIMT shim, for `grid` blocks of `block` threads.
-    fn cuda(h: &[f32], dy: &[f32], (grid, block): (u32, u32), schedule: Schedule) -> Vec<Vec<f32>> {
+    /// relu2.cu's y and dh through the SIMT shim, for `grid` blocks of `block` threads: the
+    /// f32 kernels', or the `_to_bf16` kernels' widened to f32.
+    fn cuda(
+        h: &[f32],
+        dy: &[f32],
+        launch: (u32, u32),
+        schedule: Schedule,
+        to_bf16: bool,
+    ) -> Vec<Vec<f32>> {
+        if to_bf16 {
+            let (y, dh) = launches::<u16>("to_bf16", h, dy, launch, schedule);
+            vec![widened(&y), widened(&dh)]
+        } else {
+            let (y, dh) = launches::<f32>("f32", h, dy, launch, schedule);
+            vec![y, dh]
+        }
+    }
+
+    fn launches<T: Copy + Default>(
+        suffix: &str,
+        h: &[f32],
+        dy: &[f32],
+        (grid, block): (u32, u32),
+        schedule: Schedule,
+    ) -> (Vec<T>, Vec<T>) {
         use crate::simt::{arg, launch_1d};
         let n = h.len();
-        let (mut y, mut dh) = (vec![0f32; n], vec![0f32; n]);
+        let (mut y, mut dh) = (vec![T::default(); n], vec![T::default(); n]);
         // SAFETY: h, dy, y and dh all hold n values.
         unsafe {
             launch_1d(
-                "relu2_fwd_f32",
+                &format!("relu2_fwd_{suffix}"),
                 grid,
                 block,
                 schedule,
@@ -87,7 +110,7 @@ mod tests {
             )
             .unwrap();
             launch_1d(
-                "relu2_bwd_f32",
+                &format!("relu2_bwd_{suffix}"),
                 grid,
                 block,
                 schedule,
@@ -100,12 +123,12 @@ mod tests {
             )
             .unwrap();
         }
-        vec![y, dh]
+        (y, dh)
     }
 
     /// relu2.cu, executed by the SIMT shim: the plain ops' bytes, forward and backward, at
     /// sizes that are not multiples of the block and grids that loop or leave threads idle,
-    /// in both schedules.
+    /// in both schedules; and the `_to_bf16` kernels, those bytes rounded to bf16.
     #[test]
     fn the_cuda_kernels_give_the_plain_ops_bytes() {
         for (rows, f) in [(1, 1), (3, 5), (7, 333), (64, 96)] {
@@ -117,8 +140,15 @@ mod tests {
             let (hv, gv) = (values(h.as_tensor()), values(&g));
             for launch in [(1, 32), (3, 64), (rows as u32, 256), (40, 1024)] {
                 let at = format!("rows {rows}, F {f}, grid × block {launch:?}");
-                let got = in_both_schedules(&at, |rev| cuda(&hv, &gv, launch, rev));
+                let got = in_both_schedules(&at, |rev| cuda(&hv, &gv, launch, rev, false));
                 assert_eq!(got, want, "{at}");
+                let bf16 = in_both_schedules(&at, |rev| cuda(&hv, &gv, launch, rev, true));
+                for (f32s, bf16) in got.iter().zip(&bf16) {
+                    assert!(
+                        rounded_to_bf16(f32s, bf16),
+                        "{at}: not the f32 bytes rounded"
+                    );
+                }
             }
         }
     }

@@ -106,22 +106,43 @@ mod tests {
         assert!(swiglu(&odd).is_err(), "an odd width has no halves");
     }
 
-    /// swiglu.cu's y and dh through the SIMT shim, for `grid` blocks of `block` threads.
+    /// swiglu.cu's y and dh through the SIMT shim, for `grid` blocks of `block` threads: the
+    /// f32 kernels', or the `_to_bf16` kernels' widened to f32.
     fn cuda(
         h: &[f32],
         dy: &[f32],
-        (rows, f): (usize, usize),
+        shape: (usize, usize),
         launch: (u32, u32),
         schedule: Schedule,
+        to_bf16: bool,
     ) -> Vec<Vec<f32>> {
+        if to_bf16 {
+            let (y, dh) = launches::<u16>("to_bf16", h, dy, shape, launch, schedule);
+            vec![widened(&y), widened(&dh)]
+        } else {
+            let (y, dh) = launches::<f32>("f32", h, dy, shape, launch, schedule);
+            vec![y, dh]
+        }
+    }
+
+    fn launches<T: Copy + Default>(
+        suffix: &str,
+        h: &[f32],
+        dy: &[f32],
+        (rows, f): (usize, usize),
+        (grid, block): (u32, u32),
+        schedule: Schedule,
+    ) -> (Vec<T>, Vec<T>) {
         use crate::simt::{arg, launch_1d};
-        let (grid, block) = launch;
-        let (mut y, mut dh) = (vec![0f32; rows * f], vec![0f32; rows * 2 * f]);
+        let (mut y, mut dh) = (
+            vec![T::default(); rows * f],
+            vec![T::default(); rows * 2 * f],
+        );
         let (r, n) = (rows as i32, f as i32);
         // SAFETY: h and dh hold rows × 2F values, y and dy rows × F.
         unsafe {
             launch_1d(
-                "swiglu_fwd_f32",
+                &format!("swiglu_fwd_{suffix}"),
                 grid,
                 block,
                 schedule,
@@ -129,7 +150,7 @@ mod tests {
             )
             .unwrap();
             launch_1d(
-                "swiglu_bwd_f32",
+                &format!("swiglu_bwd_{suffix}"),
                 grid,
                 block,
                 schedule,
@@ -143,12 +164,13 @@ mod tests {
             )
             .unwrap();
         }
-        vec![y, dh]
+        (y, dh)
     }
 
     /// swiglu.cu, executed by the SIMT shim, against the plain ops within 1e-5, forward and
     /// backward, at sizes that are not multiples of the block, with grids too small (threads
-    /// loop) and too large (threads idle), in both schedules.
+    /// loop) and too large (threads idle), in both schedules; and the `_to_bf16` kernels, the
+    /// f32 kernels' bytes rounded to bf16.
     #[test]
     fn the_cuda_kernels_match_the_plain_ops() {
         for (rows, f) in [(1, 1), (3, 5), (7, 333), (64, 96)] {
@@ -160,10 +182,18 @@ mod tests {
             let (hv, gv) = (values(h.as_tensor()), values(&g));
             for launch in [(1, 32), (3, 64), (rows as u32, 256), (40, 1024)] {
                 let at = format!("rows {rows}, F {f}, grid × block {launch:?}");
-                let got = in_both_schedules(&at, |rev| cuda(&hv, &gv, (rows, f), launch, rev));
+                let run = |rev, to_bf16| cuda(&hv, &gv, (rows, f), launch, rev, to_bf16);
+                let got = in_both_schedules(&at, |rev| run(rev, false));
                 for (what, got, want) in [("y", &got[0], &want[0]), ("dh", &got[1], &want[1])] {
                     let gap = largest_gap(got, want);
                     assert!(gap < 1e-5, "{at}: {what} is {gap} from the plain ops");
+                }
+                let bf16 = in_both_schedules(&at, |rev| run(rev, true));
+                for (f32s, bf16) in got.iter().zip(&bf16) {
+                    assert!(
+                        rounded_to_bf16(f32s, bf16),
+                        "{at}: not the f32 bytes rounded"
+                    );
                 }
             }
         }

@@ -130,3 +130,17 @@ pub fn assert_close(got: &[f32], want: &[f32], tolerance: f32, at: &str) {
         "{at}: {gap:e} apart, largest {largest:e}"
     );
 }
+
+/// bf16 values as the kernels store them (an f32's high half), widened back to f32.
+pub fn widened(bits: &[u16]) -> Vec<f32> {
+    bits.iter()
+        .map(|b| f32::from_bits(u32::from(*b) << 16))
+        .collect()
+}
+
+/// Whether `bf16` (widened) is `f32` rounded to bf16, to nearest with ties to even, bit for
+/// bit: what a `_to_bf16` kernel must write, the bytes `cast_bf16` makes of the f32 kernel's.
+pub fn rounded_to_bf16(f32s: &[f32], bf16: &[f32]) -> bool {
+    let rounded = f32s.iter().map(|v| crate::linear::round_bf16(*v).to_bits());
+    f32s.len() == bf16.len() && rounded.eq(bf16.iter().map(|v| v.to_bits()))
+}

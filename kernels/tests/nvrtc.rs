@@ -54,8 +54,8 @@ const REGISTER_CEILINGS: &[(&str, u32)] = &[
     ("causal_conv_silu_fwd_f32", 40),         // 32 on NVRTC 13.0
     ("copy_columns_f32", 24),                 // 16 on NVRTC 13.0
     ("copy_f32", 16),                         // 10 on NVRTC 13.0
-    ("cross_entropy_bwd_bf16", 32),           // 21 on NVRTC 13.0
     ("cross_entropy_bwd_f32", 32),            // 22 on NVRTC 13.0
+    ("cross_entropy_bwd_to_bf16", 32),        // 21 on NVRTC 13.0
     ("cross_entropy_fwd_f32", 32),            // 25 on NVRTC 13.0
     ("decode_attention_f32", 48),             // 40 on NVRTC 13.0
     ("decode_conv_step_f32", 40),             // 32 on NVRTC 13.0
@@ -88,7 +88,9 @@ const REGISTER_CEILINGS: &[(&str, u32)] = &[
     ("moe_gather_f32", 32),                   // 20 on NVRTC 13.0
     ("moe_scores_f32", 24),                   // 16 on NVRTC 13.0
     ("relu2_bwd_f32", 24),                    // 14 on NVRTC 13.0
+    ("relu2_bwd_to_bf16", 24),                // 12 on NVRTC 13.0
     ("relu2_fwd_f32", 16),                    // 12 on NVRTC 13.0
+    ("relu2_fwd_to_bf16", 16),                // 10 on NVRTC 13.0
     ("rms_norm_bwd_f32", 40),                 // 30 on NVRTC 13.0
     ("rms_norm_dw_reduce", 40),               // 32 on NVRTC 13.0
     ("rms_norm_fwd_bf16", 32),                // 25 on NVRTC 13.0
@@ -102,7 +104,9 @@ const REGISTER_CEILINGS: &[(&str, u32)] = &[
     ("ssd_chunk_state_f32", 80),              // 72 on NVRTC 13.0
     ("ssd_state_passing_f32", 48),            // 40 on NVRTC 13.0
     ("swiglu_bwd_f32", 32),                   // 27 on NVRTC 13.0
+    ("swiglu_bwd_to_bf16", 32),               // 26 on NVRTC 13.0
     ("swiglu_fwd_f32", 32),                   // 24 on NVRTC 13.0
+    ("swiglu_fwd_to_bf16", 32),               // 24 on NVRTC 13.0
 ];
 
 /// NVRTC, or `None` with the reason printed; a failure when `NEMO_DAG_REQUIRE_NVRTC=1`.

@@ -217,7 +217,7 @@ impl<'s, 'l, 'm, L: Launcher> Decoding<'s, 'l, 'm, L> {
             )?;
             match (p.mixer, cache) {
                 (Mixer::Mlp(activation), _) => {
-                    k.activation(activation, projected, mixed, p.mid_width)?
+                    k.activation(activation, projected, mixed, p.mid_width, false)?
                 }
                 (Mixer::Attention(heads), Cache::Attention { keys, values }) => {
                     let scratch = self.attention.as_ref().ok_or_else(no_acts)?;

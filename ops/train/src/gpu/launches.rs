@@ -229,25 +229,30 @@ impl<L: Launcher> Kernels<'_, L> {
         self.add(w.at(&step.grads), dw, d)
     }
 
+    /// `y` of the MLP's activation of `h`: f32, or in bf16 where `to_bf16` (for products to
+    /// read uncast; the bytes a cast would make).
     pub(super) fn activation(
         &self,
         activation: Activation,
         h: Arg<'_, L::Buffer>,
         y: Arg<'_, L::Buffer>,
         f: usize,
+        to_bf16: bool,
     ) -> Result<(), RunError> {
         let n = self.rows * f;
         let geometry = Geometry::linear(elementwise_grid(n), 256);
+        let kernel = |name: &str| format!("{name}_{}", if to_bf16 { "to_bf16" } else { "f32" });
         match activation {
             Activation::Swiglu => self.run(
-                "swiglu_fwd_f32",
+                &kernel("swiglu_fwd"),
                 geometry,
                 &[h, y, Arg::I32(self.rows()), Arg::I32(f as i32)],
             ),
-            Activation::Relu2 => self.run("relu2_fwd_f32", geometry, &[h, y, Arg::Usize(n)]),
+            Activation::Relu2 => self.run(&kernel("relu2_fwd"), geometry, &[h, y, Arg::Usize(n)]),
         }
     }
 
+    /// `dh` of the MLP's activation from `dy`: f32, or in bf16 where `to_bf16`.
     pub(super) fn activation_backward(
         &self,
         activation: Activation,
@@ -255,16 +260,20 @@ impl<L: Launcher> Kernels<'_, L> {
         dy: Arg<'_, L::Buffer>,
         dh: Arg<'_, L::Buffer>,
         f: usize,
+        to_bf16: bool,
     ) -> Result<(), RunError> {
         let n = self.rows * f;
         let geometry = Geometry::linear(elementwise_grid(n), 256);
+        let kernel = |name: &str| format!("{name}_{}", if to_bf16 { "to_bf16" } else { "f32" });
         match activation {
             Activation::Swiglu => self.run(
-                "swiglu_bwd_f32",
+                &kernel("swiglu_bwd"),
                 geometry,
                 &[h, dy, dh, Arg::I32(self.rows()), Arg::I32(f as i32)],
             ),
-            Activation::Relu2 => self.run("relu2_bwd_f32", geometry, &[h, dy, dh, Arg::Usize(n)]),
+            Activation::Relu2 => {
+                self.run(&kernel("relu2_bwd"), geometry, &[h, dy, dh, Arg::Usize(n)])
+            }
         }
     }
 
@@ -304,7 +313,7 @@ impl<L: Launcher> Kernels<'_, L> {
         let (rows, vocab) = (Arg::I32(self.rows()), Arg::I32(vocab as i32));
         let dlogits = Arg::Ptr(&acts.dlogits, 0);
         let kernel = match self.precision {
-            Precision::Bf16 => "cross_entropy_bwd_bf16",
+            Precision::Bf16 => "cross_entropy_bwd_to_bf16",
             Precision::F32 => "cross_entropy_bwd_f32",
         };
         self.run(
@@ -454,12 +463,13 @@ impl<L: Launcher> Kernels<'_, L> {
         trans: (bool, bool),
         beta: f32,
     ) -> Result<(), RunError> {
-        self.gemm_of(a, b, c, dims, trans, beta, false)
+        self.gemm_of(a, b, c, dims, trans, beta, (false, false))
     }
 
-    /// [`Kernels::gemm`] with `a` stored as bf16 where `a_bf16` says.
+    /// [`Kernels::gemm`] with `a` and `b` stored as bf16 where `bf16_inputs` says (written so
+    /// by the kernels that made them, read uncast).
     #[allow(clippy::too_many_arguments)]
-    fn gemm_of(
+    pub(super) fn gemm_of(
         &self,
         a: Arg<'_, L::Buffer>,
         b: Arg<'_, L::Buffer>,
@@ -467,7 +477,7 @@ impl<L: Launcher> Kernels<'_, L> {
         (m, n, k): (usize, usize, usize),
         (trans_a, trans_b): (bool, bool),
         beta: f32,
-        a_bf16: bool,
+        bf16_inputs: (bool, bool),
     ) -> Result<(), RunError> {
         let gemm = Gemm {
             m,
@@ -478,7 +488,7 @@ impl<L: Launcher> Kernels<'_, L> {
             alpha: 1.0,
             beta,
             precision: self.precision,
-            bf16_inputs: (a_bf16, false),
+            bf16_inputs,
         };
         // SAFETY: as `run`: the shapes passed are the ones the buffers were sized with.
         unsafe { self.launcher.gemm(&gemm, a, b, c) }.map_err(device)
@@ -496,8 +506,41 @@ impl<L: Launcher> Kernels<'_, L> {
         (rows, outputs, inputs): (usize, usize, usize),
         beta: f32,
     ) -> Result<(), RunError> {
-        self.gemm(dy, x, dw, (outputs, inputs, rows), TN, 1.0)?;
-        self.gemm(dy, w, dx, (rows, inputs, outputs), NN, beta)
+        self.linear_backward_of(
+            dy,
+            x,
+            (w, dw),
+            dx,
+            (rows, outputs, inputs),
+            beta,
+            (false, false),
+        )
+    }
+
+    /// [`Kernels::linear_backward`] with `dy` and `x` stored as bf16 where `(dy_bf16,
+    /// x_bf16)` says (written so by the kernels that made them, read uncast).
+    #[allow(clippy::too_many_arguments)]
+    pub(super) fn linear_backward_of(
+        &self,
+        dy: Arg<'_, L::Buffer>,
+        x: Arg<'_, L::Buffer>,
+        (w, dw): (Arg<'_, L::Buffer>, Arg<'_, L::Buffer>),
+        dx: Arg<'_, L::Buffer>,
+        (rows, outputs, inputs): (usize, usize, usize),
+        beta: f32,
+        (dy_bf16, x_bf16): (bool, bool),
+    ) -> Result<(), RunError> {
+        let dims = (outputs, inputs, rows);
+        self.gemm_of(dy, x, dw, dims, TN, 1.0, (dy_bf16, x_bf16))?;
+        self.gemm_of(
+            dy,
+            w,
+            dx,
+            (rows, inputs, outputs),
+            NN,
+            beta,
+            (dy_bf16, false),
+        )
     }
 
     /// [`Kernels::linear_backward`] of the output head `logits = x · wᵀ` (`rows × vocab`),
@@ -512,9 +555,15 @@ impl<L: Launcher> Kernels<'_, L> {
         (rows, vocab, hidden): (usize, usize, usize),
     ) -> Result<(), RunError> {
         let dlogits = Arg::Ptr(&acts.dlogits, 0);
-        let bf16 = self.precision == Precision::Bf16;
-        self.gemm_of(dlogits, x, dw, (vocab, hidden, rows), TN, 1.0, bf16)?;
-        self.gemm_of(dlogits, w, dx, (rows, hidden, vocab), NN, 0.0, bf16)
+        let dims = (rows, vocab, hidden);
+        let inputs = (self.bf16(), false);
+        self.linear_backward_of(dlogits, x, (w, dw), dx, dims, 0.0, inputs)
+    }
+
+    /// Whether the step multiplies in bf16, so that a kernel whose output only products read
+    /// writes it in bf16.
+    pub(super) fn bf16(&self) -> bool {
+        self.precision == Precision::Bf16
     }
 
     /// `dst[:, dst_at + j] = src[:, src_at + j]` for `j < width`, over the micro-batch's rows.

@@ -871,10 +871,15 @@ impl<'l, L: Launcher> DeviceStep<'l, L> {
                     (Body::Projected(p), _) => {
                         let (n_in, n_mid) = (p.in_width, p.mid_width);
                         let w_out = p.w_out.with_grad((w, g));
-                        k.linear_backward(dx, mixed, w_out, dmixed, (rows, d, n_mid), 0.0)?;
+                        // An MLP's activations, and their gradients, only products read: in
+                        // bf16 when the step multiplies in bf16.
+                        let mlp16 = matches!(p.mixer, Mixer::Mlp(_)) && k.bf16();
+                        let dims = (rows, d, n_mid);
+                        let inputs = (false, mlp16);
+                        k.linear_backward_of(dx, mixed, w_out, dmixed, dims, 0.0, inputs)?;
                         match p.mixer {
                             Mixer::Mlp(activation) => k.activation_backward(
-                                activation, projected, dmixed, dprojected, n_mid,
+                                activation, projected, dmixed, dprojected, n_mid, mlp16,
                             )?,
                             Mixer::Attention(heads) => {
                                 k.attention_backward(a, dmixed, dprojected, heads, &packed)?
@@ -886,7 +891,8 @@ impl<'l, L: Launcher> DeviceStep<'l, L> {
                             }
                         }
                         let (w_in, normed) = (p.w_in.with_grad((w, g)), at.normed(i));
-                        k.linear_backward(dprojected, normed, w_in, dh, (rows, n_in, d), 0.0)?;
+                        let (dims, inputs) = ((rows, n_in, d), (mlp16, false));
+                        k.linear_backward_of(dprojected, normed, w_in, dh, dims, 0.0, inputs)?;
                     }
                     (Body::Moe(experts), Some(r)) => {
                         let scratch = moe_scratch(acts)?;
@@ -975,15 +981,20 @@ impl<'l, L: Launcher> DeviceStep<'l, L> {
                     NT,
                     0.0,
                 )?;
+                // An MLP's activation only products read: in bf16 when they are bf16.
+                let mlp16 = matches!(p.mixer, Mixer::Mlp(_)) && k.bf16();
                 match p.mixer {
-                    Mixer::Mlp(activation) => k.activation(activation, projected, mixed, n_mid)?,
+                    Mixer::Mlp(activation) => {
+                        k.activation(activation, projected, mixed, n_mid, mlp16)?
+                    }
                     Mixer::Attention(heads) => k.attention(projected, mixed, a, heads, &packed)?,
                     Mixer::Mamba(ssm) => {
                         let (scratch, scan) = mamba_inputs(&packed)?;
                         k.mamba(w, &ssm, a, scratch, &scan)?
                     }
                 }
-                k.gemm(mixed, p.w_out.at(w), at.x(x + 1), (rows, d, n_mid), NT, 1.0)?;
+                let (out, dims) = (at.x(x + 1), (rows, d, n_mid));
+                k.gemm_of(mixed, p.w_out.at(w), out, dims, NT, 1.0, (mlp16, false))?;
             }
         }
         Ok(routed)

@@ -251,7 +251,7 @@ impl<L: Launcher> Kernels<'_, L> {
                     NT,
                     0.0,
                 )?;
-                self.activation(e.activation, projected, mixed, shared.ffn)?;
+                self.activation(e.activation, projected, mixed, shared.ffn, false)?;
                 self.gemm(
                     mixed,
                     shared.fc2.at(w),
@@ -275,7 +275,7 @@ impl<L: Launcher> Kernels<'_, L> {
         })?;
         let permuted = Kernels { rows: n, ..*self };
         let (hp, ap) = (Arg::Ptr(&m.hp, 0), Arg::Ptr(&m.ap, 0));
-        permuted.activation(e.activation, hp, ap, ffn)?;
+        permuted.activation(e.activation, hp, ap, ffn, false)?;
         r.each_expert(e, |x, rows| {
             let (ap, yp) = (rows.of(&m.ap, ffn), rows.of(&m.yp, hidden));
             self.gemm(ap, x.fc2.at(w), yp, (rows.len, hidden, ffn), NT, 0.0)
@@ -336,7 +336,7 @@ impl<L: Launcher> Kernels<'_, L> {
         })?;
         let permuted = Kernels { rows: n, ..*self };
         let (hp, dap, dhp) = (Arg::Ptr(&m.hp, 0), Arg::Ptr(&s.dap, 0), Arg::Ptr(&s.dhp, 0));
-        permuted.activation_backward(e.activation, hp, dap, dhp, ffn)?;
+        permuted.activation_backward(e.activation, hp, dap, dhp, ffn, false)?;
         r.each_expert(e, |x, rows| {
             let (dhp, xp) = (rows.of(&s.dhp, in_width), rows.of(&m.xp, hidden));
             let (fc1, dxp) = (x.fc1.with_grad((w, g)), rows.of(&s.dxp, hidden));
@@ -350,7 +350,7 @@ impl<L: Launcher> Kernels<'_, L> {
                 let (sf, si) = (shared.ffn, shared.in_width);
                 let (fc1, fc2) = (shared.fc1.with_grad((w, g)), shared.fc2.with_grad((w, g)));
                 self.linear_backward(dout, mixed, fc2, dmixed, (rows, hidden, sf), 0.0)?;
-                self.activation_backward(e.activation, projected, dmixed, dprojected, sf)?;
+                self.activation_backward(e.activation, projected, dmixed, dprojected, sf, false)?;
                 self.linear_backward(dprojected, h, fc1, dh, (rows, si, hidden), 0.0)?;
                 dh
             }
