@@ -137,6 +137,14 @@ static __device__ void fill_nan(float* p, size_t n) {
     }
 }
 
+// The same for n bf16 values (as their bits).
+static __device__ void fill_nan(unsigned short* p, size_t n) {
+    const size_t stride = size_t(gridDim.x) * blockDim.x;
+    for (size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
+        p[i] = 0x7fc0;  // a quiet NaN
+    }
+}
+
 extern "C" __global__ void __launch_bounds__(ATTN_MAX_THREADS)
     attention_fwd_f32(const float* qkv, const float* cos, const float* sin, const int* segments,
                       float* y, float* lse, int batch, int len, int heads, int kv_heads,
@@ -1010,7 +1018,7 @@ template <int D>
 static __device__ void attention_dq_tc(const AttnDims n, const unsigned short* qkv,
                                        const float* cos, const float* sin, const int* segments,
                                        const unsigned short* dy, const float* lse,
-                                       const float* delta, float* dqkv, int causal) {
+                                       const float* delta, unsigned short* dqkv, int causal) {
     if (n.d != D) {
         fill_nan(dqkv, size_t(n.batch) * n.len * n.width());
         return;
@@ -1142,7 +1150,7 @@ static __device__ void attention_dq_tc(const AttnDims n, const unsigned short* q
             #pragma unroll
             for (int j = 0; j < ND; ++j) {
                 dqkv[row * n.width() + head * D + acc_col(j, e)] =
-                    unrotate_acc<D>(dq, j, e, cos, sin, row);
+                    bf16_bits(unrotate_acc<D>(dq, j, e, cos, sin, row));
             }
         }
         __syncthreads();  // the staging tile is loaded again for the next item
@@ -1157,7 +1165,7 @@ template <int D>
 static __device__ void attention_dkv_tc(const AttnDims n, const unsigned short* qkv,
                                         const float* cos, const float* sin, const int* segments,
                                         const unsigned short* dy, const float* lse,
-                                        const float* delta, float* dqkv, int causal) {
+                                        const float* delta, unsigned short* dqkv, int causal) {
     if (n.d != D) {
         fill_nan(dqkv, size_t(n.batch) * n.len * n.width());
         return;
@@ -1334,9 +1342,9 @@ static __device__ void attention_dkv_tc(const AttnDims n, const unsigned short* 
             const size_t row = size_t(b) * n.len + c;
             #pragma unroll
             for (int j = 0; j < ND; ++j) {
-                dqkv[row * n.width() + n.value_col(kv) + acc_col(j, e)] = dv[j][e];
+                dqkv[row * n.width() + n.value_col(kv) + acc_col(j, e)] = bf16_bits(dv[j][e]);
                 dqkv[row * n.width() + n.key_col(kv) + acc_col(j, e)] =
-                    unrotate_acc<D>(dk, j, e, cos, sin, row);
+                    bf16_bits(unrotate_acc<D>(dk, j, e, cos, sin, row));
             }
         }
         __syncthreads();  // the staging tile is loaded again for the next item
@@ -1344,8 +1352,9 @@ static __device__ void attention_dkv_tc(const AttnDims n, const unsigned short* 
 }
 
 // The kernels, one for each head width (registers and shared memory are a kernel's, sized for
-// its own width). `qkv` and `dy` are attention_pack_bf16's; a launch with another head_dim
-// gets NaN outputs.
+// its own width). `qkv` and `dy` are attention_pack_bf16's; dqkv is written in bf16 (the bytes
+// a cast would make of the f32 gradient), for the qkv projection's backward products to read
+// uncast; a launch with another head_dim gets NaN outputs.
 
 extern "C" __global__ void __launch_bounds__(ATTN_MAX_THREADS)
     attention_fwd_bf16_d16(const unsigned short* qkv, const int* segments, float* y,
@@ -1357,7 +1366,7 @@ extern "C" __global__ void __launch_bounds__(ATTN_MAX_THREADS)
 extern "C" __global__ void __launch_bounds__(ATTN_MAX_THREADS)
     attention_bwd_dq_bf16_d16(const unsigned short* qkv, const float* cos, const float* sin,
                               const int* segments, const unsigned short* dy, const float* lse,
-                              const float* delta, float* dqkv, int batch, int len, int heads,
+                              const float* delta, unsigned short* dqkv, int batch, int len, int heads,
                               int kv_heads, int d, int causal) {
     attention_dq_tc<16>({batch, len, heads, kv_heads, d}, qkv, cos, sin, segments, dy, lse,
                          delta, dqkv, causal);
@@ -1366,7 +1375,7 @@ extern "C" __global__ void __launch_bounds__(ATTN_MAX_THREADS)
 extern "C" __global__ void __launch_bounds__(ATTN_MAX_THREADS)
     attention_bwd_dkv_bf16_d16(const unsigned short* qkv, const float* cos, const float* sin,
                                const int* segments, const unsigned short* dy, const float* lse,
-                               const float* delta, float* dqkv, int batch, int len, int heads,
+                               const float* delta, unsigned short* dqkv, int batch, int len, int heads,
                                int kv_heads, int d, int causal) {
     attention_dkv_tc<16>({batch, len, heads, kv_heads, d}, qkv, cos, sin, segments, dy, lse,
                           delta, dqkv, causal);
@@ -1382,7 +1391,7 @@ extern "C" __global__ void __launch_bounds__(ATTN_MAX_THREADS)
 extern "C" __global__ void __launch_bounds__(ATTN_MAX_THREADS)
     attention_bwd_dq_bf16_d32(const unsigned short* qkv, const float* cos, const float* sin,
                               const int* segments, const unsigned short* dy, const float* lse,
-                              const float* delta, float* dqkv, int batch, int len, int heads,
+                              const float* delta, unsigned short* dqkv, int batch, int len, int heads,
                               int kv_heads, int d, int causal) {
     attention_dq_tc<32>({batch, len, heads, kv_heads, d}, qkv, cos, sin, segments, dy, lse,
                          delta, dqkv, causal);
@@ -1391,7 +1400,7 @@ extern "C" __global__ void __launch_bounds__(ATTN_MAX_THREADS)
 extern "C" __global__ void __launch_bounds__(ATTN_MAX_THREADS)
     attention_bwd_dkv_bf16_d32(const unsigned short* qkv, const float* cos, const float* sin,
                                const int* segments, const unsigned short* dy, const float* lse,
-                               const float* delta, float* dqkv, int batch, int len, int heads,
+                               const float* delta, unsigned short* dqkv, int batch, int len, int heads,
                                int kv_heads, int d, int causal) {
     attention_dkv_tc<32>({batch, len, heads, kv_heads, d}, qkv, cos, sin, segments, dy, lse,
                           delta, dqkv, causal);
@@ -1407,7 +1416,7 @@ extern "C" __global__ void __launch_bounds__(ATTN_MAX_THREADS)
 extern "C" __global__ void __launch_bounds__(ATTN_MAX_THREADS)
     attention_bwd_dq_bf16_d64(const unsigned short* qkv, const float* cos, const float* sin,
                               const int* segments, const unsigned short* dy, const float* lse,
-                              const float* delta, float* dqkv, int batch, int len, int heads,
+                              const float* delta, unsigned short* dqkv, int batch, int len, int heads,
                               int kv_heads, int d, int causal) {
     attention_dq_tc<64>({batch, len, heads, kv_heads, d}, qkv, cos, sin, segments, dy, lse,
                          delta, dqkv, causal);
@@ -1416,7 +1425,7 @@ extern "C" __global__ void __launch_bounds__(ATTN_MAX_THREADS)
 extern "C" __global__ void __launch_bounds__(ATTN_MAX_THREADS)
     attention_bwd_dkv_bf16_d64(const unsigned short* qkv, const float* cos, const float* sin,
                                const int* segments, const unsigned short* dy, const float* lse,
-                               const float* delta, float* dqkv, int batch, int len, int heads,
+                               const float* delta, unsigned short* dqkv, int batch, int len, int heads,
                                int kv_heads, int d, int causal) {
     attention_dkv_tc<64>({batch, len, heads, kv_heads, d}, qkv, cos, sin, segments, dy, lse,
                           delta, dqkv, causal);
@@ -1432,7 +1441,7 @@ extern "C" __global__ void __launch_bounds__(ATTN_MAX_THREADS)
 extern "C" __global__ void __launch_bounds__(ATTN_MAX_THREADS)
     attention_bwd_dq_bf16_d128(const unsigned short* qkv, const float* cos, const float* sin,
                               const int* segments, const unsigned short* dy, const float* lse,
-                              const float* delta, float* dqkv, int batch, int len, int heads,
+                              const float* delta, unsigned short* dqkv, int batch, int len, int heads,
                               int kv_heads, int d, int causal) {
     attention_dq_tc<128>({batch, len, heads, kv_heads, d}, qkv, cos, sin, segments, dy, lse,
                          delta, dqkv, causal);
@@ -1441,7 +1450,7 @@ extern "C" __global__ void __launch_bounds__(ATTN_MAX_THREADS)
 extern "C" __global__ void __launch_bounds__(ATTN_MAX_THREADS)
     attention_bwd_dkv_bf16_d128(const unsigned short* qkv, const float* cos, const float* sin,
                                const int* segments, const unsigned short* dy, const float* lse,
-                               const float* delta, float* dqkv, int batch, int len, int heads,
+                               const float* delta, unsigned short* dqkv, int batch, int len, int heads,
                                int kv_heads, int d, int causal) {
     attention_dkv_tc<128>({batch, len, heads, kv_heads, d}, qkv, cos, sin, segments, dy, lse,
                           delta, dqkv, causal);

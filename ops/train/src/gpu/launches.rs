@@ -348,6 +348,12 @@ impl<L: Launcher> Kernels<'_, L> {
         self.run(&kernel, item_grid(query_tiles), &args)
     }
 
+    /// Whether [`Kernels::attention_backward`] writes `dqkv` in bf16: on the tensor cores,
+    /// which do (for the qkv projection's products to read uncast).
+    pub(super) fn attention_grad_is_bf16(&self, h: Heads) -> bool {
+        self.tensor_cores("attention_bwd_dq", h).is_some()
+    }
+
     /// The tensor-core kernel of attention.cu for `stage`, where the step multiplies in bf16
     /// and the head width has one.
     fn tensor_cores(&self, stage: &str, h: Heads) -> Option<String> {
@@ -406,7 +412,8 @@ impl<L: Launcher> Kernels<'_, L> {
 
     /// The gradient of `qkv` (`dqkv`, RoPE undone) from the gradient `dy` of the block's
     /// attention output: Σ dy·y per row, then dq per query tile and dk, dv per key tile, with
-    /// no atomics; on the tensor cores where the forward was.
+    /// no atomics; on the tensor cores where the forward was, which write it in bf16
+    /// ([`Kernels::attention_grad_is_bf16`]).
     pub(super) fn attention_backward(
         &self,
         a: &BlockActs<L::Buffer>,

@@ -872,8 +872,14 @@ impl<'l, L: Launcher> DeviceStep<'l, L> {
                         let (n_in, n_mid) = (p.in_width, p.mid_width);
                         let w_out = p.w_out.with_grad((w, g));
                         // An MLP's activations, and their gradients, only products read: in
-                        // bf16 when the step multiplies in bf16.
+                        // bf16 when the step multiplies in bf16; so is the tensor-core
+                        // attention's gradient.
                         let mlp16 = matches!(p.mixer, Mixer::Mlp(_)) && k.bf16();
+                        let in16 = match p.mixer {
+                            Mixer::Mlp(_) => mlp16,
+                            Mixer::Attention(heads) => k.attention_grad_is_bf16(heads),
+                            Mixer::Mamba(_) => false,
+                        };
                         let dims = (rows, d, n_mid);
                         let inputs = (false, mlp16);
                         k.linear_backward_of(dx, mixed, w_out, dmixed, dims, 0.0, inputs)?;
@@ -891,7 +897,7 @@ impl<'l, L: Launcher> DeviceStep<'l, L> {
                             }
                         }
                         let (w_in, normed) = (p.w_in.with_grad((w, g)), at.normed(i));
-                        let (dims, inputs) = ((rows, n_in, d), (mlp16, false));
+                        let (dims, inputs) = ((rows, n_in, d), (in16, false));
                         k.linear_backward_of(dprojected, normed, w_in, dh, dims, 0.0, inputs)?;
                     }
                     (Body::Moe(experts), Some(r)) => {
