@@ -42,9 +42,9 @@ static __device__ __forceinline__ void store(__nv_bfloat16* p, size_t i, float v
     p[i] = __float2bfloat16(v);
 }
 
-template <typename T>
-static __device__ void rms_norm_fwd(const T* x, const float* w, T* y, float* rstd, int rows, int d,
-                             float eps) {
+template <typename TX, typename TY>
+static __device__ void rms_norm_fwd(const TX* x, const float* w, TY* y, float* rstd, int rows,
+                                    int d, float eps) {
     for (int r = blockIdx.x; r < rows; r += gridDim.x) {
         const size_t row = size_t(r) * d;
         float squares = 0.0f;
@@ -70,6 +70,14 @@ extern "C" __global__ void rms_norm_fwd_f32(const float* x, const float* w, floa
 extern "C" __global__ void rms_norm_fwd_bf16(const __nv_bfloat16* x, const float* w,
                                              __nv_bfloat16* y, float* rstd, int rows, int d,
                                              float eps) {
+    rms_norm_fwd(x, w, y, rstd, rows, d, eps);
+}
+
+// From f32 x, y in bf16: the bytes cast_bf16 would make of rms_norm_fwd_f32's, for the
+// products that read the normed rows (and nothing else does) to read them uncast.
+extern "C" __global__ void rms_norm_fwd_to_bf16(const float* x, const float* w,
+                                                __nv_bfloat16* y, float* rstd, int rows, int d,
+                                                float eps) {
     rms_norm_fwd(x, w, y, rstd, rows, d, eps);
 }
 

@@ -204,6 +204,48 @@ mod tests {
         }
     }
 
+    /// `rms_norm_fwd_to_bf16`: f32 in, bf16 out, the f32 kernel's y rounded bit for bit and
+    /// its rstd, in both schedules.
+    #[test]
+    fn the_cuda_forward_to_bf16_is_the_f32_one_rounded() {
+        let (rows, d) = (6, 333);
+        let mut rng = Rng::new(29);
+        let x = values(&randn(&mut rng, &[rows, d], 2.0));
+        let w = values(&randn(&mut rng, &[d], 1.0));
+        let run = |kernel: &str, schedule| {
+            let (mut y, mut y16, mut rstd) =
+                (vec![0f32; rows * d], vec![0u16; rows * d], vec![0f32; rows]);
+            let (xp, wp, rp) = (x.as_ptr(), w.as_ptr(), rstd.as_mut_ptr());
+            let yp: *mut std::ffi::c_void = if kernel.ends_with("f32") {
+                y.as_mut_ptr().cast()
+            } else {
+                y16.as_mut_ptr().cast()
+            };
+            let (r, n, eps) = (rows as i32, d as i32, 1e-5f32);
+            let params = [
+                arg(&xp),
+                arg(&wp),
+                arg(&yp),
+                arg(&rp),
+                arg(&r),
+                arg(&n),
+                arg(&eps),
+            ];
+            // SAFETY: rows × d values in and out, one rstd a row.
+            unsafe { launch_1d(kernel, 3, 64, schedule, &params) }.unwrap();
+            let y = if kernel.ends_with("f32") {
+                y
+            } else {
+                widened(&y16)
+            };
+            vec![y, rstd]
+        };
+        let want = run("rms_norm_fwd_f32", Schedule::Forward);
+        let got = in_both_schedules("to_bf16", |s| run("rms_norm_fwd_to_bf16", s));
+        assert!(rounded_to_bf16(&want[0], &got[0]), "not the f32 y rounded");
+        assert_eq!(want[1], got[1], "rstd");
+    }
+
     /// The bf16 forward: bf16 in and out, f32 inside. Within half a bf16 ulp (2⁻⁸ of the value) of the plain
     /// ops on the same (rounded) input, plus the f32 sums' own difference.
     #[test]

@@ -95,6 +95,7 @@ const REGISTER_CEILINGS: &[(&str, u32)] = &[
     ("rms_norm_dw_reduce", 40),               // 32 on NVRTC 13.0
     ("rms_norm_fwd_bf16", 32),                // 25 on NVRTC 13.0
     ("rms_norm_fwd_f32", 32),                 // 24 on NVRTC 13.0
+    ("rms_norm_fwd_to_bf16", 32),             // 25 on NVRTC 13.0
     ("rope_bwd_f32", 32),                     // 24 on NVRTC 13.0
     ("rope_fwd_f32", 32),                     // 24 on NVRTC 13.0
     ("ssd_bwd_f32", 104),                     // 96 on NVRTC 13.0

@@ -187,7 +187,7 @@ impl<'s, 'l, 'm, L: Launcher> Decoding<'s, 'l, 'm, L> {
         k.embedding(l.embedding.at(w), &acts.inputs[0].ids, at.x(0), vocab, d)?;
         for (i, cache) in main.blocks.clone().zip(&self.caches) {
             let (block, a, x) = (&l.blocks[i], &acts.blocks[i], main.slot(i));
-            k.enter_block(&at, block.norm.at(w), (i, x), l.eps)?;
+            k.enter_block(&at, block.norm.at(w), (i, x), l.eps, false)?;
             let p = match &block.body {
                 Body::Moe(experts) => {
                     let (scratch, layer) = (moe_scratch(acts)?, moe_layer(self.model, main, i)?);
@@ -259,6 +259,7 @@ impl<'s, 'l, 'm, L: Launcher> Decoding<'s, 'l, 'm, L> {
             at.rstd(out),
             d,
             l.eps,
+            false,
         )?;
         k.gemm(normed, l.head.at(w), logits, (b, vocab, d), NT, 0.0)?;
         let flat = step

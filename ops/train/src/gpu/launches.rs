@@ -174,6 +174,9 @@ impl<L: Launcher> Kernels<'_, L> {
         self.run("embedding_bwd_f32", geometry, &args)
     }
 
+    /// `y = rms_norm(x) · w` and each row's `rstd`: `y` f32, or in bf16 where `to_bf16` (for
+    /// the products that alone read it; the bytes a cast would make).
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn rms_norm(
         &self,
         x: Arg<'_, L::Buffer>,
@@ -182,6 +185,7 @@ impl<L: Launcher> Kernels<'_, L> {
         rstd: Arg<'_, L::Buffer>,
         d: usize,
         eps: f32,
+        to_bf16: bool,
     ) -> Result<(), RunError> {
         let args = [
             x,
@@ -193,7 +197,12 @@ impl<L: Launcher> Kernels<'_, L> {
             Arg::F32(eps),
         ];
         let geometry = Geometry::linear(row_grid(self.rows), ROW_BLOCK);
-        self.run("rms_norm_fwd_f32", geometry, &args)
+        let kernel = if to_bf16 {
+            "rms_norm_fwd_to_bf16"
+        } else {
+            "rms_norm_fwd_f32"
+        };
+        self.run(kernel, geometry, &args)
     }
 
     /// dx of an RMSNorm, and its weight's gradient added into `grads` at `w`'s slot.
@@ -551,8 +560,9 @@ impl<L: Launcher> Kernels<'_, L> {
     }
 
     /// [`Kernels::linear_backward`] of the output head `logits = x · wᵀ` (`rows × vocab`),
-    /// from `acts.dlogits` as [`Kernels::cross_entropy_backward`] wrote them (bf16 when the
-    /// step multiplies in bf16, read uncast), into `dx`.
+    /// from `acts.dlogits` as [`Kernels::cross_entropy_backward`] wrote them, into `dx`: when
+    /// the step multiplies in bf16, the gradients and `x` (the final norm's rows) are bf16,
+    /// read uncast.
     pub(super) fn head_backward(
         &self,
         acts: &Activations<L::Buffer>,
@@ -563,7 +573,7 @@ impl<L: Launcher> Kernels<'_, L> {
     ) -> Result<(), RunError> {
         let dlogits = Arg::Ptr(&acts.dlogits, 0);
         let dims = (rows, vocab, hidden);
-        let inputs = (self.bf16(), false);
+        let inputs = (self.bf16(), self.bf16());
         self.linear_backward_of(dlogits, x, (w, dw), dx, dims, 0.0, inputs)
     }
 

@@ -552,9 +552,11 @@ impl<L: Launcher> Kernels<'_, L> {
         norm: Arg<'_, L::Buffer>,
         (i, x): (usize, usize),
         eps: f32,
+        normed_bf16: bool,
     ) -> Result<(), RunError> {
         let d = at.hidden;
-        self.rms_norm(at.x(x), norm, at.normed(i), at.rstd(x), d, eps)?;
+        let normed = at.normed(i);
+        self.rms_norm(at.x(x), norm, normed, at.rstd(x), d, eps, normed_bf16)?;
         self.copy(at.x(x), at.x(x + 1), self.rows * d)
     }
 }
@@ -897,7 +899,7 @@ impl<'l, L: Launcher> DeviceStep<'l, L> {
                             }
                         }
                         let (w_in, normed) = (p.w_in.with_grad((w, g)), at.normed(i));
-                        let (dims, inputs) = ((rows, n_in, d), (in16, false));
+                        let (dims, inputs) = ((rows, n_in, d), (in16, k.bf16()));
                         k.linear_backward_of(dprojected, normed, w_in, dh, dims, 0.0, inputs)?;
                     }
                     (Body::Moe(experts), Some(r)) => {
@@ -965,7 +967,10 @@ impl<'l, L: Launcher> DeviceStep<'l, L> {
             for i in stack.blocks.clone() {
                 let (block, a, x) = (&l.blocks[i], &acts.blocks[i], stack.slot(i));
                 let (projected, mixed) = (Arg::Ptr(&a.projected, 0), Arg::Ptr(&a.mixed, 0));
-                k.enter_block(&at, block.norm.at(w), (i, x), l.eps)?;
+                // A projected block's normed input only its in-projection's products read: in
+                // bf16 when they are (an MoE block's router reads its own in f32).
+                let normed16 = k.bf16() && matches!(block.body, Body::Projected(_));
+                k.enter_block(&at, block.norm.at(w), (i, x), l.eps, normed16)?;
                 let p = match &block.body {
                     Body::Projected(p) => p,
                     Body::Moe(experts) => {
@@ -979,13 +984,15 @@ impl<'l, L: Launcher> DeviceStep<'l, L> {
                 };
                 routed.push(None);
                 let (n_in, n_mid) = (p.in_width, p.mid_width);
-                k.gemm(
+                let (w_in, dims) = (p.w_in.at(w), (rows, n_in, d));
+                k.gemm_of(
                     at.normed(i),
-                    p.w_in.at(w),
+                    w_in,
                     projected,
-                    (rows, n_in, d),
+                    dims,
                     NT,
                     0.0,
+                    (normed16, false),
                 )?;
                 // An MLP's activation only products read: in bf16 when they are bf16.
                 let mlp16 = matches!(p.mixer, Mixer::Mlp(_)) && k.bf16();
@@ -1050,15 +1057,11 @@ impl<'l, L: Launcher> DeviceStep<'l, L> {
             rows: k.rows,
             hidden: d,
         };
-        k.rms_norm(
-            at.x(out),
-            stack.final_norm.at(w),
-            final_normed,
-            at.rstd(out),
-            d,
-            l.eps,
-        )?;
-        k.gemm(final_normed, l.head.at(w), logits, (k.rows, v, d), NT, 0.0)?;
+        // The normed rows only the head's products read: in bf16 when they are.
+        let (norm, rstd) = (stack.final_norm.at(w), at.rstd(out));
+        k.rms_norm(at.x(out), norm, final_normed, rstd, d, l.eps, k.bf16())?;
+        let (head, dims) = (l.head.at(w), (k.rows, v, d));
+        k.gemm_of(final_normed, head, logits, dims, NT, 0.0, (k.bf16(), false))?;
         k.cross_entropy(logits, labels, acts, v)
     }
 

@@ -111,7 +111,15 @@ impl<L: Launcher> Kernels<'_, L> {
             .into_iter()
             .enumerate()
         {
-            self.rms_norm(input, norm.at(w), at(&s.normed), rstd(half), d, l.eps)?;
+            self.rms_norm(
+                input,
+                norm.at(w),
+                at(&s.normed),
+                rstd(half),
+                d,
+                l.eps,
+                false,
+            )?;
             self.columns((at(&a.joined), 2 * d, half * d), (at(&s.normed), d, 0), d)?;
         }
         self.gemm(
