@@ -29,11 +29,11 @@
 #               then again with the attention's tiles copied without cp.async
 #               (NEMO_DAG_CUDA_DEFINES=ATTN_ASYNC=0), to set the two side by side 120 s
 #   kernels     every kernel's unit tests on the GPU (NEMO_DAG_KERNEL_TESTS_ON),
-#               then compute-sanitizer racecheck over the tensor-core
-#               attention's                                                      45 s
+#               then compute-sanitizer racecheck and synccheck over the
+#               tensor-core attention's                                          60 s
 #   memcheck    compute-sanitizer memcheck over gpu-check without timing         40 s
 #   ops         bench/gpu_ops.yaml on the CPU and with vars.device=cuda           15 s
-#   compiled    bench/gpu_bench.py --compiled-only: torch.compile's twins       110 s
+#   compiled    bench/gpu_bench.py --compiled-only: torch.compile's twins        95 s
 #   racecheck   compute-sanitizer racecheck over gpu-check (only when named)     90 s
 # STEPS="kernels gpu-check bench" runs only those steps, in the order above (bench and
 # compiled read gpu-check's JSON, so they need gpu-check before them).
@@ -89,12 +89,15 @@ step profile 120 bash -c "export NEMO_DAG_KERNEL_TIMES=1
     NEMO_DAG_CUDA_DEFINES=ATTN_ASYNC=0 '$bin' gpu-check --speed-steps 1 --speed-cpu-steps 0
     exit \$((first | \$?))"
 if [[ -n $kernel_tests ]]; then
-    # Then the tensor-core attention's unit test under racecheck: its tiles share memory
-    # between warps, and it is the newest kernel that does.
-    step kernels 45 bash -c "set -e; export NEMO_DAG_KERNEL_TESTS_ON=cuda
+    # Then the tensor-core attention's unit test under racecheck and synccheck: its tiles
+    # share memory between warps through a two-stage cp.async pipeline, and it is the newest
+    # kernel that does.
+    step kernels 60 bash -c "set -e; export NEMO_DAG_KERNEL_TESTS_ON=cuda
         '$kernel_tests' --test-threads 1
-        compute-sanitizer --tool racecheck --report-api-errors no --error-exitcode 4 \\
-            '$kernel_tests' the_tensor_core --test-threads 1"
+        for tool in racecheck synccheck; do
+            compute-sanitizer --tool \$tool --report-api-errors no --error-exitcode 4 \\
+                '$kernel_tests' the_tensor_core --test-threads 1
+        done"
 else
     echo "kernels: no kernels' test binary (KERNEL_TESTS)" | tee -a "$out/summary.txt"
 fi
@@ -111,7 +114,7 @@ cp bench/gpu_ops.yaml "$work/gpu/ops.yaml"
 step ops 15 bash -c "set -e; cd '$work/cpu'; '$bin' run ops.yaml; cd '$work/gpu'
     '$bin' run ops.yaml vars.device=cuda; grep -h 'device' .nemo-dag/artifacts/*/log.txt"
 # Last, as the longest: each twin compiles before it is timed.
-step compiled 110 python3 bench/gpu_bench.py --report "$work/check.json" --steps 10 --compiled-only
+step compiled 95 python3 bench/gpu_bench.py --report "$work/check.json" --steps 10 --compiled-only
 # Over gpu-check too, which runs every kernel with __shared__ memory at a trainer's shapes and
 # the decoder's: racecheck over the kernels' unit tests, many small launches each, did not get
 # through the attention tests in 50 s. Only when STEPS names it: it has never finished in 90 s.
