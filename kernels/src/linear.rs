@@ -520,22 +520,37 @@ mod tests {
             .iter()
             .map(|v| half::bf16::from_f32(*v).to_bits())
             .collect();
-        for grid in [1u32, 3] {
-            let mut y = vec![0u16; x.len()];
-            let (xp, yp, n) = (x.as_ptr(), y.as_mut_ptr(), x.len());
-            let params = [arg(&xp), arg(&yp), arg(&n)];
-            // SAFETY: x holds n floats and y room for n bf16 values.
-            unsafe {
-                launch(
-                    "cast_bf16",
-                    [grid, 1, 1],
-                    [256, 1, 1],
-                    Schedule::Reverse,
-                    &params,
-                )
+        // The same from a 16-byte aligned buffer (four values a thread, into an 8-byte aligned
+        // one) and from one float into it (one at a time), over lengths no four divide.
+        let mut held = vec![0u128; x.len() / 4 + 2];
+        let base = held.as_mut_ptr().cast::<f32>();
+        for (offset, len) in [(0, x.len()), (0, x.len() - 3), (1, x.len())] {
+            // SAFETY: `held` has room for x.len() + 4 floats.
+            let from = unsafe { std::slice::from_raw_parts_mut(base.add(offset), len) };
+            from.copy_from_slice(&x[..len]);
+            for grid in [1u32, 3] {
+                let mut out = vec![0u64; len.div_ceil(4)];
+                let (xp, yp) = (from.as_ptr(), out.as_mut_ptr().cast::<u16>());
+                let params = [arg(&xp), arg(&yp), arg(&len)];
+                // SAFETY: `from` holds len floats and `out` room for len bf16 values.
+                unsafe {
+                    launch(
+                        "cast_bf16",
+                        [grid, 1, 1],
+                        [256, 1, 1],
+                        Schedule::Reverse,
+                        &params,
+                    )
+                }
+                .unwrap();
+                // SAFETY: `out` holds at least len bf16 values.
+                let y = unsafe { std::slice::from_raw_parts(yp, len) };
+                assert_eq!(
+                    y,
+                    &want[..len],
+                    "offset {offset}, {len} values, grid {grid}"
+                );
             }
-            .unwrap();
-            assert_eq!(y, want, "grid {grid}");
         }
         // The host's reference rounds the same way (the f32 it gives is the bf16's top half).
         let host: Vec<u16> = x
