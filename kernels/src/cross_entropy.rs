@@ -197,8 +197,9 @@ mod tests {
     /// cross_entropy.cu, executed by the SIMT shim, against the plain ops within 1e-5, loss
     /// and dlogits: vocabularies smaller than the block (idle threads enter the online sum
     /// empty) and not multiples of it, rows beyond the grid, logits large enough that a
-    /// running maximum is replaced many times, in both schedules. dlogits in bf16 are the f32
-    /// ones rounded, bit for bit.
+    /// running maximum is replaced many times, vocabularies of a multiple of four (read four
+    /// values at a time) and not, in both schedules. dlogits in bf16 are the f32 ones
+    /// rounded, bit for bit.
     #[test]
     fn the_cuda_kernels_match_the_plain_ops() {
         for (n, v) in [(1, 1), (5, 11), (9, 1000), (3, 3001)] {
