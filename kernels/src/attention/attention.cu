@@ -685,38 +685,88 @@ static __device__ __forceinline__ int acc_col(int n, int e) {
     return 8 * n + 2 * (threadIdx.x % 4) + e % 2;
 }
 
+// Value i of a head's row xr (d wide), turned by RoPE (c, s: the token's tables; null: not).
+static __device__ __forceinline__ float rope_at(const float* xr, const float* c, const float* s,
+                                                int i, int half) {
+    if (c == nullptr) {
+        return xr[i];
+    }
+    return i < half ? xr[i] * c[i] - xr[i + half] * s[i] : xr[i] * c[i] + xr[i - half] * s[i];
+}
+
+// Eight floats at p (16-byte aligned).
+static __device__ __forceinline__ void load8(const float* p, float v[8]) {
+#ifdef __CUDA_ARCH__
+    const float4 a = reinterpret_cast<const float4*>(p)[0];
+    const float4 b = reinterpret_cast<const float4*>(p)[1];
+    v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w;
+    v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
+#else
+    simt::require_aligned(p, 16, "attention_pack_bf16's load");
+    std::memcpy(v, p, 32);
+#endif
+}
+
+static __device__ __forceinline__ bool aligned16(const void* p) {
+    return p == nullptr || reinterpret_cast<size_t>(p) % 16 == 0;
+}
+
 // x (B, T, heads·d) as bf16 heads of contiguous rows, out (B, heads, T, d); the first
-// `rotated` heads turned by RoPE (cos, sin (B, T, d); null: none). One thread a pair of
-// values, grid-stride.
+// `rotated` heads turned by RoPE (cos, sin (B, T, d); null: none). Grid-stride: eight values
+// a thread (16-byte loads and store) where d is a multiple of 8 and the buffers are 16-byte
+// aligned, as for every head width the tensor-core kernels take; else two.
 extern "C" __global__ void attention_pack_bf16(const float* x, const float* cos,
                                                const float* sin, unsigned short* out, int batch,
                                                int len, int heads, int rotated, int head_dim) {
     const int d = head_dim;
     const int half = d / 2;
-    const size_t pairs = size_t(batch) * len * heads * d / 2;
+    const bool octets = d % 8 == 0 && aligned16(x) && aligned16(cos) && aligned16(sin) &&
+                        aligned16(out);
+    const int width = octets ? 8 : 2;
+    const size_t groups = size_t(batch) * len * heads * d / width;
     const size_t stride = size_t(gridDim.x) * blockDim.x;
-    for (size_t p = size_t(blockIdx.x) * blockDim.x + threadIdx.x; p < pairs; p += stride) {
-        const size_t e = 2 * p;
+    for (size_t p = size_t(blockIdx.x) * blockDim.x + threadIdx.x; p < groups; p += stride) {
+        const size_t e = width * p;
         const int j = int(e % d);
         const size_t row = e / d / heads;  // b·len + t
         const int head = int(e / d % heads);
         const float* xr = x + row * heads * d + size_t(head) * d;
-        float v[2];
-        for (int u = 0; u < 2; ++u) {
-            const int i = j + u;
-            v[u] = xr[i];
-            if (cos != nullptr && head < rotated) {
-                const float* c = cos + row * d;
-                const float* s = sin + row * d;
-                v[u] = i < half ? xr[i] * c[i] - xr[i + half] * s[i]
-                                : xr[i] * c[i] + xr[i - half] * s[i];
-            }
-        }
+        const bool turned = cos != nullptr && head < rotated;
+        const float* c = turned ? cos + row * d : nullptr;
+        const float* s = turned ? sin + row * d : nullptr;
         const size_t b = row / len;
         const size_t t = row % len;
         unsigned short* o = out + ((b * heads + head) * len + t) * d + j;
-        o[0] = bf16_bits(v[0]);
-        o[1] = bf16_bits(v[1]);
+        if (!octets) {
+            o[0] = bf16_bits(rope_at(xr, c, s, j, half));
+            o[1] = bf16_bits(rope_at(xr, c, s, j + 1, half));
+            continue;
+        }
+        // The eight values, their RoPE partners (the other half, the same eight lanes of it)
+        // and the tables, each one 32-byte load.
+        float v[8], partner[8], cv[8], sv[8];
+        load8(xr + j, v);
+        if (turned) {
+            load8(xr + (j < half ? j + half : j - half), partner);
+            load8(c + j, cv);
+            load8(s + j, sv);
+            for (int u = 0; u < 8; ++u) {
+                v[u] = j < half ? v[u] * cv[u] - partner[u] * sv[u]
+                                : v[u] * cv[u] + partner[u] * sv[u];
+            }
+        }
+        unsigned short bits[8];
+        for (int u = 0; u < 8; ++u) {
+            bits[u] = bf16_bits(v[u]);
+        }
+#ifdef __CUDA_ARCH__
+        *reinterpret_cast<uint4*>(o) =
+            make_uint4(bits[0] | unsigned(bits[1]) << 16, bits[2] | unsigned(bits[3]) << 16,
+                       bits[4] | unsigned(bits[5]) << 16, bits[6] | unsigned(bits[7]) << 16);
+#else
+        simt::require_aligned(o, 16, "attention_pack_bf16's store");
+        std::memcpy(o, bits, 16);
+#endif
     }
 }
 
