@@ -1,6 +1,6 @@
 // Squared ReLU on the GPU: the kernels of relu2.rs. y = max(h, 0)², dh = dy · 2·max(h, 0),
-// the same arithmetic as relu2.rs (no sum to contract into an FMA), so the same bytes. One
-// thread an element, grid-stride: any grid and block work.
+// the same arithmetic as relu2.rs (no sum to contract into an FMA), so the same bytes.
+// Grid-stride, RELU2_ILP elements a thread an iteration: any grid and block work.
 
 #include <cuda_bf16.h>
 
@@ -10,20 +10,44 @@ static __device__ __forceinline__ void relu2_store(__nv_bfloat16* at, float v) {
     *at = __float2bfloat16_rn(v);
 }
 
+// Elements a thread takes an iteration, their loads issued before any store: that many in
+// flight a thread.
+constexpr int RELU2_ILP = 4;
+
 template <class T>
 static __device__ void relu2_fwd(const float* h, T* y, size_t n) {
     const size_t stride = size_t(gridDim.x) * blockDim.x;
-    for (size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
-        const float r = fmaxf(h[i], 0.0f);
-        relu2_store(y + i, r * r);
+    for (size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += RELU2_ILP * stride) {
+        float r[RELU2_ILP];
+        for (int u = 0; u < RELU2_ILP; ++u) {
+            const size_t k = i + u * stride;
+            r[u] = k < n ? fmaxf(h[k], 0.0f) : 0.0f;
+        }
+        for (int u = 0; u < RELU2_ILP; ++u) {
+            const size_t k = i + u * stride;
+            if (k < n) {
+                relu2_store(y + k, r[u] * r[u]);
+            }
+        }
     }
 }
 
 template <class T>
 static __device__ void relu2_bwd(const float* h, const float* dy, T* dh, size_t n) {
     const size_t stride = size_t(gridDim.x) * blockDim.x;
-    for (size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
-        relu2_store(dh + i, dy[i] * (2.0f * fmaxf(h[i], 0.0f)));
+    for (size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += RELU2_ILP * stride) {
+        float hv[RELU2_ILP], g[RELU2_ILP];
+        for (int u = 0; u < RELU2_ILP; ++u) {
+            const size_t k = i + u * stride;
+            hv[u] = k < n ? h[k] : 0.0f;
+            g[u] = k < n ? dy[k] : 0.0f;
+        }
+        for (int u = 0; u < RELU2_ILP; ++u) {
+            const size_t k = i + u * stride;
+            if (k < n) {
+                relu2_store(dh + k, g[u] * (2.0f * fmaxf(hv[u], 0.0f)));
+            }
+        }
     }
 }
 

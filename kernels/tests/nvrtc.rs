@@ -24,11 +24,12 @@ const FIXTURES: &[KernelSource] = &[KernelSource {
 }];
 
 /// The most registers each kernel may use on `sm_90`, a little above what it uses with NVRTC
-/// 13.0: a change that needs more says so here. Every kernel must have a line.
+/// 13.0: a change that needs more says so here. Every kernel must have a line. The
+/// element-wise kernels' 32 is also what lets a multiprocessor hold its full 2,048 threads.
 const REGISTER_CEILINGS: &[(&str, u32)] = &[
     ("warp_sum_bf16", 24),
-    ("adamw_f32", 40),                        // 31 on NVRTC 13.0
-    ("add_f32", 16),                          // 12 on NVRTC 13.0
+    ("adamw_f32", 48),                        // 44 on NVRTC 13.0
+    ("add_f32", 32),                          // 29 on NVRTC 13.0
     ("attention_bwd_delta_f32", 40),          // 32 on NVRTC 13.0
     ("attention_bwd_dkv_bf16_d128", 255),     // 244 on NVRTC 13.0
     ("attention_bwd_dkv_bf16_d16", 136),      // 119 on NVRTC 13.0
@@ -53,7 +54,7 @@ const REGISTER_CEILINGS: &[(&str, u32)] = &[
     ("causal_conv_silu_dx_f32", 32),          // 24 on NVRTC 13.0
     ("causal_conv_silu_fwd_f32", 40),         // 32 on NVRTC 13.0
     ("copy_columns_f32", 24),                 // 16 on NVRTC 13.0
-    ("copy_f32", 16),                         // 10 on NVRTC 13.0
+    ("copy_f32", 32),                         // 29 on NVRTC 13.0
     ("cross_entropy_bwd_f32", 40),            // 30 on NVRTC 13.0
     ("cross_entropy_bwd_to_bf16", 40),        // 32 on NVRTC 13.0
     ("cross_entropy_fwd_f32", 32),            // 26 on NVRTC 13.0
@@ -87,10 +88,10 @@ const REGISTER_CEILINGS: &[(&str, u32)] = &[
     ("moe_gates_fwd_f32", 40),                // 32 on NVRTC 13.0
     ("moe_gather_f32", 32),                   // 20 on NVRTC 13.0
     ("moe_scores_f32", 24),                   // 16 on NVRTC 13.0
-    ("relu2_bwd_f32", 24),                    // 14 on NVRTC 13.0
-    ("relu2_bwd_to_bf16", 24),                // 12 on NVRTC 13.0
-    ("relu2_fwd_f32", 16),                    // 12 on NVRTC 13.0
-    ("relu2_fwd_to_bf16", 16),                // 10 on NVRTC 13.0
+    ("relu2_bwd_f32", 32),                    // 32 on NVRTC 13.0
+    ("relu2_bwd_to_bf16", 32),                // 32 on NVRTC 13.0
+    ("relu2_fwd_f32", 32),                    // 30 on NVRTC 13.0
+    ("relu2_fwd_to_bf16", 32),                // 27 on NVRTC 13.0
     ("rms_norm_bwd_f32", 40),                 // 30 on NVRTC 13.0
     ("rms_norm_dw_reduce", 40),               // 32 on NVRTC 13.0
     ("rms_norm_fwd_bf16", 32),                // 25 on NVRTC 13.0
