@@ -34,12 +34,22 @@ static __device__ double norm_block_sum(double v) {
     return v;
 }
 
+// Elements a thread loads at once (its grid-stride elements i, i + stride, …, summed in that
+// order as one at a time would): that many loads in flight a thread.
+constexpr int NORM_ILP = 4;
+
 extern "C" __global__ void grad_norm_partials(const float* g, size_t n, double* partial) {
     double squares = 0.0;
     const size_t stride = size_t(gridDim.x) * blockDim.x;
-    for (size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
-        const double x = g[i];
-        squares += x * x;
+    for (size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += NORM_ILP * stride) {
+        float x[NORM_ILP];
+        for (int u = 0; u < NORM_ILP; ++u) {
+            x[u] = i + u * stride < n ? g[i + u * stride] : 0.0f;
+        }
+        for (int u = 0; u < NORM_ILP && i + u * stride < n; ++u) {
+            const double v = x[u];
+            squares += v * v;
+        }
     }
     squares = norm_block_sum(squares);
     if (threadIdx.x == 0) {
@@ -68,7 +78,13 @@ extern "C" __global__ void grad_clip_f32(float* g, size_t n, const double* norm,
     }
     const float scale = float(max_norm / (total + 1e-6));
     const size_t stride = size_t(gridDim.x) * blockDim.x;
-    for (size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) {
-        g[i] *= scale;
+    for (size_t i = size_t(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += NORM_ILP * stride) {
+        float x[NORM_ILP];
+        for (int u = 0; u < NORM_ILP; ++u) {
+            x[u] = i + u * stride < n ? g[i + u * stride] : 0.0f;
+        }
+        for (int u = 0; u < NORM_ILP && i + u * stride < n; ++u) {
+            g[i + u * stride] = x[u] * scale;
+        }
     }
 }
