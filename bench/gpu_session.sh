@@ -14,20 +14,20 @@
 # wheels and under /usr/local/cuda; what is found is printed, what is missing fails the step
 # that needs it, with the reason.
 #
-# Steps, and their limits: 9 minutes 30 s together, 9 minutes 40 s with the 10 s the last may
-# take to die after its limit, inside one call of at most 10 minutes (a step that ends early
-# leaves its time to the others). Measured on an H200 on 2026-11-28 (three calls): gpu-check
-# 107 to 143 s, bench 17 to 25, profile 34 to 45, kernels 2 and their racecheck 13 to 14,
-# memcheck 28 to 32, ops 2 to 3; racecheck over gpu-check was stopped at its 90 s (it had
-# reached the DPO part), as it was on an H100 (then over the kernels' unit tests), so it runs
-# only when STEPS names it. `compiled` has not run yet.
-#   gpu-check   the trainer against the CPU, cuBLASLt, NCCL, decoding, speed    170 s
+# Steps, and their limits: 8 minutes 35 s together, and with the 10 s each may take to die
+# after its limit 9 minutes 45 s, inside one call of at most 10 minutes. Measured on an H200 on 2026-11-28
+# (three calls, before the profile ran twice and before synccheck and the compiled step):
+# gpu-check 107 to 143 s, bench 17 to 25, one profile pass 34 to 45, kernels 2 and their
+# racecheck 13 to 14, memcheck 28 to 32, ops 2 to 3; racecheck over gpu-check was stopped at
+# its 90 s (it had reached the DPO part), as it was on an H100 (then over the kernels' unit
+# tests), so it runs only when STEPS names it.
+#   gpu-check   the trainer against the CPU, cuBLASLt, NCCL, decoding, speed    155 s
 #   bench       bench/gpu_bench.py: the same models in PyTorch eager, same GPU,
-#               beside gpu-check's figures, and PyTorch's attention alone        70 s
+#               beside gpu-check's figures, and PyTorch's attention alone        50 s
 #   profile     gpu-check's speed part for one step with every launch timed
 #               (NEMO_DAG_KERNEL_TIMES), the CPU not timed: where a step goes;
 #               then again with the attention's tiles copied without cp.async
-#               (NEMO_DAG_CUDA_DEFINES=ATTN_ASYNC=0), to set the two side by side 120 s
+#               (NEMO_DAG_CUDA_DEFINES=ATTN_ASYNC=0), to set the two side by side 100 s
 #   kernels     every kernel's unit tests on the GPU (NEMO_DAG_KERNEL_TESTS_ON),
 #               then compute-sanitizer racecheck and synccheck over the
 #               tensor-core attention's                                          60 s
@@ -81,9 +81,9 @@ step() {
 }
 
 work=$(mktemp -d)
-step gpu-check 170 "$bin" gpu-check --json "$work/check.json" --speed-steps 10
-step bench 70 python3 bench/gpu_bench.py --report "$work/check.json" --steps 10 --no-compile
-step profile 120 bash -c "export NEMO_DAG_KERNEL_TIMES=1
+step gpu-check 155 "$bin" gpu-check --json "$work/check.json" --speed-steps 10
+step bench 50 python3 bench/gpu_bench.py --report "$work/check.json" --steps 10 --no-compile
+step profile 100 bash -c "export NEMO_DAG_KERNEL_TIMES=1
     '$bin' gpu-check --speed-steps 1 --speed-cpu-steps 0; first=\$?
     echo '== the same, the attention tiles copied without cp.async (ATTN_ASYNC=0)'
     NEMO_DAG_CUDA_DEFINES=ATTN_ASYNC=0 '$bin' gpu-check --speed-steps 1 --speed-cpu-steps 0
