@@ -158,38 +158,24 @@ mod tests {
                 ],
             )
             .unwrap();
-            launch_1d(
-                "cross_entropy_bwd_f32",
-                grid,
-                block,
-                schedule,
-                &[
-                    arg(&x.as_ptr()),
-                    arg(&labels.as_ptr()),
-                    arg(&lse.as_ptr()),
-                    arg(&dloss.as_ptr()),
-                    arg(&dx.as_mut_ptr()),
+            let outputs: [(&str, *mut std::ffi::c_void); 2] = [
+                ("cross_entropy_bwd_f32", dx.as_mut_ptr().cast()),
+                ("cross_entropy_bwd_to_bf16", dx16.as_mut_ptr().cast()),
+            ];
+            for (kernel, out) in outputs {
+                let (x, labels, lse, dloss) =
+                    (x.as_ptr(), labels.as_ptr(), lse.as_ptr(), dloss.as_ptr());
+                let params = [
+                    arg(&x),
+                    arg(&labels),
+                    arg(&lse),
+                    arg(&dloss),
+                    arg(&out),
                     arg(&rows),
                     arg(&vocab),
-                ],
-            )
-            .unwrap();
-            launch_1d(
-                "cross_entropy_bwd_to_bf16",
-                grid,
-                block,
-                schedule,
-                &[
-                    arg(&x.as_ptr()),
-                    arg(&labels.as_ptr()),
-                    arg(&lse.as_ptr()),
-                    arg(&dloss.as_ptr()),
-                    arg(&dx16.as_mut_ptr()),
-                    arg(&rows),
-                    arg(&vocab),
-                ],
-            )
-            .unwrap();
+                ];
+                launch_1d(kernel, grid, block, schedule, &params).unwrap();
+            }
         }
         vec![loss, dx, widened(&dx16)]
     }

@@ -510,27 +510,18 @@ impl<L: Launcher> Kernels<'_, L> {
         unsafe { self.launcher.gemm(&gemm, a, b, c) }.map_err(device)
     }
 
-    /// The backward of a linear layer `y = x · wᵀ` over `rows` rows of `inputs` → `outputs`:
-    /// the weight's gradient added into `dw` (`dyᵀ · x`), and `dx = dy · w + beta · dx`.
-    #[allow(clippy::too_many_arguments)]
+    /// The backward of a linear layer `y = x · wᵀ` over `dims = (rows, outputs, inputs)`: the
+    /// weight's gradient added into `dw` (`dyᵀ · x`), and `dx = dy · w + beta · dx`.
     pub(super) fn linear_backward(
         &self,
         dy: Arg<'_, L::Buffer>,
         x: Arg<'_, L::Buffer>,
         (w, dw): (Arg<'_, L::Buffer>, Arg<'_, L::Buffer>),
         dx: Arg<'_, L::Buffer>,
-        (rows, outputs, inputs): (usize, usize, usize),
+        dims: (usize, usize, usize),
         beta: f32,
     ) -> Result<(), RunError> {
-        self.linear_backward_of(
-            dy,
-            x,
-            (w, dw),
-            dx,
-            (rows, outputs, inputs),
-            beta,
-            (false, false),
-        )
+        self.linear_backward_of(dy, x, (w, dw), dx, dims, beta, (false, false))
     }
 
     /// [`Kernels::linear_backward`] with `dy` and `x` stored as bf16 where `(dy_bf16,
