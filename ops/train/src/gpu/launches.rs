@@ -82,6 +82,12 @@ fn item_grid(items: usize) -> Geometry {
     Geometry::linear(items.clamp(1, i32::MAX as usize) as u32, ATTN_BLOCK)
 }
 
+/// The kernel `stem` that writes its output in f32 (`stem_f32`) or, for products that alone
+/// read it, rounded to bf16 (`stem_to_bf16`).
+fn writing(stem: &str, to_bf16: bool) -> String {
+    format!("{stem}_{}", if to_bf16 { "to_bf16" } else { "f32" })
+}
+
 pub(super) fn elementwise_grid(n: usize) -> u32 {
     (n.div_ceil(256) as u32).clamp(1, MAX_GRID)
 }
@@ -197,12 +203,7 @@ impl<L: Launcher> Kernels<'_, L> {
             Arg::F32(eps),
         ];
         let geometry = Geometry::linear(row_grid(self.rows), ROW_BLOCK);
-        let kernel = if to_bf16 {
-            "rms_norm_fwd_to_bf16"
-        } else {
-            "rms_norm_fwd_f32"
-        };
-        self.run(kernel, geometry, &args)
+        self.run(&writing("rms_norm_fwd", to_bf16), geometry, &args)
     }
 
     /// dx of an RMSNorm, and its weight's gradient added into `grads` at `w`'s slot.
@@ -250,14 +251,17 @@ impl<L: Launcher> Kernels<'_, L> {
     ) -> Result<(), RunError> {
         let n = self.rows * f;
         let geometry = Geometry::linear(elementwise_grid(n), 256);
-        let kernel = |name: &str| format!("{name}_{}", if to_bf16 { "to_bf16" } else { "f32" });
         match activation {
             Activation::Swiglu => self.run(
-                &kernel("swiglu_fwd"),
+                &writing("swiglu_fwd", to_bf16),
                 geometry,
                 &[h, y, Arg::I32(self.rows()), Arg::I32(f as i32)],
             ),
-            Activation::Relu2 => self.run(&kernel("relu2_fwd"), geometry, &[h, y, Arg::Usize(n)]),
+            Activation::Relu2 => self.run(
+                &writing("relu2_fwd", to_bf16),
+                geometry,
+                &[h, y, Arg::Usize(n)],
+            ),
         }
     }
 
@@ -273,16 +277,17 @@ impl<L: Launcher> Kernels<'_, L> {
     ) -> Result<(), RunError> {
         let n = self.rows * f;
         let geometry = Geometry::linear(elementwise_grid(n), 256);
-        let kernel = |name: &str| format!("{name}_{}", if to_bf16 { "to_bf16" } else { "f32" });
         match activation {
             Activation::Swiglu => self.run(
-                &kernel("swiglu_bwd"),
+                &writing("swiglu_bwd", to_bf16),
                 geometry,
                 &[h, dy, dh, Arg::I32(self.rows()), Arg::I32(f as i32)],
             ),
-            Activation::Relu2 => {
-                self.run(&kernel("relu2_bwd"), geometry, &[h, dy, dh, Arg::Usize(n)])
-            }
+            Activation::Relu2 => self.run(
+                &writing("relu2_bwd", to_bf16),
+                geometry,
+                &[h, dy, dh, Arg::Usize(n)],
+            ),
         }
     }
 
@@ -321,12 +326,8 @@ impl<L: Launcher> Kernels<'_, L> {
         let (labels, lse) = (Arg::Ptr(labels, 0), Arg::Ptr(&acts.lse, 0));
         let (rows, vocab) = (Arg::I32(self.rows()), Arg::I32(vocab as i32));
         let dlogits = Arg::Ptr(&acts.dlogits, 0);
-        let kernel = match self.precision {
-            Precision::Bf16 => "cross_entropy_bwd_to_bf16",
-            Precision::F32 => "cross_entropy_bwd_f32",
-        };
         self.run(
-            kernel,
+            &writing("cross_entropy_bwd", self.bf16()),
             geometry,
             &[logits, labels, lse, dloss, dlogits, rows, vocab],
         )
